@@ -1,0 +1,215 @@
+"""`artgw`: the command line of ART Gateway.
+
+Every option also reads from an environment variable, named in its help
+(`ARTGW_<OPTION>`); the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _env_default(name: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
+    value = os.environ.get(f"ARTGW_{name}")
+    return cast(value) if value is not None else default
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _option(
+    parser: argparse.ArgumentParser, flag: str, *, default: Any = None, type: Any = str, help: str
+) -> None:
+    env = flag.lstrip("-").upper().replace("-", "_")
+    parser.add_argument(
+        flag,
+        default=_env_default(env, default, type),
+        type=type,
+        help=f"{help} (env: ARTGW_{env}; default: {default})",
+    )
+
+
+def _add_db(parser: argparse.ArgumentParser) -> None:
+    _option(
+        parser,
+        "--data-dir",
+        default=Path("data"),
+        type=Path,
+        help="where the SQLite store, logs and spill files live",
+    )
+    _option(
+        parser,
+        "--db",
+        help="SQLAlchemy URL of the store, e.g. postgresql+asyncpg://user:pw@host/db "
+        "(default: SQLite under --data-dir)",
+    )
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from artgw.tiny_model import TinyModelSpec, build_tiny_model, fingerprint
+
+    out = build_tiny_model(args.out_dir, TinyModelSpec(seed=args.seed))
+    print(f"tiny model written to {out} (sha256 {fingerprint(out)[:16]})")
+    return 0
+
+
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from gateway.settings import Settings
+
+    return Settings(
+        model_name=args.model_name,
+        base_model=args.base_model,
+        upstream=args.upstream,
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        db=args.db,
+        migrate=not args.no_migrate,
+        admin_key=args.admin_key,
+        engine_port=args.engine_port,
+        engine_args=tuple(shlex.split(args.engine_args or "")),
+        max_lora_rank=args.max_lora_rank,
+        max_model_len=args.max_model_len,
+        engine_startup_timeout=args.engine_startup_timeout,
+        request_timeout=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    try:
+        settings = _settings(args)
+    except ValueError as exc:
+        print(f"artgw serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    state = getattr(app.state, "gateway", None)
+    if state is not None and state.fatal:
+        return 1
+    return 0 if server.started else 1
+
+
+def _cmd_migrate(args: argparse.Namespace) -> int:
+    from gateway.store import create_engine, downgrade, migrate
+
+    url = args.db or f"sqlite+aiosqlite:///{(args.data_dir / 'artgw.sqlite').resolve()}"
+
+    async def run() -> None:
+        engine = create_engine(url)
+        try:
+            if args.downgrade:
+                await downgrade(engine, args.downgrade)
+            else:
+                await migrate(engine, args.revision)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+    print(f"store at {url.split('@')[-1]} migrated to {args.downgrade or args.revision}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="artgw",
+        description="ART Gateway: an OpenAI-compatible gateway that records every call as token-exact "
+        "trajectories and trains the model behind it with GRPO while it serves.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build a tiny random-weight Qwen2 chat model locally (for tests and demos; no hub needed)",
+        description="Build a tiny Qwen2-architecture chat model with random weights, a byte-level BPE "
+        "tokenizer trained locally, and a chat template with Hermes/Qwen <tool_call> tools. "
+        "Deterministic per seed.",
+    )
+    tiny.add_argument("out_dir", type=Path, help="directory to write the model to")
+    _option(tiny, "--seed", default=0, type=int, help="random seed for weights and tokenizer corpus")
+    tiny.set_defaults(func=_cmd_tiny_model)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway (and, with --base-model, the vLLM engine it supervises)",
+        description="Serve the OpenAI-compatible API. With --base-model the gateway starts vLLM's OpenAI "
+        "server as a child process (LoRA runtime loading on), restarts it if it dies and stops it on exit; "
+        "with --upstream it uses a vLLM server that is already running. Prints the base_url once ready.",
+    )
+    _option(
+        serve, "--base-model", help="model path or hub id; the gateway starts and supervises vLLM with it"
+    )
+    _option(serve, "--upstream", help="URL of a running vLLM OpenAI server (instead of --base-model)")
+    _option(serve, "--model-name", default="my-agent", help="the trainable model name clients put in 'model'")
+    _option(serve, "--host", default="127.0.0.1", help="address to listen on")
+    _option(serve, "--port", default=8000, type=int, help="port to listen on")
+    _add_db(serve)
+    serve.add_argument(
+        "--no-migrate",
+        action="store_true",
+        default=_env_default("NO_MIGRATE", False, _flag),
+        help="do not run store migrations on start (env: ARTGW_NO_MIGRATE)",
+    )
+    _option(serve, "--admin-key", help="bearer key guarding /v1/art admin endpoints")
+    _option(serve, "--engine-port", default=8100, type=int, help="port of the supervised vLLM server")
+    _option(serve, "--engine-args", default="", help="extra arguments for vLLM, one shell-quoted string")
+    _option(serve, "--max-lora-rank", default=16, type=int, help="vLLM's --max-lora-rank")
+    _option(serve, "--max-model-len", default=4096, type=int, help="vLLM's --max-model-len")
+    _option(serve, "--engine-startup-timeout", default=600.0, type=float, help="seconds to wait for vLLM")
+    _option(
+        serve, "--request-timeout", default=600.0, type=float, help="seconds to wait for an engine answer"
+    )
+    _option(
+        serve, "--max-body-bytes", default=16 * 1024 * 1024, type=int, help="largest request body accepted"
+    )
+    _option(serve, "--log-level", default="info", help="log level: debug, info, warning, error")
+    serve.set_defaults(func=_cmd_serve)
+
+    mig = sub.add_parser(
+        "migrate",
+        help="create or upgrade the store schema (Alembic)",
+        description="Upgrade the store to the newest schema (or --revision), or --downgrade to a revision.",
+    )
+    _add_db(mig)
+    mig.add_argument("--revision", default="head", help="revision to upgrade to (default: head)")
+    mig.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead ('base' = empty)")
+    mig.set_defaults(func=_cmd_migrate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "alembic"):  # one line per upstream request / migration step otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

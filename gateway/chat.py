@@ -1,0 +1,367 @@
+"""Chat completions: validate, route to vLLM, give the client what it asked for, record the call.
+
+The gateway always asks vLLM for the sampled token ids, the prompt token ids
+and the sampling logprobs (the recorder needs them), then hands the client a
+response shaped exactly as if it had called vLLM with its own request: the
+fields it did not ask for are set back to null, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+from litestar import Response
+from litestar.response import Stream
+
+from gateway.adapters import AdapterRegistry, Route
+from gateway.errors import OpenAIError, invalid_request
+from gateway.records import CallRecord, CallStatus, ChoiceRecord
+
+ROLLOUT_HEADER = "X-ART-Rollout-Id"
+_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutKey:
+    rollout_id: str
+    explicit: bool  # False when the gateway made the id up
+
+
+def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
+    """The rollout a call belongs to: the path prefix wins over the header; neither → a new id."""
+    given = path_id if path_id is not None else header
+    if given is None:
+        return RolloutKey(f"r-{uuid.uuid4().hex}", explicit=False)
+    if not _ROLLOUT_ID.match(given):
+        raise invalid_request(
+            "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
+            "starting with a letter or digit.",
+            param=ROLLOUT_HEADER,
+            code="invalid_rollout_id",
+        )
+    return RolloutKey(given, explicit=True)
+
+
+def parse_chat_request(body: bytes) -> dict[str, Any]:
+    """Check what the gateway itself relies on; vLLM validates the rest and its 400s pass through."""
+    try:
+        request = _decode(body)
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(request, dict):
+        raise invalid_request("Request body must be a JSON object.", code="invalid_json")
+    model = request.get("model")
+    if model is None:
+        raise invalid_request(
+            "Missing required parameter: 'model'.", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or not model:
+        raise invalid_request("'model' must be a non-empty string.", param="model", code="invalid_type")
+    messages = request.get("messages")
+    if messages is None:
+        raise invalid_request(
+            "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("'messages' must be a non-empty array.", param="messages", code="invalid_type")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid_request(
+                f"'messages[{i}]' must be an object with a string 'role'.",
+                param=f"messages[{i}]",
+                code="invalid_type",
+            )
+    stream = request.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise invalid_request("'stream' must be a boolean.", param="stream", code="invalid_type")
+    n = request.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise invalid_request("'n' must be an integer >= 1.", param="n", code="invalid_value")
+    return request
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """What the client asked for among the fields the gateway always requests."""
+
+    logprobs: bool
+    token_ids: bool
+
+
+def _upstream_body(request: dict[str, Any], route: Route) -> tuple[bytes, _Asked]:
+    asked = _Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
+    upstream = dict(request)
+    upstream["model"] = route.upstream_model
+    upstream["logprobs"] = True
+    upstream["return_token_ids"] = True
+    return _encode(upstream), asked
+
+
+def _hide_unasked(payload: dict[str, Any], asked: _Asked, model: str) -> None:
+    """Undo what the gateway added, in place: null, as vLLM sends fields nobody asked for."""
+    payload["model"] = model
+    if not asked.token_ids:
+        if "prompt_token_ids" in payload:
+            payload["prompt_token_ids"] = None
+        for choice in payload.get("choices") or ():
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+    if not asked.logprobs:
+        for choice in payload.get("choices") or ():
+            choice["logprobs"] = None
+
+
+def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    return [entry["logprob"] for entry in logprobs.get("content") or ()]
+
+
+def _upstream_error(status: int, body: bytes) -> OpenAIError:
+    """vLLM's error body, re-shaped as OpenAI's (vLLM puts an int in `code`)."""
+    message, param = f"The engine answered {status}.", None
+    try:
+        err = _decode(body).get("error") or {}
+        message = err.get("message") or message
+        param = err.get("param")
+    except Exception:
+        pass
+    if status >= 500:
+        return OpenAIError(502, f"Upstream engine error: {message}", code="upstream_error")
+    return OpenAIError(status, message, param=param)
+
+
+# Which engine states mean "temporarily unavailable" rather than "broken".
+EngineState = Callable[[], str]
+RecordSink = Callable[[CallRecord], Awaitable[None]]
+
+
+@dataclass
+class _StreamedChoice:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            self.reasoning.append(reasoning)
+        for call in delta.get("tool_calls") or ():
+            slot = self.tool_calls.setdefault(
+                call.get("index", 0),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                slot["function"]["arguments"] += function["arguments"]
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        if choice.get("token_ids"):
+            self.token_ids.extend(choice["token_ids"])
+        self.logprobs.extend(_sampled_logprobs(choice))
+
+    def record(self, index: int) -> ChoiceRecord:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return ChoiceRecord(index, message, self.finish_reason, self.token_ids, self.logprobs)
+
+
+def _choice_record(choice: dict[str, Any]) -> ChoiceRecord:
+    message = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
+    return ChoiceRecord(
+        choice.get("index", 0),
+        message,
+        choice.get("finish_reason"),
+        list(choice.get("token_ids") or ()),
+        _sampled_logprobs(choice),
+    )
+
+
+class ChatService:
+    """Forwards chat completions to the engine and records each call."""
+
+    def __init__(
+        self,
+        *,
+        client: httpx.AsyncClient,
+        registry: AdapterRegistry,
+        record: RecordSink,
+        engine_state: EngineState,
+    ) -> None:
+        self.client = client
+        self.registry = registry
+        self.record = record
+        self.engine_state = engine_state
+
+    async def complete(self, body: bytes, key: RolloutKey) -> Response[Any]:
+        request = parse_chat_request(body)
+        route = self.registry.resolve(request["model"])
+        upstream_body, asked = _upstream_body(request, route)
+        started = time.time()
+        upstream_request = self.client.build_request(
+            "POST",
+            "/v1/chat/completions",
+            content=upstream_body,
+            headers={"content-type": "application/json"},
+        )
+        headers = {ROLLOUT_HEADER: key.rollout_id}
+        stream = bool(request.get("stream"))
+        try:
+            upstream = await self.client.send(upstream_request, stream=stream)
+        except httpx.TimeoutException:
+            raise OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout") from None
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
+        call = _Call(self, key, route, request, stream, started)
+        if upstream.status_code != 200:
+            payload = await upstream.aread() if stream else upstream.content
+            await upstream.aclose()
+            error = _upstream_error(upstream.status_code, payload)
+            await call.finish("upstream_error", error.status, error.message, [], [], None)
+            raise error
+        if stream:
+            return Stream(
+                call.relay(upstream, asked, request["model"]),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+            )
+        payload = _decode(upstream.content)
+        choices = [_choice_record(c) for c in payload.get("choices") or ()]
+        prompt_ids = payload.get("prompt_token_ids") or []
+        _hide_unasked(payload, asked, request["model"])
+        await call.finish("ok", 200, None, prompt_ids, choices, payload.get("usage"))
+        return Response(_encode(payload), media_type="application/json", headers=headers)
+
+    def _unreachable(self, exc: Exception) -> OpenAIError:
+        state = self.engine_state()
+        if state in ("starting", "restarting"):
+            return OpenAIError(
+                503, f"The engine is {state}; retry shortly.", type="server_error", code="engine_unavailable"
+            )
+        return OpenAIError(
+            502, f"The engine is unreachable ({type(exc).__name__}).", code="upstream_unreachable"
+        )
+
+
+class _Call:
+    """One call in flight: relays a stream and builds the record when the call ends."""
+
+    def __init__(
+        self,
+        service: ChatService,
+        key: RolloutKey,
+        route: Route,
+        request: dict[str, Any],
+        stream: bool,
+        started: float,
+    ) -> None:
+        self.service = service
+        self.key = key
+        self.route = route
+        self.request = request
+        self.stream = stream
+        self.started = started
+        self.first_token_at: float | None = None
+
+    async def finish(
+        self,
+        status: CallStatus,
+        http_status: int,
+        error: str | None,
+        prompt_ids: list[int],
+        choices: list[ChoiceRecord],
+        usage: dict[str, Any] | None,
+    ) -> None:
+        ended = time.time()
+        await self.service.record(
+            CallRecord(
+                call_id=uuid.uuid4().hex,
+                rollout_id=self.key.rollout_id,
+                rollout_explicit=self.key.explicit,
+                model=self.route.model,
+                step=self.route.step,
+                upstream_model=self.route.upstream_model,
+                request=self.request,
+                stream=self.stream,
+                status=status,
+                http_status=http_status,
+                error=error,
+                prompt_token_ids=prompt_ids,
+                choices=choices,
+                usage=usage,
+                started_at=self.started,
+                first_token_at=self.first_token_at if self.stream else ended,
+                ended_at=ended,
+            )
+        )
+
+    async def relay(self, upstream: httpx.Response, asked: _Asked, model: str) -> AsyncIterator[bytes]:
+        """Pass vLLM's SSE events on, minus what the client did not ask for.
+
+        A client that goes away cancels this generator; closing the upstream
+        response then closes the connection, and vLLM aborts the request.
+        """
+        choices: dict[int, _StreamedChoice] = {}
+        prompt_ids: list[int] = []
+        usage: dict[str, Any] | None = None
+        status: CallStatus = "cancelled"
+        error: str | None = None
+        try:
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    status = "ok"
+                    yield b"data: [DONE]\n\n"
+                    continue
+                event = _decode(data)
+                if "error" in event and "choices" not in event:
+                    status, error = "upstream_error", str((event.get("error") or {}).get("message"))
+                    yield b"data: " + data.encode() + b"\n\n"
+                    continue
+                if self.first_token_at is None:
+                    self.first_token_at = time.time()
+                if event.get("prompt_token_ids"):
+                    prompt_ids = event["prompt_token_ids"]
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or ():
+                    choices.setdefault(choice.get("index", 0), _StreamedChoice()).add(choice)
+                _hide_unasked(event, asked, model)
+                yield b"data: " + _encode(event) + b"\n\n"
+        except httpx.TransportError as exc:
+            status, error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
+            failure = OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
+            yield b"data: " + _encode(failure.body()) + b"\n\n"
+        finally:
+            # Shielded: a client that went away cancels this generator's scope, and the
+            # upstream close and the record must still happen.
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                records = [choices[i].record(i) for i in sorted(choices)]
+                http_status = 200 if status != "cancelled" else 499
+                await self.finish(status, http_status, error, prompt_ids, records, usage)

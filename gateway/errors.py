@@ -1,0 +1,99 @@
+"""OpenAI's error body, for every error the gateway returns.
+
+`{"error": {"message", "type", "param", "code"}}`: clients built on the OpenAI
+SDK turn this into typed exceptions (`openai.NotFoundError`, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("artgw.gateway")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error the client should see, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> Response[bytes]:
+        return Response(
+            msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json"
+        )
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:
+    return exc.to_response()
+
+
+def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
+    """Litestar's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+    status = exc.status_code
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    message = exc.detail or "error"
+    if status == 413:
+        message = "Request body is too large."
+    return OpenAIError(status, message, code=code).to_response()
+
+
+def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
+    log.exception("unhandled error", exc_info=exc)
+    return OpenAIError(500, "The gateway hit an internal error.", code="internal_error").to_response()
+
+
+exception_handlers = {
+    OpenAIError: handle_openai_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

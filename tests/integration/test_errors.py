@@ -1,0 +1,174 @@
+"""Every error path of /v1/chat/completions: exact status and OpenAI error body.
+
+Validation errors need no engine; the gateway points at a stand-in engine (tests/stub_engine.py) where a real
+vLLM cannot be made to misbehave on cue (hang, 5xx, die mid-stream). The upstream-400 path uses real vLLM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port, stop_group, wait_http
+
+
+def start_stub(*args: str) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "stub_engine.py"), str(port), *args], start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", 30, proc)
+    return url, proc
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    url, proc = start_stub()
+    yield url, proc
+    stop_group(proc)
+
+
+def error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        (b"{not json", None, "invalid_json"),
+        (b"[1, 2]", None, "invalid_json"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', "model", "missing_required_parameter"),
+        (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model", "invalid_type"),
+        (b'{"model": "my-agent"}', "messages", "missing_required_parameter"),
+        (b'{"model": "my-agent", "messages": []}', "messages", "invalid_type"),
+        (b'{"model": "my-agent", "messages": ["hi"]}', "messages[0]", "invalid_type"),
+        (b'{"model": "my-agent", "messages": [{"role": "user"}], "stream": "yes"}', "stream", "invalid_type"),
+        (b'{"model": "my-agent", "messages": [{"role": "user"}], "n": 0}', "n", "invalid_value"),
+    ],
+)
+def test_invalid_requests_are_400_with_param(
+    stub, gateway_factory, body: bytes, param: str | None, code: str
+) -> None:
+    gateway = gateway_factory("--upstream", stub[0])
+    r = httpx.post(
+        f"{gateway.base_url}/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400
+    err = error(r)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+
+
+def test_unknown_model_and_unknown_pinned_step_are_404(stub, gateway_factory) -> None:
+    gateway = gateway_factory("--upstream", stub[0])
+    for model in ("nope", "my-agent@7"):
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": model})
+        assert r.status_code == 404
+        err = error(r)
+        assert (err["param"], err["code"]) == ("model", "model_not_found")
+        assert model in err["message"]
+
+
+def test_oversize_body_is_413(stub, gateway_factory) -> None:
+    gateway = gateway_factory("--upstream", stub[0], env={"ARTGW_MAX_BODY_BYTES": "1000"})
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=big)
+    assert r.status_code == 413
+    assert error(r)["code"] == "request_too_large"
+
+
+def test_invalid_rollout_id_is_400(stub, gateway_factory) -> None:
+    gateway = gateway_factory("--upstream", stub[0])
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": "bad id!"})
+    assert r.status_code == 400
+    assert error(r)["code"] == "invalid_rollout_id"
+
+
+def test_unknown_route_and_wrong_method(stub, gateway_factory) -> None:
+    gateway = gateway_factory("--upstream", stub[0])
+    assert error(httpx.post(f"{gateway.base_url}/nope", json={}))["code"] == "not_found"
+    r = httpx.get(f"{gateway.base_url}/chat/completions")
+    assert r.status_code == 405
+    assert error(r)["code"] == "method_not_allowed"
+
+
+def test_engine_timeout_is_504_and_gateway_keeps_serving(gateway_factory) -> None:
+    url, proc = start_stub("--delay", "5")
+    try:
+        gateway = gateway_factory("--upstream", url, "--request-timeout", "1")
+        started = time.monotonic()
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 504
+        assert time.monotonic() - started < 4
+        assert error(r)["code"] == "upstream_timeout"
+        assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+    finally:
+        stop_group(proc)
+
+
+def test_engine_5xx_is_502(gateway_factory) -> None:
+    url, proc = start_stub("--status", "500")
+    try:
+        gateway = gateway_factory("--upstream", url)
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT)
+        assert r.status_code == 502
+        err = error(r)
+        assert err["code"] == "upstream_error"
+        assert "engine exploded" in err["message"]
+    finally:
+        stop_group(proc)
+
+
+def test_engine_down_is_502_then_readyz_503_and_gateway_lives(gateway_factory) -> None:
+    url, proc = start_stub()
+    gateway = gateway_factory("--upstream", url)
+    assert httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT).status_code == 200
+    stop_group(proc)
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT)
+    assert r.status_code == 502
+    assert error(r)["code"] == "upstream_unreachable"
+    assert httpx.get(f"{gateway.url}/readyz").status_code == 503
+    assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+
+
+def test_engine_not_yet_up_is_503(gateway_factory) -> None:
+    port = free_port()  # nothing listens here yet
+    gateway = gateway_factory("--upstream", f"http://127.0.0.1:{port}", wait=False)
+    wait_http(f"{gateway.url}/healthz", 30, gateway.proc)
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT)
+    assert r.status_code == 503
+    assert error(r)["code"] == "engine_unavailable"
+    assert httpx.get(f"{gateway.url}/readyz").status_code == 503
+
+
+def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_factory) -> None:
+    url, proc = start_stub("--die-mid-stream")
+    try:
+        gateway = gateway_factory("--upstream", url)
+        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"content":"o"' in events[0]
+        assert '"code":"upstream_error"' in events[-1]
+        assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+    finally:
+        stop_group(proc)
+
+
+@pytest.mark.engine
+def test_engine_400_passes_through_in_openai_shape(engine_gateway) -> None:
+    r = httpx.post(f"{engine_gateway.base_url}/chat/completions", json={**CHAT, "max_tokens": -1})
+    assert r.status_code == 400
+    err = error(r)
+    assert (err["type"], err["param"]) == ("invalid_request_error", "max_tokens")

@@ -1,0 +1,103 @@
+"""A stand-in for vLLM's OpenAI server, for the failure paths a real engine cannot be made to show on cue
+(a hang past the gateway's timeout, a 5xx answer, dying mid-stream). Everything else is tested against the
+real vLLM. Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream]."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+import uvicorn
+
+COMPLETION = {
+    "id": "chatcmpl-stub",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "stub",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "ok"},
+            "logprobs": {
+                "content": [{"token": "ok", "logprob": -0.5, "bytes": [111, 107], "top_logprobs": []}]
+            },
+            "finish_reason": "stop",
+            "token_ids": [7],
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    "prompt_token_ids": [1, 2, 3],
+}
+
+
+def make_app(delay: float, status: int, die_mid_stream: bool):  # type: ignore[no-untyped-def]
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/health":
+            body, code = b"", 200
+        elif path == "/v1/models":
+            body = json.dumps(
+                {"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}
+            ).encode()
+            code = 200
+        else:
+            while (await receive()).get("more_body"):
+                pass
+            await asyncio.sleep(delay)
+            if die_mid_stream:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")],
+                    }
+                )
+                chunk = {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": "stub",
+                    "choices": [{"index": 0, "delta": {"content": "o"}, "token_ids": [7], "logprobs": None}],
+                    "prompt_token_ids": [1, 2, 3],
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True,
+                    }
+                )
+                os._exit(1)  # the engine dies mid-stream
+            if status != 200:
+                body = json.dumps(
+                    {"error": {"message": "engine exploded", "type": "InternalServerError", "code": status}}
+                ).encode()
+            else:
+                body = json.dumps(COMPLETION).encode()
+            code = status
+        await send(
+            {
+                "type": "http.response.start",
+                "status": code,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--status", type=int, default=200)
+    parser.add_argument("--die-mid-stream", action="store_true")
+    a = parser.parse_args()
+    uvicorn.run(
+        make_app(a.delay, a.status, a.die_mid_stream), host="127.0.0.1", port=a.port, log_level="warning"
+    )

@@ -1,0 +1,330 @@
+"""GRPO advantages and loss: pure functions of tensors and a frozen config.
+
+The trainer packs trajectories into rows: one row may hold several sequences and one
+trajectory (a multi-turn conversation) may span several rows. Everything here works on
+that packed layout through a per-token trajectory index, so nothing has to be unpacked.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdvantageScale",
+    "LossConfig",
+    "LossResult",
+    "Normalization",
+    "compute_advantages",
+    "grpo_loss",
+    "token_logprobs",
+]
+
+Normalization = Literal["grpo", "dr_grpo", "dapo"]
+AdvantageScale = Literal["group", "batch", "none"]
+
+
+# -----------------------------------------------------------------------------
+# config and result
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    epsilon_low: float = 0.2  # PPO clip below: ratio >= 1 - epsilon_low
+    epsilon_high: float = 0.28  # clip above (DAPO's clip-higher): ratio <= 1 + epsilon_high
+    tis_cap: float | None = 2.0  # truncated importance sampling cap C on the unclipped ratio; None = off
+    normalization: Normalization = "grpo"  # how token losses are averaged, see _normalize
+    max_completion_tokens: int | None = None  # dr_grpo's constant denominator; None = longest trajectory
+    beta: float = 0.0  # KL(pi || ref) weight, k3 estimator; 0 = off (no ref forward needed)
+
+    def __post_init__(self) -> None:
+        # `not x >= 0` rather than `x < 0` so NaN is rejected too.
+        if not 0.0 <= self.epsilon_low < 1.0:
+            raise ValueError(
+                f"epsilon_low must be in [0, 1) so the lower clip bound 1 - epsilon_low stays positive, "
+                f"got {self.epsilon_low}"
+            )
+        if not self.epsilon_high >= 0.0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.tis_cap is not None and not self.tis_cap >= 1.0 + self.epsilon_high:
+            # A smaller cap would truncate positive-advantage tokens inside the clip range,
+            # silently replacing PPO's clip with the cap.
+            raise ValueError(
+                f"tis_cap must be None (off) or >= 1 + epsilon_high = {1.0 + self.epsilon_high}, "
+                f"got {self.tis_cap}"
+            )
+        if self.normalization not in get_args(Normalization):
+            raise ValueError(
+                f"normalization must be one of {get_args(Normalization)}, got {self.normalization!r}"
+            )
+        if self.max_completion_tokens is not None:
+            if self.normalization != "dr_grpo":
+                raise ValueError(
+                    "max_completion_tokens only applies to normalization='dr_grpo', "
+                    f"got normalization={self.normalization!r}"
+                )
+            if self.max_completion_tokens < 1:
+                raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+
+@dataclass(frozen=True)
+class LossResult:
+    loss: Tensor  # scalar, differentiable w.r.t. new_logprobs; policy_loss + beta * kl
+    policy_loss: float  # the clipped surrogate part, normalized like the loss
+    kl: float | None  # k3 estimate of KL(pi || ref), normalized like the loss; None without ref_logprobs
+    clip_fraction: float  # fraction of masked tokens where the PPO clip bound was the active term
+    ratio_mean: float  # mean of exp(new - sampled) over masked tokens (1.0 when there are none)
+    num_tokens: int  # masked (trained) tokens
+    num_trajectories: int  # trajectories with at least one masked token
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+
+def compute_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    scale: AdvantageScale = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative advantages, (G,) -> (G,).
+
+    Each reward minus the mean reward of its group (trajectories answering the same prompt),
+    then "group": divided by the group's population std (GRPO); "batch": by the population std
+    of all rewards in the batch (steadier with small groups); "none": not scaled (Dr. GRPO).
+    A group whose rewards are all equal carries no signal and gets exactly 0.
+    """
+    if rewards.ndim != 1 or not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a 1-D float tensor, got {rewards.dtype} {tuple(rewards.shape)}")
+    if group_index.shape != rewards.shape or group_index.dtype != torch.long:
+        raise ValueError(
+            f"group_index must be a long tensor shaped like rewards {tuple(rewards.shape)}, "
+            f"got {group_index.dtype} {tuple(group_index.shape)}"
+        )
+    if scale not in get_args(AdvantageScale):
+        raise ValueError(f"scale must be one of {get_args(AdvantageScale)}, got {scale!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards = rewards.detach()  # advantages are constants of the loss
+    if rewards.numel() == 0:
+        return rewards.clone()
+    if int(group_index.min()) < 0:
+        raise ValueError("group_index must be >= 0")
+
+    num_groups = int(group_index.max()) + 1
+    zeros = rewards.new_zeros(num_groups)
+    count = zeros.index_add(0, group_index, torch.ones_like(rewards)).clamp(min=1)  # (num_groups,)
+    mean = zeros.index_add(0, group_index, rewards) / count  # (num_groups,)
+    centred = rewards - mean[group_index]  # (G,)
+    if scale == "group":
+        std = (zeros.index_add(0, group_index, centred.square()) / count).sqrt()  # (num_groups,)
+        advantages = centred / (std[group_index] + eps)
+    elif scale == "batch":
+        advantages = centred / (rewards.std(correction=0) + eps)
+    else:
+        advantages = centred
+    # Rounding leaves e.g. 0.9 - mean(0.9, 0.9, 0.9) = 6e-8 in float32, which dividing by a ~0 std
+    # would blow up into a real-looking advantage; an equal-reward group must give exactly 0.
+    group_max = zeros.scatter_reduce(0, group_index, rewards, reduce="amax", include_self=False)
+    group_min = zeros.scatter_reduce(0, group_index, rewards, reduce="amin", include_self=False)
+    flat = (group_max == group_min)[group_index]  # (G,)
+    return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+# -----------------------------------------------------------------------------
+# loss
+
+
+def grpo_loss(
+    new_logprobs: Tensor,
+    sampled_logprobs: Tensor,
+    token_trajectory: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: LossConfig,
+    ref_logprobs: Tensor | None = None,
+) -> LossResult:
+    """Clipped GRPO surrogate over a packed batch.
+
+    new_logprobs (B, T): log pi(token) under the policy being trained (carries grad).
+    sampled_logprobs (B, T): the logprob the inference engine reported when it sampled the token.
+    token_trajectory (B, T) long: index into `advantages` of each token's trajectory (ignored off the mask).
+    advantages (N,): one per trajectory, e.g. from compute_advantages.
+    mask (B, T) bool: True on sampled completion tokens that are trained.
+    ref_logprobs (B, T): reference-policy logprobs; required when config.beta > 0.
+    """
+    _check_inputs(new_logprobs, sampled_logprobs, token_trajectory, advantages, mask, ref_logprobs)
+    if config.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"config.beta = {config.beta} > 0 needs ref_logprobs")
+
+    # Upcast: exp() of a bf16 log-ratio is too coarse for a clip window of +-0.2.
+    dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
+    new = new_logprobs.to(dtype)  # (B, T)
+    # Off the mask, replace values before exp() so padding garbage (-inf, NaN) can't reach the
+    # loss or its gradient (torch.where sends a zero gradient to the branch it didn't pick).
+    log_ratio = torch.where(mask, new - sampled_logprobs.detach().to(dtype), 0.0)  # (B, T)
+    traj = torch.where(mask, token_trajectory, 0)  # (B, T), any valid index off the mask
+    adv = advantages.detach().to(dtype)[traj]  # (B, T)
+
+    ratio = log_ratio.exp()  # (B, T)
+    # TIS: bound the unclipped ratio so a token the sampler found far less likely than the
+    # policy does (r >> 1, e.g. engine/trainer numerics mismatch) can't dominate a
+    # negative-advantage update, where PPO's min() would otherwise pick r * A unbounded.
+    capped = ratio if config.tis_cap is None else ratio.clamp(max=config.tis_cap)
+    clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    unclipped_term = capped * adv  # (B, T)
+    clipped_term = clipped * adv  # (B, T)
+    surrogate = torch.minimum(unclipped_term, clipped_term)  # (B, T)
+    clip_active = mask & (clipped_term < unclipped_term)  # (B, T), the clip bound was picked
+
+    n = advantages.shape[0]
+    tokens_per_traj = new.new_zeros(n).index_add(0, traj.flatten(), mask.flatten().to(dtype))  # (N,)
+    if config.normalization == "dr_grpo" and config.max_completion_tokens is not None:
+        longest = int(tokens_per_traj.max())
+        if longest > config.max_completion_tokens:
+            raise ValueError(
+                f"a trajectory has {longest} masked tokens > max_completion_tokens = "
+                f"{config.max_completion_tokens}; dr_grpo's denominator must bound every trajectory"
+            )
+
+    policy_loss = _normalize(-surrogate, mask, traj, tokens_per_traj, config)
+    loss = policy_loss
+    kl = None
+    if ref_logprobs is not None:
+        ref_minus_new = torch.where(mask, ref_logprobs.detach().to(dtype) - new, 0.0)  # (B, T)
+        # k3 = r - log r - 1 with r = pi_ref / pi: unbiased for KL(pi || ref) and always >= 0.
+        k3 = ref_minus_new.exp() - ref_minus_new - 1.0  # (B, T)
+        kl = _normalize(k3, mask, traj, tokens_per_traj, config)
+        if config.beta > 0:
+            loss = policy_loss + config.beta * kl
+
+    num_tokens = int(mask.sum())
+    with torch.no_grad():
+        if num_tokens > 0:
+            clip_fraction = float(clip_active.sum()) / num_tokens
+            ratio_mean = float(torch.where(mask, ratio, 0.0).sum()) / num_tokens
+        else:
+            clip_fraction, ratio_mean = 0.0, 1.0
+    return LossResult(
+        loss=loss,
+        policy_loss=float(policy_loss.detach()),
+        kl=None if kl is None else float(kl.detach()),
+        clip_fraction=clip_fraction,
+        ratio_mean=ratio_mean,
+        num_tokens=num_tokens,
+        num_trajectories=int((tokens_per_traj > 0).sum()),
+    )
+
+
+def _normalize(
+    token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj: Tensor, config: LossConfig
+) -> Tensor:
+    """Reduce per-token values (B, T) over masked tokens to a scalar.
+
+    "grpo": mean within each trajectory, then mean over trajectories (every trajectory weighs
+    the same, so long ones are down-weighted per token). "dapo": mean over all tokens (every
+    token weighs the same). "dr_grpo": sum / (num trajectories * a constant length), which
+    removes GRPO's length bias without making the step size depend on the batch's lengths.
+    Trajectories without masked tokens don't count. With no masked tokens this is 0.0 that
+    is still connected to the graph, so backward() works and gives zero gradients.
+    """
+    values = torch.where(mask, token_values, 0.0)  # (B, T)
+    num_traj = (tokens_per_traj > 0).sum().clamp(min=1)
+    if config.normalization == "grpo":
+        per_traj = values.new_zeros(tokens_per_traj.shape).index_add(0, traj.flatten(), values.flatten())
+        return (per_traj / tokens_per_traj.clamp(min=1)).sum() / num_traj
+    total = values.sum()
+    if config.normalization == "dapo":
+        return total / tokens_per_traj.sum().clamp(min=1)
+    if config.max_completion_tokens is None:
+        length = tokens_per_traj.max()
+    else:
+        length = values.new_tensor(float(config.max_completion_tokens))
+    return total / (num_traj * length).clamp(min=1)
+
+
+def _check_inputs(
+    new_logprobs: Tensor,
+    sampled_logprobs: Tensor,
+    token_trajectory: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None,
+) -> None:
+    if new_logprobs.ndim != 2 or not new_logprobs.is_floating_point():
+        raise ValueError(
+            "new_logprobs must be a (B, T) float tensor, "
+            f"got {new_logprobs.dtype} {tuple(new_logprobs.shape)}"
+        )
+    shape = tuple(new_logprobs.shape)
+    same_shape = {
+        "sampled_logprobs": sampled_logprobs,
+        "token_trajectory": token_trajectory,
+        "mask": mask,
+        "ref_logprobs": ref_logprobs,
+    }
+    for name, tensor in same_shape.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have new_logprobs' shape {shape}, got {tuple(tensor.shape)}")
+    for name, tensor in (("sampled_logprobs", sampled_logprobs), ("ref_logprobs", ref_logprobs)):
+        if tensor is not None and not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor, got {tensor.dtype}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+    if token_trajectory.dtype != torch.long:
+        raise ValueError(f"token_trajectory must be a long tensor, got {token_trajectory.dtype}")
+    if advantages.ndim != 1 or advantages.numel() == 0 or not advantages.is_floating_point():
+        raise ValueError(
+            "advantages must be a non-empty 1-D float tensor, "
+            f"got {advantages.dtype} {tuple(advantages.shape)}"
+        )
+    trained = token_trajectory[mask]
+    if trained.numel() > 0 and (int(trained.min()) < 0 or int(trained.max()) >= advantages.shape[0]):
+        raise ValueError(
+            f"token_trajectory on masked tokens must be in [0, {advantages.shape[0]}), "
+            f"got values in [{int(trained.min())}, {int(trained.max())}]"
+        )
+
+
+# -----------------------------------------------------------------------------
+# logprobs from logits
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """log softmax(logits)[token], (B, T, V) and (B, T) -> (B, T).
+
+    logits[b, t] must be the distribution token_ids[b, t] was sampled from (already shifted
+    by one). Uses TRL's selective_log_softmax when TRL is installed: it never materializes
+    the full (B, T, V) log-softmax, which dominates memory for large vocabularies.
+    """
+    if logits.ndim != 3 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a (B, T, V) float tensor, got {logits.dtype} {tuple(logits.shape)}")
+    if tuple(token_ids.shape) != tuple(logits.shape[:2]) or token_ids.dtype != torch.long:
+        raise ValueError(
+            f"token_ids must be a long tensor of shape {tuple(logits.shape[:2])}, "
+            f"got {token_ids.dtype} {tuple(token_ids.shape)}"
+        )
+    return _resolve_selective_log_softmax()(logits, token_ids)
+
+
+@functools.cache
+def _resolve_selective_log_softmax() -> Callable[[Tensor, Tensor], Tensor]:
+    # Imported lazily: importing TRL pulls in transformers and accelerate (seconds), which
+    # importers of this module that only need the loss shouldn't pay for.
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError:
+        return _gather_log_softmax
+    return selective_log_softmax
+
+
+def _gather_log_softmax(logits: Tensor, token_ids: Tensor) -> Tensor:
+    return logits.log_softmax(dim=-1).gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)
