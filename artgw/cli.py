@@ -26,9 +26,7 @@ def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _option(
-    parser: argparse.ArgumentParser, flag: str, *, default: Any = None, type: Any = str, help: str
-) -> None:
+def _option(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, type: Any = str, help: str) -> None:
     env = flag.lstrip("-").upper().replace("-", "_")
     parser.add_argument(
         flag,
@@ -116,7 +114,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_migrate(args: argparse.Namespace) -> int:
     from gateway.store import create_engine, downgrade, migrate
 
-    url = args.db or f"sqlite+aiosqlite:///{(args.data_dir / 'artgw.sqlite').resolve()}"
+    url = _store_url(args)
 
     async def run() -> None:
         engine = create_engine(url)
@@ -131,6 +129,33 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     asyncio.run(run())
     print(f"store at {url.split('@')[-1]} migrated to {args.downgrade or args.revision}")
     return 0
+
+
+def _store_url(args: argparse.Namespace) -> str:
+    return args.db or f"sqlite+aiosqlite:///{(args.data_dir / 'artgw.sqlite').resolve()}"
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from gateway.rollouts import RolloutService
+    from gateway.store import create_engine
+
+    async def run() -> int:
+        engine = create_engine(_store_url(args))
+        encoder = msgspec.json.Encoder()
+        count = 0
+        try:
+            async for trajectory in RolloutService(engine).export(model=args.model, since=args.since):
+                sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
+                count += 1
+        finally:
+            await engine.dispose()
+        sys.stdout.flush()
+        print(f"exported {count} trajectories", file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,9 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "server as a child process (LoRA runtime loading on), restarts it if it dies and stops it on exit; "
         "with --upstream it uses a vLLM server that is already running. Prints the base_url once ready.",
     )
-    _option(
-        serve, "--base-model", help="model path or hub id; the gateway starts and supervises vLLM with it"
-    )
+    _option(serve, "--base-model", help="model path or hub id; the gateway starts and supervises vLLM with it")
     _option(serve, "--upstream", help="URL of a running vLLM OpenAI server (instead of --base-model)")
     _option(serve, "--model-name", default="my-agent", help="the trainable model name clients put in 'model'")
     _option(serve, "--host", default="127.0.0.1", help="address to listen on")
@@ -179,12 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--max-lora-rank", default=16, type=int, help="vLLM's --max-lora-rank")
     _option(serve, "--max-model-len", default=4096, type=int, help="vLLM's --max-model-len")
     _option(serve, "--engine-startup-timeout", default=600.0, type=float, help="seconds to wait for vLLM")
-    _option(
-        serve, "--request-timeout", default=600.0, type=float, help="seconds to wait for an engine answer"
-    )
-    _option(
-        serve, "--max-body-bytes", default=16 * 1024 * 1024, type=int, help="largest request body accepted"
-    )
+    _option(serve, "--request-timeout", default=600.0, type=float, help="seconds to wait for an engine answer")
+    _option(serve, "--max-body-bytes", default=16 * 1024 * 1024, type=int, help="largest request body accepted")
     _option(serve, "--log-level", default="info", help="log level: debug, info, warning, error")
     serve.set_defaults(func=_cmd_serve)
 
@@ -197,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     mig.add_argument("--revision", default="head", help="revision to upgrade to (default: head)")
     mig.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead ('base' = empty)")
     mig.set_defaults(func=_cmd_migrate)
+
+    export = sub.add_parser(
+        "export",
+        help="write recorded trajectories as JSON lines to stdout",
+        description="Export assembled rollouts (messages, tools, token-level sequences with sampled masks and "
+        "logprobs, per-call status) as one JSON object per line, e.g. `artgw export --model my-agent > t.jsonl`.",
+    )
+    _add_db(export)
+    export.add_argument("--model", help="only rollouts of this trainable model (default: all)")
+    export.add_argument("--since", type=float, help="only rollouts with a call at or after this unix time")
+    export.set_defaults(func=_cmd_export)
     return parser
 
 

@@ -16,12 +16,15 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway import art_api
 from gateway.adapters import AdapterRegistry
 from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
 from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, wait_until_ready
 from gateway.errors import exception_handlers
 from gateway.recorder import Recorder
+from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.store import create_engine, migrate
 
@@ -36,7 +39,8 @@ class GatewayState:
     recorder: Recorder
     chat: ChatService
     supervisor: EngineSupervisor | None
-    store: Any  # AsyncEngine
+    store: AsyncEngine
+    rollouts: RolloutService
     engine_state: str = "starting"
     fatal: list[str] = field(default_factory=list)  # why the gateway gave up, if it did
 
@@ -156,6 +160,7 @@ def create_app(settings: Settings) -> Litestar:
             chat=None,  # type: ignore[arg-type]  # set just below; needs the state for engine_state
             supervisor=None,
             store=store,
+            rollouts=RolloutService(store, recorder),
         )
         if settings.base_model is not None:
             supervisor = EngineSupervisor(
@@ -174,7 +179,7 @@ def create_app(settings: Settings) -> Litestar:
             )
             state.supervisor = supervisor
         state.chat = ChatService(
-            client=client, registry=registry, record=recorder.submit, engine_state=state.current_engine_state
+            client=client, registry=registry, recorder=recorder, engine_state=state.current_engine_state
         )
         app.state.gateway = state
         await recorder.start()
@@ -190,7 +195,7 @@ def create_app(settings: Settings) -> Litestar:
             await store.dispose()
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, healthz, readyz],
+        route_handlers=[chat_completions, list_models, healthz, readyz, *art_api.routes],
         lifespan=[lifespan],
         exception_handlers=exception_handlers,  # type: ignore[arg-type]
         request_max_body_size=settings.max_body_bytes,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from litestar.response import Stream
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.errors import OpenAIError, invalid_request
+from gateway.recorder import Recorder
 from gateway.records import CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
@@ -63,9 +64,7 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
         raise invalid_request("Request body must be a JSON object.", code="invalid_json")
     model = request.get("model")
     if model is None:
-        raise invalid_request(
-            "Missing required parameter: 'model'.", param="model", code="missing_required_parameter"
-        )
+        raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise invalid_request("'model' must be a non-empty string.", param="model", code="invalid_type")
     messages = request.get("messages")
@@ -141,9 +140,14 @@ def _upstream_error(status: int, body: bytes) -> OpenAIError:
     return OpenAIError(status, message, param=param)
 
 
-# Which engine states mean "temporarily unavailable" rather than "broken".
-EngineState = Callable[[], str]
-RecordSink = Callable[[CallRecord], Awaitable[None]]
+EngineState = Callable[[], str]  # starting | ready | restarting | failed | stopped
+
+
+async def _prepend(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first is not None:
+        yield first
+        async for chunk in rest:
+            yield chunk
 
 
 @dataclass
@@ -208,52 +212,76 @@ class ChatService:
         *,
         client: httpx.AsyncClient,
         registry: AdapterRegistry,
-        record: RecordSink,
+        recorder: Recorder,
         engine_state: EngineState,
     ) -> None:
         self.client = client
         self.registry = registry
-        self.record = record
+        self.recorder = recorder
         self.engine_state = engine_state
 
     async def complete(self, body: bytes, key: RolloutKey) -> Response[Any]:
         request = parse_chat_request(body)
         route = self.registry.resolve(request["model"])
         upstream_body, asked = _upstream_body(request, route)
-        started = time.time()
-        upstream_request = self.client.build_request(
-            "POST",
-            "/v1/chat/completions",
-            content=upstream_body,
-            headers={"content-type": "application/json"},
-        )
-        headers = {ROLLOUT_HEADER: key.rollout_id}
         stream = bool(request.get("stream"))
+        # Accepted: from here on, every path records this call exactly once.
+        call = _Call(self, key, route, request, stream, time.time())
+        self.recorder.begin(key.rollout_id)
         try:
-            upstream = await self.client.send(upstream_request, stream=stream)
-        except httpx.TimeoutException:
-            raise OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout") from None
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from None
-        call = _Call(self, key, route, request, stream, started)
+            upstream = await self.client.send(
+                self.client.build_request(
+                    "POST",
+                    "/v1/chat/completions",
+                    content=upstream_body,
+                    headers={"content-type": "application/json"},
+                ),
+                stream=stream,
+            )
+        except BaseException as exc:
+            error = self._send_error(exc)
+            if error is None:  # cancelled: the client (or a shutdown) gave up on the call
+                await call.finish("cancelled", 499, "cancelled before the engine answered")
+                raise
+            await call.finish("upstream_error", error.status, error.message)
+            raise error from None
+        headers = {ROLLOUT_HEADER: key.rollout_id}
         if upstream.status_code != 200:
             payload = await upstream.aread() if stream else upstream.content
             await upstream.aclose()
             error = _upstream_error(upstream.status_code, payload)
-            await call.finish("upstream_error", error.status, error.message, [], [], None)
+            await call.finish("upstream_error", error.status, error.message)
             raise error
         if stream:
+            relay = call.relay(upstream, asked, request["model"])
+            # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
+            # even if the client is gone before the response starts: asyncio closes started generators.
+            first = await anext(relay, None)
             return Stream(
-                call.relay(upstream, asked, request["model"]),
+                _prepend(first, relay),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
             )
-        payload = _decode(upstream.content)
-        choices = [_choice_record(c) for c in payload.get("choices") or ()]
-        prompt_ids = payload.get("prompt_token_ids") or []
-        _hide_unasked(payload, asked, request["model"])
+        try:
+            payload = _decode(upstream.content)
+            choices = [_choice_record(c) for c in payload.get("choices") or ()]
+            prompt_ids = payload.get("prompt_token_ids") or []
+            _hide_unasked(payload, asked, request["model"])
+        except Exception as exc:
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {exc}")
+            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
         await call.finish("ok", 200, None, prompt_ids, choices, payload.get("usage"))
         return Response(_encode(payload), media_type="application/json", headers=headers)
+
+    def _send_error(self, exc: BaseException) -> OpenAIError | None:
+        """The client-facing error for a failed send; None for cancellation (the client went away)."""
+        if isinstance(exc, httpx.TimeoutException):
+            return OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout")
+        if isinstance(exc, httpx.TransportError):
+            return self._unreachable(exc)
+        if isinstance(exc, Exception):
+            return OpenAIError(502, f"The engine request failed: {type(exc).__name__}.", code="upstream_error")
+        return None
 
     def _unreachable(self, exc: Exception) -> OpenAIError:
         state = self.engine_state()
@@ -261,9 +289,7 @@ class ChatService:
             return OpenAIError(
                 503, f"The engine is {state}; retry shortly.", type="server_error", code="engine_unavailable"
             )
-        return OpenAIError(
-            502, f"The engine is unreachable ({type(exc).__name__}).", code="upstream_unreachable"
-        )
+        return OpenAIError(502, f"The engine is unreachable ({type(exc).__name__}).", code="upstream_unreachable")
 
 
 class _Call:
@@ -291,12 +317,12 @@ class _Call:
         status: CallStatus,
         http_status: int,
         error: str | None,
-        prompt_ids: list[int],
-        choices: list[ChoiceRecord],
-        usage: dict[str, Any] | None,
+        prompt_ids: list[int] | None = None,
+        choices: list[ChoiceRecord] | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> None:
         ended = time.time()
-        await self.service.record(
+        await self.service.recorder.submit(
             CallRecord(
                 call_id=uuid.uuid4().hex,
                 rollout_id=self.key.rollout_id,
@@ -309,8 +335,8 @@ class _Call:
                 status=status,
                 http_status=http_status,
                 error=error,
-                prompt_token_ids=prompt_ids,
-                choices=choices,
+                prompt_token_ids=prompt_ids or [],
+                choices=choices or [],
                 usage=usage,
                 started_at=self.started,
                 first_token_at=self.first_token_at if self.stream else ended,

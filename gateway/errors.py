@@ -44,9 +44,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(
-            status, "server_error" if status >= 500 else "invalid_request_error"
-        )
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.param = param
         self.code = code
 
@@ -54,9 +52,7 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> Response[bytes]:
-        return Response(
-            msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json"
-        )
+        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

@@ -46,6 +46,28 @@ class Recorder:
         self.spilled = 0
         self._pending: list[CallRecord] = []  # the batch being written
         self._task: asyncio.Task[None] | None = None
+        self._in_flight: dict[str, int] = {}  # rollout id -> calls accepted but not yet in the store
+        self._committed = asyncio.Condition()
+
+    def begin(self, rollout_id: str) -> None:
+        """A call of this rollout was accepted; it counts as in flight until its record is committed."""
+        self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
+
+    def in_flight(self, rollout_id: str) -> int:
+        return self._in_flight.get(rollout_id, 0)
+
+    async def settled(self, rollout_ids: list[str], within: float) -> bool:
+        """Wait until no call of these rollouts is in flight (read-your-writes); False on time-out."""
+
+        def done() -> bool:
+            return not any(self._in_flight.get(r) for r in rollout_ids)
+
+        async with self._committed:
+            try:
+                await asyncio.wait_for(self._committed.wait_for(done), within)
+            except TimeoutError:
+                return False
+        return True
 
     async def submit(self, record: CallRecord) -> None:
         """Queue a record; waits (back-pressure) only when the queue is full."""
@@ -81,9 +103,16 @@ class Recorder:
                 continue
             backoff = 0.05
             self.written += len(self._pending)
-            for _ in self._pending:
+            for record in self._pending:
+                left = self._in_flight.get(record.rollout_id, 0) - 1
+                if left > 0:
+                    self._in_flight[record.rollout_id] = left
+                else:
+                    self._in_flight.pop(record.rollout_id, None)
                 self.queue.task_done()
             self._pending = []
+            async with self._committed:
+                self._committed.notify_all()
 
     async def close(self) -> None:
         """Flush: wait for the queue to drain; spill what the store will not take in time."""

@@ -36,9 +36,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         if (self.base_model is None) == (self.upstream is None):
-            raise ValueError(
-                "give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)"
-            )
+            raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
         if not self.model_name or "@" in self.model_name or "/" in self.model_name:
             raise ValueError(f"invalid --model-name {self.model_name!r}: no '@' or '/', not empty")
 

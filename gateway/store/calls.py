@@ -75,3 +75,56 @@ async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> i
 
 async def count_calls(conn: AsyncConnection) -> int:
     return (await conn.execute(sa.select(sa.func.count()).select_from(calls))).scalar_one()
+
+
+def _plain(row: sa.Row[Any]) -> dict[str, Any]:
+    # Column names come back as SQLAlchemy's `quoted_name` (a str subclass msgspec refuses as a key).
+    return {str(k): v for k, v in row._asdict().items()}
+
+
+def _to_record(row: sa.Row[Any], explicit: bool) -> CallRecord:
+    data = _plain(row)
+    data["call_id"] = data.pop("id")
+    data["rollout_explicit"] = explicit
+    return msgspec.convert(data, CallRecord)
+
+
+async def rollout_calls(conn: AsyncConnection, rollout_id: str) -> list[CallRecord] | None:
+    """Every recorded call of a rollout, or None if the rollout is unknown."""
+    explicit = (
+        await conn.execute(sa.select(rollouts.c.explicit).where(rollouts.c.id == rollout_id))
+    ).scalar_one_or_none()
+    if explicit is None:
+        return None
+    rows = await conn.execute(
+        sa.select(calls).where(calls.c.rollout_id == rollout_id).order_by(calls.c.started_at, calls.c.id)
+    )
+    return [_to_record(row, explicit) for row in rows]
+
+
+class RolloutRow(msgspec.Struct, frozen=True):
+    id: str
+    model: str | None
+    explicit: bool
+    call_count: int
+    first_call_at: float
+    last_call_at: float
+
+
+async def list_rollouts(
+    conn: AsyncConnection,
+    *,
+    model: str | None = None,
+    since: float | None = None,
+    limit: int = 100,
+    after: tuple[float, str] | None = None,
+) -> list[RolloutRow]:
+    """Rollouts by (last_call_at, id), oldest first; `after` is the keyset cursor of the previous page."""
+    query = sa.select(rollouts).order_by(rollouts.c.last_call_at, rollouts.c.id).limit(limit)
+    if model is not None:
+        query = query.where(rollouts.c.model == model)
+    if since is not None:
+        query = query.where(rollouts.c.last_call_at >= since)
+    if after is not None:
+        query = query.where(sa.tuple_(rollouts.c.last_call_at, rollouts.c.id) > sa.tuple_(*after))
+    return [msgspec.convert(_plain(row), RolloutRow) for row in await conn.execute(query)]

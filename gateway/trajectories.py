@@ -1,0 +1,191 @@
+"""Trajectory assembly: a rollout's recorded calls → token sequences for training.
+
+Pure functions over recorded calls. Calls are taken in order; a call whose
+prompt token ids extend the current sequence (its prompt + sampled completion)
+token for token is merged into it: the new prompt tokens become context, the
+new completion tokens are trainable. A call that does not extend it starts a
+new sequence of the same trajectory, and the split says why. Training uses
+the sampled token ids and the prompt ids vLLM saw: never re-tokenized text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.records import CallRecord, ChoiceRecord
+
+SPLIT_RERENDERED = "template re-rendered earlier turns"
+SPLIT_DROPPED_REASONING = "dropped reasoning"
+SPLIT_EDITED = "client edited history"
+
+
+class Sequence(msgspec.Struct, frozen=True):
+    token_ids: list[int]
+    sampled_mask: list[int]  # 1: sampled by the model (trainable); 0: context
+    logprobs: list[float | None]  # sampling logprob of each sampled token, None for context
+    call_ids: list[str]  # the calls merged into this sequence, in order
+    steps: list[int | None]  # adapter step that served each of call_ids
+    split_reason: str | None  # why this sequence did not continue the previous one (None: the first)
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(self.sampled_mask)
+
+
+class CallSummary(msgspec.Struct, frozen=True):
+    id: str
+    status: str
+    step: int | None
+    stream: bool
+    n: int
+    started_at: float
+    ended_at: float
+    finish_reasons: list[str | None]
+    error: str | None = None
+    retry_of: str | None = None  # an earlier call of the rollout with the identical request
+    superseded: bool = False  # retried later with the identical request: training uses the last attempt
+    choice: int | None = None  # which choice the rollout continued with (n > 1)
+
+
+class Trajectory(msgspec.Struct, frozen=True):
+    rollout_id: str
+    model: str | None
+    messages: list[dict[str, Any]]  # the conversation as the last used call saw it, plus its reply
+    tools: list[dict[str, Any]] | None
+    sequences: list[Sequence]
+    calls: list[CallSummary]
+    trainable_tokens: int
+    context_tokens: int
+
+
+def _canonical(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")
+
+
+def _message_key(message: dict[str, Any]) -> bytes:
+    """What makes two messages the same turn: role, text and tool calls (ids and nulls ignored)."""
+    calls = [
+        {
+            "name": (c.get("function") or {}).get("name"),
+            "arguments": (c.get("function") or {}).get("arguments"),
+        }
+        for c in message.get("tool_calls") or ()
+    ]
+    return _canonical([message.get("role"), message.get("content") or "", calls])
+
+
+def _split_reason(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord) -> str:
+    """Why `call` does not extend the previous sequence, judged from the messages."""
+    before = [*previous.request.get("messages", []), previous_choice.message]
+    now = call.request.get("messages", [])
+    if len(now) < len(before) or any(
+        _message_key(a) != _message_key(b) for a, b in zip(before, now[: len(before)], strict=False)
+    ):
+        return SPLIT_EDITED
+    reply_then, reply_now = previous_choice.message, now[len(before) - 1]
+    if (reply_then.get("reasoning") or reply_then.get("reasoning_content")) and not (
+        reply_now.get("reasoning") or reply_now.get("reasoning_content")
+    ):
+        return SPLIT_DROPPED_REASONING
+    return SPLIT_RERENDERED
+
+
+def _extends(prompt: list[int], tokens: list[int]) -> bool:
+    return len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
+
+
+def _mark_retries(calls: list[CallRecord]) -> tuple[dict[str, str], set[str]]:
+    """Identical requests within a rollout: later ones are retries of the first; all but the last are superseded."""
+    first: dict[bytes, str] = {}
+    last: dict[bytes, str] = {}
+    retry_of: dict[str, str] = {}
+    for call in calls:
+        key = _canonical({k: v for k, v in call.request.items() if k not in ("stream", "stream_options")})
+        if key in first:
+            retry_of[call.call_id] = first[key]
+        else:
+            first[key] = call.call_id
+        last[key] = call.call_id
+    retried = set(retry_of.values()) | set(retry_of)
+    superseded = retried - set(last.values())
+    return retry_of, superseded
+
+
+def assemble(rollout_id: str, calls: list[CallRecord]) -> Trajectory:
+    """Assemble a rollout from its calls (any order; sorted by start time here)."""
+    calls = sorted(calls, key=lambda c: (c.started_at, c.call_id))
+    retry_of, superseded = _mark_retries(calls)
+    usable = [c for c in calls if c.status == "ok" and c.choices and c.call_id not in superseded]
+
+    sequences: list[dict[str, Any]] = []
+    chosen: dict[str, int] = {}
+    previous: tuple[CallRecord, ChoiceRecord] | None = None
+    for i, call in enumerate(usable):
+        choice = _choose(call, usable[i + 1] if i + 1 < len(usable) else None)
+        chosen[call.call_id] = choice.index
+        prompt = call.prompt_token_ids
+        current = sequences[-1] if sequences else None
+        if current is not None and _extends(prompt, current["token_ids"]):
+            context = prompt[len(current["token_ids"]) :]
+            split = None
+        else:
+            current = None
+            context = prompt
+            split = _split_reason(*previous, call) if previous is not None else None
+        if current is None:
+            current = {"token_ids": [], "sampled_mask": [], "logprobs": [], "call_ids": [], "steps": []}
+            current["split_reason"] = split
+            sequences.append(current)
+        current["token_ids"] += context + choice.token_ids
+        current["sampled_mask"] += [0] * len(context) + [1] * len(choice.token_ids)
+        current["logprobs"] += [None] * len(context) + list(choice.logprobs)
+        current["call_ids"].append(call.call_id)
+        current["steps"].append(call.step)
+        previous = (call, choice)
+
+    built = [Sequence(**s) for s in sequences]
+    summaries = [
+        CallSummary(
+            id=c.call_id,
+            status=c.status,
+            step=c.step,
+            stream=c.stream,
+            n=len(c.choices),
+            started_at=c.started_at,
+            ended_at=c.ended_at,
+            finish_reasons=[ch.finish_reason for ch in c.choices],
+            error=c.error,
+            retry_of=retry_of.get(c.call_id),
+            superseded=c.call_id in superseded,
+            choice=chosen.get(c.call_id),
+        )
+        for c in calls
+    ]
+    messages: list[dict[str, Any]] = []
+    tools = None
+    if previous is not None:
+        last_call, last_choice = previous
+        messages = [*last_call.request.get("messages", []), last_choice.message]
+        tools = last_call.request.get("tools")
+    trainable = sum(s.trainable_tokens for s in built)
+    return Trajectory(
+        rollout_id=rollout_id,
+        model=next((c.model for c in calls if c.model), None),
+        messages=messages,
+        tools=tools,
+        sequences=built,
+        calls=summaries,
+        trainable_tokens=trainable,
+        context_tokens=sum(len(s.token_ids) for s in built) - trainable,
+    )
+
+
+def _choose(call: CallRecord, following: CallRecord | None) -> ChoiceRecord:
+    """With n > 1, the choice the next call continued (by tokens); otherwise the first."""
+    if len(call.choices) > 1 and following is not None:
+        for choice in call.choices:
+            if _extends(following.prompt_token_ids, call.prompt_token_ids + choice.token_ids):
+                return choice
+    return call.choices[0]

@@ -1,0 +1,144 @@
+"""Trajectory assembly on hand-built calls: merges, splits and their reasons, retries, n > 1, masks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.records import CallRecord, ChoiceRecord
+from gateway.trajectories import SPLIT_DROPPED_REASONING, SPLIT_EDITED, SPLIT_RERENDERED, assemble
+
+SYSTEM = {"role": "system", "content": "be brief"}
+USER = {"role": "user", "content": "weather in Paris?"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_CALL_REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+
+
+def call(
+    call_id: str,
+    t: float,
+    messages: list[dict[str, Any]],
+    prompt: list[int],
+    *choices: tuple[dict[str, Any], list[int]],
+    status: str = "ok",
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> CallRecord:
+    return CallRecord(
+        call_id=call_id,
+        rollout_id="r",
+        rollout_explicit=True,
+        model="my-agent",
+        step=step,
+        upstream_model="base",
+        request={"model": "my-agent", "messages": messages, **(extra or {})},
+        stream=False,
+        status=status,  # type: ignore[arg-type]
+        http_status=200,
+        error=None,
+        prompt_token_ids=prompt,
+        choices=[
+            ChoiceRecord(i, message, "stop", ids, [-0.5 - 0.1 * j for j in range(len(ids))])
+            for i, (message, ids) in enumerate(choices)
+        ],
+        usage=None,
+        started_at=t,
+        first_token_at=t,
+        ended_at=t + 0.5,
+    )
+
+
+def test_three_turn_tool_rollout_that_extends_its_prefix_is_one_sequence() -> None:
+    c1 = call("a", 1, [SYSTEM, USER], [1, 2, 3], (TOOL_CALL_REPLY, [10, 11, 12]))
+    c2 = call(
+        "b",
+        2,
+        [SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT],
+        [1, 2, 3, 10, 11, 12, 4, 5],
+        ({"role": "assistant", "content": "sunny"}, [13, 14]),
+        step=1,
+    )
+    trajectory = assemble("r", [c2, c1])  # order of arrival does not matter
+    (seq,) = trajectory.sequences
+    assert seq.token_ids == [1, 2, 3, 10, 11, 12, 4, 5, 13, 14]
+    assert seq.sampled_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert seq.logprobs == [None, None, None, -0.5, -0.6, -0.7, None, None, -0.5, -0.6]
+    assert seq.call_ids == ["a", "b"]
+    assert seq.steps == [0, 1]
+    assert seq.split_reason is None
+    assert (trajectory.trainable_tokens, trajectory.context_tokens) == (5, 5)
+    assert trajectory.messages[-1] == {"role": "assistant", "content": "sunny"}
+    assert trajectory.messages[:4] == [SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]
+
+
+def test_rerendered_template_splits_with_reason() -> None:
+    c1 = call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]))
+    # Same messages, but the template rendered the earlier tool call with other tokens (20, 21).
+    c2 = call(
+        "b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 20, 21, 4], ({"role": "assistant", "content": "x"}, [9])
+    )
+    first, second = assemble("r", [c1, c2]).sequences
+    assert first.token_ids == [1, 2, 10, 11] and first.sampled_mask == [0, 0, 1, 1]
+    assert second.token_ids == [1, 2, 20, 21, 4, 9] and second.sampled_mask == [0, 0, 0, 0, 0, 1]
+    assert second.split_reason == SPLIT_RERENDERED
+
+
+def test_edited_history_and_dropped_reasoning_are_told_apart() -> None:
+    thinking = {"role": "assistant", "content": "sunny", "reasoning": "it is Paris"}
+    c1 = call("a", 1, [USER], [1, 2], (thinking, [10, 11]))
+    dropped = call(
+        "b",
+        2,
+        [USER, {"role": "assistant", "content": "sunny"}, USER],
+        [1, 2, 11, 3],
+        ({"role": "assistant", "content": "y"}, [8]),
+    )
+    edited = call("c", 3, [{"role": "user", "content": "other"}], [7, 7], ({"role": "assistant", "content": "z"}, [6]))
+    sequences = assemble("r", [c1, dropped, edited]).sequences
+    assert [s.split_reason for s in sequences] == [None, SPLIT_DROPPED_REASONING, SPLIT_EDITED]
+
+
+def test_identical_retry_is_kept_marked_and_only_the_last_attempt_trains() -> None:
+    first = call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
+    retry = call("b", 2, [USER], [1, 2], ({"role": "assistant", "content": "q"}, [6]))
+    trajectory = assemble("r", [first, retry])
+    by_id = {c.id: c for c in trajectory.calls}
+    assert by_id["a"].superseded and by_id["a"].retry_of is None
+    assert by_id["b"].retry_of == "a" and not by_id["b"].superseded
+    (seq,) = trajectory.sequences
+    assert seq.token_ids == [1, 2, 6] and seq.call_ids == ["b"]
+
+
+def test_failed_calls_are_listed_but_not_trained() -> None:
+    ok = call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
+    failed = call("b", 2, [USER, {"role": "assistant", "content": "p"}, USER], [], status="upstream_error")
+    trajectory = assemble("r", [ok, failed])
+    assert [c.status for c in trajectory.calls] == ["ok", "upstream_error"]
+    assert [s.call_ids for s in trajectory.sequences] == [["a"]]
+
+
+def test_n_greater_than_one_follows_the_choice_the_next_call_continued() -> None:
+    c1 = call(
+        "a",
+        1,
+        [USER],
+        [1, 2],
+        ({"role": "assistant", "content": "p"}, [5]),
+        ({"role": "assistant", "content": "q"}, [6]),
+    )
+    c2 = call(
+        "b",
+        2,
+        [USER, {"role": "assistant", "content": "q"}, USER],
+        [1, 2, 6, 3],
+        ({"role": "assistant", "content": "r"}, [7]),
+    )
+    trajectory = assemble("r", [c1, c2])
+    (seq,) = trajectory.sequences
+    assert seq.token_ids == [1, 2, 6, 3, 7]
+    assert {c.id: c.choice for c in trajectory.calls} == {"a": 1, "b": 0}
+
+
+def test_empty_rollout_of_only_failures() -> None:
+    trajectory = assemble("r", [call("a", 1, [USER], [], status="cancelled")])
+    assert trajectory.sequences == [] and trajectory.messages == [] and trajectory.trainable_tokens == 0
