@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,6 +105,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = uvicorn.Server(config)
+    # uvicorn re-raises the stop signal once it has shut down gracefully; with these handlers in place
+    # that re-raise is absorbed, so a requested stop exits 0 and only a fatal error exits non-zero.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     state = getattr(app.state, "gateway", None)
     if state is not None and state.fatal:
