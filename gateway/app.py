@@ -23,6 +23,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
 from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, wait_until_ready
 from gateway.errors import exception_handlers
+from gateway.groups import GroupService
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
@@ -41,6 +42,7 @@ class GatewayState:
     supervisor: EngineSupervisor | None
     store: AsyncEngine
     rollouts: RolloutService
+    groups: GroupService
     engine_state: str = "starting"
     fatal: list[str] = field(default_factory=list)  # why the gateway gave up, if it did
 
@@ -161,7 +163,9 @@ def create_app(settings: Settings) -> Litestar:
             supervisor=None,
             store=store,
             rollouts=RolloutService(store, recorder),
+            groups=None,  # type: ignore[arg-type]  # set just below
         )
+        state.groups = GroupService(store, state.rollouts, registry, recorder)
         if settings.base_model is not None:
             supervisor = EngineSupervisor(
                 EngineConfig(
@@ -183,11 +187,13 @@ def create_app(settings: Settings) -> Litestar:
         )
         app.state.gateway = state
         await recorder.start()
+        await state.groups.resume_scoring()
         bring_up = asyncio.create_task(_bring_up_engine(state), name="engine-bring-up")
         try:
             yield
         finally:
             bring_up.cancel()
+            await state.groups.close()
             await recorder.close()
             if supervisor is not None:
                 await supervisor.stop()

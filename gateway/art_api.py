@@ -1,12 +1,14 @@
-"""`/v1/art/...`: ART's own endpoints (rollouts now; groups, adapters and training later)."""
+"""`/v1/art/...`: ART's own endpoints. Thin handlers: parse, call a service, return."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, get
+from litestar import Request, Response, get, post
 from litestar.datastructures import State
+from litestar.params import Parameter
 
+from gateway.groups import GroupOut, GroupPage, parse_group_create
 from gateway.rollouts import RolloutPage
 from gateway.trajectories import Trajectory
 
@@ -20,6 +22,12 @@ async def get_rollout(request: Request[Any, Any, State], rollout_id: str) -> Tra
     return await _state(request).rollouts.get(rollout_id)
 
 
+@get("/v1/art/rollouts/{rollout_id:str}/{choice:int}")
+async def get_rollout_choice(request: Request[Any, Any, State], rollout_id: str, choice: int) -> Trajectory:
+    """The rollout `"<rollout_id>/<choice>"`: one choice of its n > 1 call."""
+    return await _state(request).rollouts.get(rollout_id, choice=choice)
+
+
 @get("/v1/art/rollouts")
 async def list_rollouts(
     request: Request[Any, Any, State],
@@ -31,4 +39,27 @@ async def list_rollouts(
     return await _state(request).rollouts.page(model=model, since=since, limit=limit, cursor=cursor)
 
 
-routes = [get_rollout, list_rollouts]
+@post("/v1/art/groups")
+async def create_group(request: Request[Any, Any, State]) -> Response[GroupOut]:
+    spec = parse_group_create(await request.body())
+    group, created = await _state(request).groups.create(spec, request.headers.get("Idempotency-Key"))
+    return Response(group, status_code=201 if created else 200)
+
+
+@get("/v1/art/groups/{group_id:str}")
+async def get_group(request: Request[Any, Any, State], group_id: str) -> GroupOut:
+    return await _state(request).groups.get(group_id)
+
+
+@get("/v1/art/groups")
+async def list_groups(
+    request: Request[Any, Any, State],
+    model: str | None = None,
+    group_state: str | None = Parameter(query="state", default=None),  # `state` is Litestar's own kwarg
+    limit: int = 100,
+    cursor: str | None = None,
+) -> GroupPage:
+    return await _state(request).groups.page(model=model, state=group_state, limit=limit, cursor=cursor)
+
+
+routes = [get_rollout, get_rollout_choice, list_rollouts, create_group, get_group, list_groups]

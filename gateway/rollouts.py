@@ -20,14 +20,15 @@ class RolloutPage(msgspec.Struct, frozen=True):
     object: str = "list"
 
 
-def encode_cursor(row: RolloutRow) -> str:
-    return base64.urlsafe_b64encode(msgspec.json.encode([row.last_call_at, row.id])).decode()
+def encode_cursor_pair(at: float, key: str) -> str:
+    """A keyset cursor: the (time, id) of the last row of a page, opaque to clients."""
+    return base64.urlsafe_b64encode(msgspec.json.encode([at, key])).decode()
 
 
-def decode_cursor(cursor: str) -> tuple[float, str]:
+def decode_cursor_pair(cursor: str) -> tuple[float, str]:
     try:
-        last_call_at, rollout_id = msgspec.json.decode(base64.urlsafe_b64decode(cursor.encode()))
-        return float(last_call_at), str(rollout_id)
+        at, key = msgspec.json.decode(base64.urlsafe_b64decode(cursor.encode()))
+        return float(at), str(key)
     except Exception:
         raise invalid_request("Invalid cursor: pass `next_cursor` from the previous page.", param="cursor") from None
 
@@ -37,23 +38,32 @@ class RolloutService:
         self.store = store
         self.recorder = recorder
 
-    async def get(self, rollout_id: str, *, settle_seconds: float = 5.0) -> Trajectory:
-        """The assembled rollout; waits briefly for its calls still on their way to the store."""
-        if self.recorder is not None:
+    async def find(
+        self, rollout_id: str, *, choice: int | None = None, settle_seconds: float = 0.0
+    ) -> Trajectory | None:
+        """The assembled rollout, or None; waits up to `settle_seconds` for calls on their way to the store."""
+        if self.recorder is not None and settle_seconds > 0:
             await self.recorder.settled([rollout_id], settle_seconds)
         async with self.store.connect() as conn:
             calls = await rollout_calls(conn, rollout_id)
         if calls is None:
+            return None
+        return assemble(rollout_id, calls, choice)
+
+    async def get(self, rollout_id: str, *, choice: int | None = None, settle_seconds: float = 5.0) -> Trajectory:
+        trajectory = await self.find(rollout_id, choice=choice, settle_seconds=settle_seconds)
+        if trajectory is None:
             raise OpenAIError(404, f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
-        return assemble(rollout_id, calls)
+        return trajectory
 
     async def page(self, *, model: str | None, since: float | None, limit: int, cursor: str | None) -> RolloutPage:
         if not 1 <= limit <= 1000:
             raise invalid_request("'limit' must be between 1 and 1000.", param="limit")
-        after = decode_cursor(cursor) if cursor else None
+        after = decode_cursor_pair(cursor) if cursor else None
         async with self.store.connect() as conn:
             rows = await list_rollouts(conn, model=model, since=since, limit=limit, after=after)
-        return RolloutPage(rows, encode_cursor(rows[-1]) if len(rows) == limit else None)
+        last = rows[-1] if len(rows) == limit else None
+        return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 
     async def export(self, *, model: str | None, since: float | None) -> AsyncIterator[Trajectory]:
         """Every rollout of `model` since `since`, assembled, page by page."""

@@ -113,8 +113,12 @@ def _mark_retries(calls: list[CallRecord]) -> tuple[dict[str, str], set[str]]:
     return retry_of, superseded
 
 
-def assemble(rollout_id: str, calls: list[CallRecord]) -> Trajectory:
-    """Assemble a rollout from its calls (any order; sorted by start time here)."""
+def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None) -> Trajectory:
+    """Assemble a rollout from its calls (any order; sorted by start time here).
+
+    `choice` picks that choice of every n > 1 call: the rollout `"<id>/<choice>"` of a group made
+    from one call's several choices.
+    """
     calls = sorted(calls, key=lambda c: (c.started_at, c.call_id))
     retry_of, superseded = _mark_retries(calls)
     usable = [c for c in calls if c.status == "ok" and c.choices and c.call_id not in superseded]
@@ -123,8 +127,8 @@ def assemble(rollout_id: str, calls: list[CallRecord]) -> Trajectory:
     chosen: dict[str, int] = {}
     previous: tuple[CallRecord, ChoiceRecord] | None = None
     for i, call in enumerate(usable):
-        choice = _choose(call, usable[i + 1] if i + 1 < len(usable) else None)
-        chosen[call.call_id] = choice.index
+        picked = _choose(call, usable[i + 1] if i + 1 < len(usable) else None, choice)
+        chosen[call.call_id] = picked.index
         prompt = call.prompt_token_ids
         current = sequences[-1] if sequences else None
         if current is not None and _extends(prompt, current["token_ids"]):
@@ -138,12 +142,12 @@ def assemble(rollout_id: str, calls: list[CallRecord]) -> Trajectory:
             current = {"token_ids": [], "sampled_mask": [], "logprobs": [], "call_ids": [], "steps": []}
             current["split_reason"] = split
             sequences.append(current)
-        current["token_ids"] += context + choice.token_ids
-        current["sampled_mask"] += [0] * len(context) + [1] * len(choice.token_ids)
-        current["logprobs"] += [None] * len(context) + list(choice.logprobs)
+        current["token_ids"] += context + picked.token_ids
+        current["sampled_mask"] += [0] * len(context) + [1] * len(picked.token_ids)
+        current["logprobs"] += [None] * len(context) + list(picked.logprobs)
         current["call_ids"].append(call.call_id)
         current["steps"].append(call.step)
-        previous = (call, choice)
+        previous = (call, picked)
 
     built = [Sequence(**s) for s in sequences]
     summaries = [
@@ -182,8 +186,10 @@ def assemble(rollout_id: str, calls: list[CallRecord]) -> Trajectory:
     )
 
 
-def _choose(call: CallRecord, following: CallRecord | None) -> ChoiceRecord:
-    """With n > 1, the choice the next call continued (by tokens); otherwise the first."""
+def _choose(call: CallRecord, following: CallRecord | None, wanted: int | None) -> ChoiceRecord:
+    """With n > 1: the `wanted` choice, else the one the next call continued (by tokens), else the first."""
+    if wanted is not None and len(call.choices) > 1:
+        return next((c for c in call.choices if c.index == wanted), call.choices[0])
     if len(call.choices) > 1 and following is not None:
         for choice in call.choices:
             if _extends(following.prompt_token_ids, call.prompt_token_ids + choice.token_ids):

@@ -10,7 +10,7 @@ from ruler._prompt import (
     common_prefix_length,
     parse_judge_answer,
 )
-from ruler._score import NEUTRAL_SCORE, score_group
+from ruler._score import NEUTRAL_SCORE, check_judge_model, score_group
 from ruler._types import JudgeCache, JudgeUsage, MemoryJudgeCache, RulerError, Score, ScoreResult, Trajectory
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Trajectory",
     "build_judge_messages",
     "cache_key",
+    "check_judge_model",
     "common_prefix_length",
     "parse_judge_answer",
     "score_group",

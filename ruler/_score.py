@@ -66,9 +66,7 @@ def _content(response: Any) -> str:
 
 
 def _no_call_usage(*, cache_hits: int) -> JudgeUsage:
-    return JudgeUsage(
-        prompt_tokens=0, completion_tokens=0, cost_usd=0.0, judge_calls=0, cache_hits=cache_hits
-    )
+    return JudgeUsage(prompt_tokens=0, completion_tokens=0, cost_usd=0.0, judge_calls=0, cache_hits=cache_hits)
 
 
 async def score_group(
@@ -114,9 +112,7 @@ async def score_group(
         slot.append(index)
 
     if len(distinct) < 2:
-        reason = (
-            "the group has one trajectory" if len(trajectories) == 1 else "all trajectories are identical"
-        )
+        reason = "the group has one trajectory" if len(trajectories) == 1 else "all trajectories are identical"
         neutral = Score(
             score=NEUTRAL_SCORE,
             explanation=f"Not judged: {reason}, so relative scoring has nothing to compare.",
@@ -170,9 +166,7 @@ async def _judge(
             await asyncio.sleep(backoff_seconds * 2 ** (attempt - 1))
         calls += 1
         try:
-            response = await litellm.acompletion(
-                model=judge_model, messages=messages, response_format=fmt, **params
-            )
+            response = await litellm.acompletion(model=judge_model, messages=messages, response_format=fmt, **params)
         except Exception as exc:
             if not _is_transient(exc, litellm):
                 raise RulerError(f"judge {judge_model!r} failed: {type(exc).__name__}: {exc}") from exc
@@ -194,9 +188,7 @@ async def _judge(
             scores = parse_judge_answer(answer, n)
         except RulerError as exc:
             problem = str(exc)
-            logger.warning(
-                "ruler: judge %r attempt %d/%d: invalid answer: %s", judge_model, calls, attempts, problem
-            )
+            logger.warning("ruler: judge %r attempt %d/%d: invalid answer: %s", judge_model, calls, attempts, problem)
             continue
         return (
             answer,
@@ -209,6 +201,13 @@ async def _judge(
                 cache_hits=0,
             ),
         )
-    raise RulerError(
-        f"judge {judge_model!r} gave no valid scores in {attempts} attempts; last problem: {problem}"
-    )
+    raise RulerError(f"judge {judge_model!r} gave no valid scores in {attempts} attempts; last problem: {problem}")
+
+
+def check_judge_model(judge_model: str, litellm_params: Mapping[str, Any] | None = None) -> None:
+    """Raise RulerError if litellm cannot tell which provider serves `judge_model` (no call is made)."""
+    litellm = _litellm()
+    try:
+        litellm.get_llm_provider(model=judge_model, api_base=(litellm_params or {}).get("api_base"))
+    except Exception as exc:
+        raise RulerError(f"unknown judge model {judge_model!r}: {exc}") from None

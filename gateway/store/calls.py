@@ -23,6 +23,14 @@ async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> i
 
     Returns how many calls were new (a retried batch whose first attempt did commit inserts none).
     """
+    # One row per call id (a record queued twice counts once), sorted by it: concurrent writers of
+    # the same calls (a replayed spill racing a live recorder) take their locks in one order, no deadlock.
+    unique: dict[str, CallRecord] = {}
+    for record in records:
+        unique.setdefault(record.call_id, record)
+    records = [unique[call_id] for call_id in sorted(unique)]
+    if not records:
+        return 0
     rows = [msgspec.to_builtins(r) for r in records]
     for row in rows:
         row["id"] = row.pop("call_id")

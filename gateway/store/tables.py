@@ -46,3 +46,49 @@ calls = sa.Table(
     sa.Column("first_token_at", sa.Float, nullable=True),
     sa.Column("ended_at", sa.Float, nullable=False),
 )
+
+# A group: several attempts at one task, the unit GRPO compares.
+groups = sa.Table(
+    "groups",
+    metadata,
+    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("model", sa.String(256), nullable=False, index=True),
+    sa.Column("state", sa.String(16), nullable=False, index=True),  # scoring|ready|training|trained|failed
+    sa.Column("failure_reason", sa.Text, nullable=True),
+    sa.Column("request_hash", sa.String(64), nullable=False),  # same id + other content = a conflict
+    sa.Column("metadata", sa.JSON, nullable=True),
+    sa.Column("ruler", sa.JSON, nullable=True),  # judge model, rubric, non-secret litellm params
+    sa.Column("judge_usage", sa.JSON, nullable=True),
+    sa.Column("no_signal", sa.Boolean, nullable=True),  # every reward equal: nothing for GRPO to learn
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    # The trainer's claim: a lease that returns the group to `ready` if the trainer dies.
+    sa.Column("lease_owner", sa.String(128), nullable=True),
+    sa.Column("lease_expires_at", sa.Float, nullable=True),
+    sa.Column("trained_step", sa.Integer, nullable=True),
+)
+
+# The rollouts of a group; a rollout (or one choice of an n > 1 call) belongs to at most one group.
+group_members = sa.Table(
+    "group_members",
+    metadata,
+    sa.Column("group_id", sa.String(128), sa.ForeignKey("groups.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("position", sa.Integer, primary_key=True),
+    sa.Column("rollout_ref", sa.String(140), nullable=False, unique=True),  # "rid" or "rid/<choice>"
+    sa.Column("rollout_id", sa.String(128), nullable=False, index=True),
+    sa.Column("choice", sa.Integer, nullable=True),
+    sa.Column("reward", sa.Float, nullable=True),  # what GRPO uses; NULL while scoring
+    sa.Column("caller_reward", sa.Float, nullable=True),
+    sa.Column("ruler_score", sa.Float, nullable=True),
+    sa.Column("ruler_explanation", sa.Text, nullable=True),
+    sa.Column("metrics", sa.JSON, nullable=True),
+)
+
+# RULER's judge answers by hash of (judge model, rubric, trajectories): a retried group costs nothing.
+judge_cache = sa.Table(
+    "judge_cache",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)

@@ -1,0 +1,151 @@
+"""Writing and reading groups, their members and the judge cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from gateway.store.tables import group_members, groups, judge_cache
+
+
+class MemberRow(msgspec.Struct, frozen=True):
+    position: int
+    rollout_ref: str
+    rollout_id: str
+    choice: int | None
+    reward: float | None
+    caller_reward: float | None
+    ruler_score: float | None
+    ruler_explanation: str | None
+    metrics: dict[str, float] | None
+
+
+class GroupRow(msgspec.Struct, frozen=True):
+    id: str
+    model: str
+    state: str
+    failure_reason: str | None
+    request_hash: str
+    metadata: dict[str, Any] | None
+    ruler: dict[str, Any] | None
+    judge_usage: dict[str, Any] | None
+    no_signal: bool | None
+    created_at: float
+    updated_at: float
+    lease_owner: str | None
+    lease_expires_at: float | None
+    trained_step: int | None
+    members: list[MemberRow] = []
+
+
+def _plain(row: sa.Row[Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in row._asdict().items()}
+
+
+async def insert_group(conn: AsyncConnection, group: dict[str, Any], members: Sequence[dict[str, Any]]) -> None:
+    await conn.execute(sa.insert(groups), [group])
+    await conn.execute(sa.insert(group_members), [{**m, "group_id": group["id"]} for m in members])
+
+
+async def load_groups(conn: AsyncConnection, group_ids: Sequence[str]) -> list[GroupRow]:
+    """Groups with their members, in the order of `group_ids` (unknown ids are left out)."""
+    if not group_ids:
+        return []
+    rows = {r.id: _plain(r) for r in await conn.execute(sa.select(groups).where(groups.c.id.in_(group_ids)))}
+    members: dict[str, list[MemberRow]] = {gid: [] for gid in rows}
+    query = (
+        sa.select(group_members)
+        .where(group_members.c.group_id.in_(list(rows)))
+        .order_by(group_members.c.group_id, group_members.c.position)
+    )
+    for m in await conn.execute(query):
+        data = _plain(m)
+        members[data.pop("group_id")].append(msgspec.convert(data, MemberRow))
+    return [msgspec.convert({**rows[g], "members": members[g]}, GroupRow) for g in group_ids if g in rows]
+
+
+async def taken_refs(conn: AsyncConnection, rollout_ids: Sequence[str]) -> dict[str, str]:
+    """rollout_ref -> group id, for every member of any group that uses one of these rollouts."""
+    query = sa.select(group_members.c.rollout_ref, group_members.c.group_id).where(
+        group_members.c.rollout_id.in_(rollout_ids)
+    )
+    return {ref: gid for ref, gid in await conn.execute(query)}
+
+
+async def list_group_ids(
+    conn: AsyncConnection,
+    *,
+    model: str | None,
+    state: str | None,
+    limit: int,
+    after: tuple[float, str] | None,
+) -> list[tuple[float, str]]:
+    query = sa.select(groups.c.created_at, groups.c.id).order_by(groups.c.created_at, groups.c.id).limit(limit)
+    if model is not None:
+        query = query.where(groups.c.model == model)
+    if state is not None:
+        query = query.where(groups.c.state == state)
+    if after is not None:
+        query = query.where(sa.tuple_(groups.c.created_at, groups.c.id) > sa.tuple_(*after))
+    return [(row.created_at, row.id) for row in await conn.execute(query)]
+
+
+async def set_scores(
+    conn: AsyncConnection,
+    group_id: str,
+    scores: Sequence[tuple[int, float, str]],
+    judge_usage: dict[str, Any],
+    no_signal: bool,
+) -> None:
+    """RULER's scores become the rewards; the group turns `ready`."""
+    for position, score, explanation in scores:
+        await conn.execute(
+            sa.update(group_members)
+            .where(group_members.c.group_id == group_id, group_members.c.position == position)
+            .values(reward=score, ruler_score=score, ruler_explanation=explanation)
+        )
+    await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id == group_id, groups.c.state == "scoring")
+        .values(state="ready", judge_usage=judge_usage, no_signal=no_signal, updated_at=time.time())
+    )
+
+
+async def fail_group(conn: AsyncConnection, group_id: str, reason: str, judge_usage: dict[str, Any] | None) -> None:
+    await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id == group_id, groups.c.state == "scoring")
+        .values(state="failed", failure_reason=reason, judge_usage=judge_usage, updated_at=time.time())
+    )
+
+
+async def scoring_group_ids(conn: AsyncConnection) -> list[str]:
+    return list((await conn.execute(sa.select(groups.c.id).where(groups.c.state == "scoring"))).scalars())
+
+
+async def count_by_state(conn: AsyncConnection) -> dict[tuple[str, str], int]:
+    query = sa.select(groups.c.model, groups.c.state, sa.func.count()).group_by(groups.c.model, groups.c.state)
+    return {(model, state): n for model, state, n in await conn.execute(query)}
+
+
+class StoreJudgeCache:
+    """RULER's `JudgeCache` in the store, shared by every gateway replica."""
+
+    def __init__(self, store: AsyncEngine) -> None:
+        self.store = store
+
+    async def get(self, key: str) -> str | None:
+        async with self.store.connect() as conn:
+            query = sa.select(judge_cache.c.value).where(judge_cache.c.key == key)
+            return (await conn.execute(query)).scalar_one_or_none()
+
+    async def put(self, key: str, value: str) -> None:
+        async with self.store.begin() as conn:
+            exists = (await conn.execute(sa.select(judge_cache.c.key).where(judge_cache.c.key == key))).first()
+            if exists is None:
+                await conn.execute(sa.insert(judge_cache), [{"key": key, "value": value, "created_at": time.time()}])

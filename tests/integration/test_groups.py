@@ -1,0 +1,302 @@
+"""`/v1/art/groups`: validation errors, idempotent retries, life cycle, n > 1 groups, RULER end to end.
+
+Validation and life-cycle tests record their rollouts through a stand-in engine (tests/stub_engine.py): they
+exercise the groups API, not generation. RULER and n > 1 groups run against the real vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import stop_group
+from tests.integration.test_errors import start_stub
+
+CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def stub_gateway(tmp_path_factory):
+    from tests.conftest import start_gateway
+
+    url, proc = start_stub()
+    gateway = start_gateway(tmp_path_factory.mktemp("groups"), "--upstream", url)
+    yield gateway
+    gateway.stop()
+    stop_group(proc)
+
+
+def record(gateway, n: int = 1, **extra) -> str:
+    rid = f"r-{uuid.uuid4().hex[:10]}"
+    r = httpx.post(
+        f"{gateway.base_url}/chat/completions",
+        json={**CHAT, "n": n, **extra},
+        headers={"X-ART-Rollout-Id": rid},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return rid
+
+
+def post_group(gateway, body: dict, **headers) -> httpx.Response:
+    return httpx.post(f"{gateway.base_url}/art/groups", json=body, headers=headers, timeout=30)
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_caller_rewards_make_a_ready_group(stub_gateway) -> None:
+    a, b, c = (record(stub_gateway) for _ in range(3))
+    body = {
+        "model": "my-agent",
+        "rollouts": [
+            {"rollout_id": a, "reward": 1.0, "metrics": {"len": 3}},
+            {"rollout_id": b, "reward": 0.0},
+            {"rollout_id": c, "reward": 0.5},
+        ],
+        "metadata": {"task": "t1"},
+    }
+    r = post_group(stub_gateway, body)
+    assert r.status_code == 201
+    group = r.json()
+    assert group["state"] == "ready" and group["no_signal"] is False
+    assert [x["reward"] for x in group["rollouts"]] == [1.0, 0.0, 0.5]
+    assert group["reward_mean"] == pytest.approx(0.5)
+    assert group["rollouts"][0]["metrics"] == {"len": 3.0}
+    assert group["metadata"] == {"task": "t1"}
+    fetched = httpx.get(f"{stub_gateway.base_url}/art/groups/{group['id']}").json()
+    assert fetched == group
+    listed = httpx.get(f"{stub_gateway.base_url}/art/groups", params={"state": "ready", "limit": 1000}).json()
+    assert group["id"] in [g["id"] for g in listed["data"]]
+
+
+def test_equal_rewards_are_kept_but_flagged_no_signal(stub_gateway) -> None:
+    a, b = record(stub_gateway), record(stub_gateway)
+    r = post_group(
+        stub_gateway,
+        {"model": "my-agent", "rollouts": [{"rollout_id": a, "reward": 1}, {"rollout_id": b, "reward": 1}]},
+    )
+    assert r.status_code == 201 and r.json()["no_signal"] is True and r.json()["state"] == "ready"
+
+
+def test_same_request_twice_creates_one_group_by_group_id_and_by_idempotency_key(stub_gateway) -> None:
+    a, b = record(stub_gateway), record(stub_gateway)
+    body = {
+        "model": "my-agent",
+        "group_id": f"g-{a}",
+        "rollouts": [{"rollout_id": a, "reward": 1}, {"rollout_id": b, "reward": 0}],
+    }
+    first, again = post_group(stub_gateway, body), post_group(stub_gateway, body)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json() == again.json()
+    changed = {**body, "rollouts": [{"rollout_id": a, "reward": 0}, {"rollout_id": b, "reward": 1}]}
+    assert error(post_group(stub_gateway, changed), 409)["code"] == "group_id_conflict"
+
+    c, d = record(stub_gateway), record(stub_gateway)
+    body = {"model": "my-agent", "rollouts": [{"rollout_id": c, "reward": 1}, {"rollout_id": d, "reward": 0}]}
+    key = f"key-{c}"
+    first, again = (
+        post_group(stub_gateway, body, **{"Idempotency-Key": key}),
+        post_group(stub_gateway, body, **{"Idempotency-Key": key}),
+    )
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"] == key
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "code", "param"),
+    [
+        ("one rollout", 400, "too_few_rollouts", "rollouts"),
+        ("unknown rollout", 400, "unknown_rollout", "rollouts[1].rollout_id"),
+        ("duplicate", 400, "duplicate_rollout", "rollouts[1].rollout_id"),
+        ("infinite reward", 400, None, "rollouts[0].reward"),
+        ("missing reward", 400, "missing_reward", "rollouts[1].reward"),
+        ("unknown model", 404, "model_not_found", "model"),
+        ("unknown judge", 400, "unknown_judge", "ruler.judge_model"),
+        ("bad choice ref", 400, None, "rollouts[0].rollout_id"),
+        ("unknown field", 400, None, None),
+        ("reward not a number", 400, None, "rollouts[0].reward"),
+    ],
+)
+def test_validation_errors_say_what_to_fix(stub_gateway, case: str, status: int, code: str | None, param) -> None:
+    a, b = record(stub_gateway), record(stub_gateway)
+    rollouts = [{"rollout_id": a, "reward": 1.0}, {"rollout_id": b, "reward": 0.0}]
+    body: dict = {"model": "my-agent", "rollouts": rollouts}
+    match case:
+        case "one rollout":
+            body["rollouts"] = rollouts[:1]
+        case "unknown rollout":
+            rollouts[1]["rollout_id"] = "never-recorded"
+        case "duplicate":
+            rollouts[1]["rollout_id"] = a
+        case "infinite reward":
+            body = None  # JSON has no infinity literal; 1e999 overflows to it
+        case "missing reward":
+            del rollouts[1]["reward"]
+        case "unknown model":
+            body["model"] = "other-agent"
+        case "unknown judge":
+            body["ruler"] = {"judge_model": "no-such-provider-xyz"}
+        case "bad choice ref":
+            rollouts[0]["rollout_id"] = f"{a}/x"
+        case "unknown field":
+            body["colour"] = "blue"
+        case "reward not a number":
+            rollouts[0]["reward"] = "high"
+    if body is None:
+        members = f'{{"rollout_id": "{a}", "reward": 1e999}}, {{"rollout_id": "{b}", "reward": 0}}'
+        raw = f'{{"model": "my-agent", "rollouts": [{members}]}}'
+        r = httpx.post(f"{stub_gateway.base_url}/art/groups", content=raw, headers={"content-type": "application/json"})
+    else:
+        r = post_group(stub_gateway, body)
+    err = error(r, status)
+    if code is not None:
+        assert err["code"] == code
+    assert err["param"] == param
+    assert err["message"]
+
+
+def test_rollout_already_in_another_group_is_409(stub_gateway) -> None:
+    a, b, c = (record(stub_gateway) for _ in range(3))
+    assert (
+        post_group(
+            stub_gateway,
+            {"model": "my-agent", "rollouts": [{"rollout_id": a, "reward": 1}, {"rollout_id": b, "reward": 0}]},
+        ).status_code
+        == 201
+    )
+    r = post_group(
+        stub_gateway,
+        {"model": "my-agent", "rollouts": [{"rollout_id": c, "reward": 1}, {"rollout_id": a, "reward": 0}]},
+    )
+    err = error(r, 409)
+    assert err["code"] == "rollout_in_group" and err["param"] == "rollouts[1].rollout_id"
+
+
+def test_rollouts_of_another_model_are_rejected(stub_gateway) -> None:
+    a = record(stub_gateway)
+    b = record(stub_gateway, model="stub")  # the base model by name: not the trainable model
+    err = error(
+        post_group(
+            stub_gateway,
+            {"model": "my-agent", "rollouts": [{"rollout_id": a, "reward": 1}, {"rollout_id": b, "reward": 0}]},
+        ),
+        400,
+    )
+    assert err["code"] == "model_mismatch"
+
+
+def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
+    from tests.conftest import start_gateway
+
+    url, proc = start_stub("--delay", "6")
+    gateway = start_gateway(tmp_path, "--upstream", url)
+    try:
+        done = record(gateway)
+        busy = f"busy-{uuid.uuid4().hex[:6]}"
+        thread = threading.Thread(
+            target=lambda: httpx.post(
+                f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": busy}, timeout=30
+            )
+        )
+        thread.start()
+        time.sleep(1.0)
+        err = error(
+            post_group(
+                gateway,
+                {
+                    "model": "my-agent",
+                    "rollouts": [{"rollout_id": done, "reward": 1}, {"rollout_id": busy, "reward": 0}],
+                },
+            ),
+            409,
+        )
+        assert err["code"] == "rollout_in_flight" and busy in err["message"]
+        thread.join()
+        r = post_group(
+            gateway,
+            {"model": "my-agent", "rollouts": [{"rollout_id": done, "reward": 1}, {"rollout_id": busy, "reward": 0}]},
+        )
+        assert r.status_code == 201
+    finally:
+        gateway.stop()
+        stop_group(proc)
+
+
+@pytest.mark.engine
+def test_one_call_with_n_choices_is_a_group(engine_gateway) -> None:
+    rid = record(engine_gateway, n=3)
+    refs = [f"{rid}/{k}" for k in range(3)]
+    r = post_group(
+        engine_gateway,
+        {"model": "my-agent", "rollouts": [{"rollout_id": ref, "reward": k} for k, ref in enumerate(refs)]},
+    )
+    assert r.status_code == 201, r.text
+    assert [x["rollout_id"] for x in r.json()["rollouts"]] == refs
+    # Each choice is addressable, with its own sampled tokens.
+    seqs = [httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/{k}").json()["sequences"][0] for k in range(3)]
+    calls = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/2").json()["calls"]
+    assert calls[0]["choice"] == 2 and calls[0]["n"] == 3
+    prompt_len = seqs[0]["sampled_mask"].index(1)
+    assert all(s["token_ids"][:prompt_len] == seqs[0]["token_ids"][:prompt_len] for s in seqs)
+    # The whole rollout now overlaps its choices.
+    other = record(engine_gateway)
+    err = error(
+        post_group(
+            engine_gateway,
+            {"model": "my-agent", "rollouts": [{"rollout_id": rid, "reward": 1}, {"rollout_id": other, "reward": 0}]},
+        ),
+        409,
+    )
+    assert err["code"] == "rollout_in_group"
+
+
+@pytest.mark.engine
+def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_url) -> None:
+    """The plumbing is real end to end: litellm → vLLM's OpenAI server with JSON-schema structured output.
+    The tiny random judge's scores mean nothing; that they are valid, stored and become rewards does."""
+    rollouts = [record(engine_gateway) for _ in range(3)]
+    body = {
+        "model": "my-agent",
+        "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)],
+        "ruler": {
+            "judge_model": "hosted_vllm/tiny",
+            "rubric": "Prefer short answers.",
+            "litellm_params": {
+                "api_base": f"{vllm_url}/v1",
+                "api_key": "sk-secret-never-stored",
+                "max_tokens": 400,
+                "temperature": 1.0,
+            },
+        },
+    }
+    r = post_group(engine_gateway, body)
+    assert r.status_code == 201, r.text
+    assert r.json()["state"] == "scoring"
+    assert "sk-secret" not in r.text
+    group_id = r.json()["id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").json()
+        if group["state"] != "scoring":
+            break
+        time.sleep(0.5)
+    # A random judge may fail validation on every retry; then the group says so and why.
+    assert group["state"] in ("ready", "failed"), group
+    if group["state"] == "failed":
+        assert group["failure_reason"].startswith("RULER failed")
+        pytest.fail(f"the tiny judge never produced valid scores: {group['failure_reason']}")
+    scores = [x["ruler_score"] for x in group["rollouts"]]
+    assert all(0.0 <= s <= 1.0 for s in scores)
+    assert [x["reward"] for x in group["rollouts"]] == scores
+    assert [x["caller_reward"] for x in group["rollouts"]] == [0.0, 1.0, 2.0]
+    assert all(x["ruler_explanation"] is not None for x in group["rollouts"])
+    assert group["judge_usage"]["judge_calls"] >= 1 and group["judge_usage"]["prompt_tokens"] > 0
+    assert group["ruler"]["litellm_params"] == {"api_base": f"{vllm_url}/v1", "max_tokens": 400, "temperature": 1.0}
+    assert "sk-secret" not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").text
