@@ -110,9 +110,7 @@ class GatewayProcess:
         return int(self.proc.returncode)
 
 
-def start_gateway(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True
-) -> GatewayProcess:
+def start_gateway(tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> GatewayProcess:
     port = free_port()
     data_dir = tmp_path / f"gw-{port}"
     data_dir.mkdir(parents=True)

@@ -20,9 +20,7 @@ COMPLETION = {
         {
             "index": 0,
             "message": {"role": "assistant", "content": "ok"},
-            "logprobs": {
-                "content": [{"token": "ok", "logprob": -0.5, "bytes": [111, 107], "top_logprobs": []}]
-            },
+            "logprobs": {"content": [{"token": "ok", "logprob": -0.5, "bytes": [111, 107], "top_logprobs": []}]},
             "finish_reason": "stop",
             "token_ids": [7],
         }
@@ -40,9 +38,7 @@ def make_app(delay: float, status: int, die_mid_stream: bool):  # type: ignore[n
         if path == "/health":
             body, code = b"", 200
         elif path == "/v1/models":
-            body = json.dumps(
-                {"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}
-            ).encode()
+            body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200
         else:
             while (await receive()).get("more_body"):
@@ -98,6 +94,4 @@ if __name__ == "__main__":
     parser.add_argument("--status", type=int, default=200)
     parser.add_argument("--die-mid-stream", action="store_true")
     a = parser.parse_args()
-    uvicorn.run(
-        make_app(a.delay, a.status, a.die_mid_stream), host="127.0.0.1", port=a.port, log_level="warning"
-    )
+    uvicorn.run(make_app(a.delay, a.status, a.die_mid_stream), host="127.0.0.1", port=a.port, log_level="warning")

@@ -58,13 +58,9 @@ CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
         (b'{"model": "my-agent", "messages": [{"role": "user"}], "n": 0}', "n", "invalid_value"),
     ],
 )
-def test_invalid_requests_are_400_with_param(
-    stub, gateway_factory, body: bytes, param: str | None, code: str
-) -> None:
+def test_invalid_requests_are_400_with_param(stub, gateway_factory, body: bytes, param: str | None, code: str) -> None:
     gateway = gateway_factory("--upstream", stub[0])
-    r = httpx.post(
-        f"{gateway.base_url}/chat/completions", content=body, headers={"content-type": "application/json"}
-    )
+    r = httpx.post(f"{gateway.base_url}/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = error(r)
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import stop_group
 from tests.integration.test_errors import start_stub
 
+QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -271,8 +272,10 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
             "litellm_params": {
                 "api_base": f"{vllm_url}/v1",
                 "api_key": "sk-secret-never-stored",
-                "max_tokens": 400,
+                "max_tokens": 800,
                 "temperature": 1.0,
+                # A random-weight judge rarely closes a JSON string; favouring `"` keeps explanations short.
+                "logit_bias": {str(QUOTE_TOKEN): 8},
             },
         },
     }
@@ -298,5 +301,6 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     assert [x["caller_reward"] for x in group["rollouts"]] == [0.0, 1.0, 2.0]
     assert all(x["ruler_explanation"] is not None for x in group["rollouts"])
     assert group["judge_usage"]["judge_calls"] >= 1 and group["judge_usage"]["prompt_tokens"] > 0
-    assert group["ruler"]["litellm_params"] == {"api_base": f"{vllm_url}/v1", "max_tokens": 400, "temperature": 1.0}
+    assert group["ruler"]["litellm_params"]["api_base"] == f"{vllm_url}/v1"
+    assert "api_key" not in group["ruler"]["litellm_params"]
     assert "sk-secret" not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").text

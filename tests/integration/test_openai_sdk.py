@@ -163,9 +163,7 @@ def test_models_lists_trainable_and_base(client: openai.OpenAI) -> None:
 
 def test_base_model_by_name_and_step_zero_pin(client: openai.OpenAI) -> None:
     assert client.chat.completions.create(model=BASE_NAME, messages=USER, max_tokens=2).model == BASE_NAME
-    assert (
-        client.chat.completions.create(model="my-agent@0", messages=USER, max_tokens=2).model == "my-agent@0"
-    )
+    assert client.chat.completions.create(model="my-agent@0", messages=USER, max_tokens=2).model == "my-agent@0"
 
 
 def test_unknown_model_raises_not_found(client: openai.OpenAI) -> None:

@@ -42,9 +42,7 @@ def test_supervised_engine_lifecycle(tiny_model, gateway_factory) -> None:
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
     ready_seconds = time.monotonic() - started
     print(f"artgw serve → ready in {ready_seconds:.1f}s")
-    assert re.search(
-        r"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+model=my-agent", gateway.log()
-    )
+    assert re.search(r"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+model=my-agent", gateway.log())
 
     r = httpx.post(
         f"{gateway.base_url}/chat/completions",

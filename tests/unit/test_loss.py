@@ -126,9 +126,7 @@ def _packed(ratios: list[list[float]], **config: object) -> tuple[torch.Tensor, 
     new = sampled + torch.tensor(ratios).log()
     new = torch.where(mask, new, NAN).requires_grad_()
     sampled = torch.where(mask, sampled, NEG_INF)
-    result = grpo_loss(
-        new, sampled, torch.tensor(TRAJECTORY), torch.tensor(ADVANTAGES), mask, LossConfig(**config)
-    )
+    result = grpo_loss(new, sampled, torch.tensor(TRAJECTORY), torch.tensor(ADVANTAGES), mask, LossConfig(**config))
     return new, result
 
 
@@ -193,9 +191,7 @@ def test_dr_grpo_rejects_trajectory_longer_than_max_completion_tokens() -> None:
 # grpo_loss: clipping and truncated importance sampling
 
 
-def _per_token(
-    ratios: list[float], advantages: list[float], config: LossConfig
-) -> tuple[torch.Tensor, object]:
+def _per_token(ratios: list[float], advantages: list[float], config: LossConfig) -> tuple[torch.Tensor, object]:
     """One row, each token its own trajectory, so grpo's loss is the plain mean over tokens."""
     n = len(ratios)
     sampled = torch.full((1, n), -2.0)

@@ -102,9 +102,7 @@ class FakeJudge:
             raise outcome
         return litellm.ModelResponse(
             model="judge",
-            choices=[
-                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": outcome}}
-            ],
+            choices=[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": outcome}}],
             usage={"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120},
         )
 
@@ -139,10 +137,18 @@ def test_public_api_is_pinned() -> None:
         "Trajectory",
         "build_judge_messages",
         "cache_key",
+        "check_judge_model",
         "common_prefix_length",
         "parse_judge_answer",
         "score_group",
     ]
+
+
+def test_check_judge_model_knows_providers_without_calling_them() -> None:
+    ruler.check_judge_model("openai/gpt-4o-mini")
+    ruler.check_judge_model("hosted_vllm/tiny", {"api_base": "http://127.0.0.1:1/v1"})
+    with pytest.raises(ruler.RulerError, match="unknown judge model"):
+        ruler.check_judge_model("no-such-provider-model-xyz")
 
 
 def test_import_stays_out_of_the_gateway_and_litellm() -> None:
@@ -205,9 +211,7 @@ def test_prompt_shows_context_once_and_each_remainder_in_its_block() -> None:
     assert text.count("<tools>") == 1
     assert text.index("<tools>") < text.index('<trajectory id="1">')
 
-    blocks = {
-        i: text.split(f'<trajectory id="{i}">\n', 1)[1].split("\n</trajectory>", 1)[0] for i in (1, 2, 3)
-    }
+    blocks = {i: text.split(f'<trajectory id="{i}">\n', 1)[1].split("\n</trajectory>", 1)[0] for i in (1, 2, 3)}
     assert blocks[1].splitlines() == [
         '{"role":"assistant","tool_calls":[{"id":"call_1","type":"function","function":'
         '{"name":"get_weather","arguments":"{\\"city\\": \\"Paris\\"}"}}]}',

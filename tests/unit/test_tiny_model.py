@@ -50,3 +50,9 @@ def test_every_token_decodes_to_text_and_encoding_roundtrips(tiny_model: Path) -
     for token_id in range(len(tok)):
         piece = tok.decode([token_id])
         assert "\ufffd" not in piece, token_id  # no partial UTF-8: decoded ids are exactly the text
+
+
+def test_quote_token_id_used_by_the_ruler_judge_test(tiny_model: Path) -> None:
+    from tests.integration.test_groups import QUOTE_TOKEN
+
+    assert AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids('"') == QUOTE_TOKEN

@@ -1,0 +1,438 @@
+"""The store against real databases: SQLite (a temp file) and PostgreSQL (the server `scripts/postgres` runs).
+
+Every test gets an empty database of its own: a fresh SQLite file, or on PostgreSQL a uniquely-named
+database created for the test and dropped after it. The PostgreSQL server comes from $ARTGW_TEST_PG_URL, or
+else from running `scripts/postgres` (which installs and starts one if needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from gateway.records import CallRecord, ChoiceRecord
+from gateway.store import create_engine, downgrade, migrate
+from gateway.store.calls import count_calls, list_rollouts, rollout_calls, write_calls
+from gateway.store.db import alembic_config
+from gateway.store.tables import calls, metadata, rollouts
+from tests.conftest import ROOT
+
+# --- databases ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> str:
+    """URL of a database on the test PostgreSQL server (any database: tests only use its server)."""
+    url = os.environ.get("ARTGW_TEST_PG_URL")
+    if url:
+        return url
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "postgres")], capture_output=True, text=True, timeout=900, check=False
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.fail(f"scripts/postgres failed ({proc.returncode}):\n{proc.stderr}", pytrace=False)
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """An empty database of the test's own, SQLite or PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'store.sqlite'}"
+        return
+    server = make_url(request.getfixturevalue("pg_server_url")).set(drivername="postgresql+asyncpg")
+    name = f"artgw_test_{uuid.uuid4().hex[:16]}"
+    admin = create_async_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        yield server.set(database=name).render_as_string(hide_password=False)
+        async with admin.connect() as conn:
+            await conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+    finally:
+        await admin.dispose()
+
+
+@pytest.fixture
+async def engine(store_url: str) -> AsyncIterator[AsyncEngine]:
+    """An engine on a database migrated to head."""
+    engine = create_engine(store_url)
+    try:
+        await migrate(engine, "head")
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+# --- records -----------------------------------------------------------------------------------------
+
+
+def call(
+    call_id: str,
+    rollout_id: str,
+    started_at: float,
+    *,
+    model: str | None = "agent",
+    explicit: bool = True,
+    **fields: object,
+) -> CallRecord:
+    """A plain successful call; `fields` override any other field."""
+    values: dict[str, object] = {
+        "call_id": call_id,
+        "rollout_id": rollout_id,
+        "rollout_explicit": explicit,
+        "model": model,
+        "step": 3,
+        "upstream_model": "agent@3",
+        "request": {"model": model or "base", "messages": [{"role": "user", "content": f"hi {call_id}"}]},
+        "stream": False,
+        "status": "ok",
+        "http_status": 200,
+        "error": None,
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [
+            ChoiceRecord(
+                index=0,
+                message={"role": "assistant", "content": "ok"},
+                finish_reason="stop",
+                token_ids=[7, 8],
+                logprobs=[-0.5, -0.25],
+            )
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "started_at": started_at,
+        "first_token_at": started_at + 0.125,
+        "ended_at": started_at + 0.5,
+    }
+    values.update(fields)
+    return CallRecord(**values)  # type: ignore[arg-type]
+
+
+async def write(engine: AsyncEngine, records: list[CallRecord]) -> int:
+    async with engine.begin() as conn:
+        return await write_calls(conn, records)
+
+
+async def rollout_row(engine: AsyncEngine, rollout_id: str) -> sa.Row:
+    async with engine.connect() as conn:
+        return (await conn.execute(sa.select(rollouts).where(rollouts.c.id == rollout_id))).one()
+
+
+async def call_ids(engine: AsyncEngine) -> list[str]:
+    async with engine.connect() as conn:
+        return list((await conn.execute(sa.select(calls.c.id).order_by(calls.c.id))).scalars())
+
+
+# --- migrations --------------------------------------------------------------------------------------
+
+
+def _tables(conn: Connection) -> set[str]:
+    return set(sa.inspect(conn).get_table_names()) - {"alembic_version"}
+
+
+def _current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def _drift(conn: Connection) -> list[object]:
+    """What differs between the migrated database and tables.py (tables, columns, types, indexes, constraints)."""
+    return compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
+
+
+async def test_migrations_upgrade_downgrade_upgrade(store_url: str) -> None:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    engine = create_engine(store_url)
+    try:
+        await migrate(engine, "head")
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_tables) == set(metadata.tables)
+            assert await conn.run_sync(_current_revision) == head
+            # The migrations make exactly the schema tables.py declares.
+            assert await conn.run_sync(_drift) == []
+
+        await downgrade(engine, "base")
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_tables) == set()
+            assert await conn.run_sync(_current_revision) is None
+
+        await migrate(engine, "head")
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_tables) == set(metadata.tables)
+            assert await conn.run_sync(_current_revision) == head
+            assert await conn.run_sync(_drift) == []
+        # Upgrading at head is a no-op, and the re-made schema takes writes.
+        await migrate(engine, "head")
+        assert await write(engine, [call("c1", "r1", 100.0)]) == 1
+    finally:
+        await engine.dispose()
+
+
+async def test_migrations_step_by_step(store_url: str) -> None:
+    """Every revision upgrades from the one before and downgrades back to it."""
+    scripts = ScriptDirectory.from_config(alembic_config())
+    revisions = [script.revision for script in reversed(list(scripts.walk_revisions()))]
+    engine = create_engine(store_url)
+    try:
+        seen: list[set[str]] = [set()]
+        for revision in revisions:
+            await migrate(engine, revision)
+            async with engine.connect() as conn:
+                assert await conn.run_sync(_current_revision) == revision
+                seen.append(await conn.run_sync(_tables))
+        for revision, tables in zip(reversed(["base", *revisions[:-1]]), reversed(seen[:-1]), strict=True):
+            await downgrade(engine, revision)
+            async with engine.connect() as conn:
+                assert await conn.run_sync(_tables) == tables, revision
+    finally:
+        await engine.dispose()
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+
+async def test_write_calls_is_idempotent_per_call_id(engine: AsyncEngine) -> None:
+    batch = [call("c1", "r1", 100.0), call("c2", "r1", 101.0), call("c3", "r2", 102.0)]
+    assert await write(engine, batch) == 3
+    # The same batch again (a retry whose first attempt did commit): nothing new, nothing counted twice.
+    assert await write(engine, batch) == 0
+    # A batch mixing written and new calls counts only the new ones.
+    assert await write(engine, [call("c2", "r1", 101.0), call("c4", "r1", 103.0)]) == 1
+
+    assert await call_ids(engine) == ["c1", "c2", "c3", "c4"]
+    async with engine.connect() as conn:
+        assert await count_calls(conn) == 4
+    assert (await rollout_row(engine, "r1")).call_count == 3
+    assert (await rollout_row(engine, "r2")).call_count == 1
+
+
+async def test_write_calls_duplicate_within_a_batch_counts_once(engine: AsyncEngine) -> None:
+    record = call("c1", "r1", 100.0)
+    assert await write(engine, [record, call("c2", "r1", 101.0), record]) == 2
+    assert await call_ids(engine) == ["c1", "c2"]
+    assert (await rollout_row(engine, "r1")).call_count == 2
+
+
+async def test_write_calls_empty_batch(engine: AsyncEngine) -> None:
+    assert await write(engine, []) == 0
+    async with engine.connect() as conn:
+        assert await count_calls(conn) == 0
+
+
+async def test_rollout_counters_across_batches(engine: AsyncEngine) -> None:
+    # First batch: base-model calls (model None), out of time order within the batch.
+    await write(engine, [call("c1", "r1", 105.0, model=None), call("c2", "r1", 103.0, model=None)])
+    row = await rollout_row(engine, "r1")
+    assert (row.call_count, row.first_call_at, row.last_call_at, row.model, row.explicit) == (
+        2,
+        103.0,
+        105.0,
+        None,
+        True,
+    )
+
+    # Later: the first trainable-model call fills the model in; an earlier call moves first_call_at back.
+    await write(engine, [call("c3", "r1", 101.5, model="agent"), call("c4", "r9", 200.0)])
+    row = await rollout_row(engine, "r1")
+    assert (row.call_count, row.first_call_at, row.last_call_at, row.model) == (3, 101.5, 105.0, "agent")
+
+    # Once set, the model is kept; last_call_at only moves forward; `explicit` is the first writer's.
+    await write(engine, [call("c5", "r1", 110.25, model="other", explicit=False), call("c6", "r1", 104.0)])
+    row = await rollout_row(engine, "r1")
+    assert (row.call_count, row.first_call_at, row.last_call_at, row.model, row.explicit) == (
+        5,
+        101.5,
+        110.25,
+        "agent",
+        True,
+    )
+    # Within one batch the model is coalesced too: the first non-null one.
+    await write(engine, [call("c7", "r2", 1.0, model=None), call("c8", "r2", 2.0, model="b"), call("c9", "r2", 3.0)])
+    assert (await rollout_row(engine, "r2")).model == "b"
+    assert (await rollout_row(engine, "r9")).call_count == 1
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine) -> None:
+    tool_call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "search", "arguments": '{"q": "naïve \\"quoted\\"", "n": 3}'},
+    }
+    rich = call(
+        "c-rich",
+        "r-explicit",
+        1_732_240_000.123456,
+        request={
+            "model": "agent",
+            "messages": [
+                {"role": "system", "content": 'Ünïcødé ✓ — 漢字 \U0001f600 \\ " \n\t'},
+                {"role": "user", "content": [{"type": "text", "text": "part"}]},
+            ],
+            "temperature": 0.7,
+            "tools": [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}],
+            "extra_body": {"nested": {"z": 1, "a": [None, True, 1e-300]}},
+        },
+        stream=True,
+        prompt_token_ids=[151_643, 0, 2**31 - 1, 42],
+        choices=[
+            ChoiceRecord(
+                index=0,
+                message={"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                finish_reason="tool_calls",
+                token_ids=[151_645, 13, 0],
+                logprobs=[-0.1234567890123456789, -1e-12, -23.456789012345678],
+            ),
+            ChoiceRecord(
+                index=1,
+                message={"role": "assistant", "content": "", "reasoning_content": "hmm"},
+                finish_reason="length",
+                token_ids=[],
+                logprobs=[],
+            ),
+        ],
+        usage={"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": None},
+        first_token_at=1_732_240_000.2,
+        ended_at=1_732_240_001.987654321,
+    )
+    plain = call("c-plain", "r-explicit", 1_732_240_002.5, step=0)
+    failed = call(
+        "c-failed",
+        "r-explicit",
+        1_732_240_002.5,  # same started_at as c-plain: ordered by id then
+        status="upstream_error",
+        http_status=502,
+        error="engine said: 'boom'",
+        choices=[],
+        usage=None,
+        first_token_at=None,
+        step=None,
+        model=None,
+    )
+    implicit = call("c-solo", "gw-solo", 5.0, explicit=False, status="cancelled", http_status=499)
+    await write(engine, [plain, implicit, rich])
+    await write(engine, [failed])
+
+    async with engine.connect() as conn:
+        assert await rollout_calls(conn, "r-explicit") == [rich, failed, plain]
+        assert await rollout_calls(conn, "gw-solo") == [implicit]
+        assert await rollout_calls(conn, "unknown") is None
+
+
+async def _all_pages(
+    engine: AsyncEngine, *, limit: int, model: str | None = None, since: float | None = None
+) -> list[list[str]]:
+    pages: list[list[str]] = []
+    after: tuple[float, str] | None = None
+    async with engine.connect() as conn:
+        while True:
+            page = await list_rollouts(conn, model=model, since=since, limit=limit, after=after)
+            if not page:
+                return pages
+            assert len(page) <= limit
+            pages.append([r.id for r in page])
+            after = (page[-1].last_call_at, page[-1].id)
+
+
+async def test_list_rollouts_keyset_pagination(engine: AsyncEngine) -> None:
+    rng = random.Random(7)
+    # 40 rollouts over 3 models; many share a last_call_at, so the id breaks ties across page boundaries.
+    expected: dict[str, tuple[float, str | None]] = {}
+    records = []
+    for i in range(40):
+        rollout_id = f"r{rng.randrange(10**6):06d}-{i:02d}"
+        model = ["a", "b", None][i % 3]
+        last = 1000.0 + (i % 7) * 0.5
+        expected[rollout_id] = (last, model)
+        records += [
+            call(f"{rollout_id}-0", rollout_id, last - 3, model=model),
+            call(f"{rollout_id}-1", rollout_id, last, model=model),
+        ]
+    rng.shuffle(records)
+    for i in range(0, len(records), 9):
+        await write(engine, records[i : i + 9])
+
+    def ordered(model: str | None, since: float | None) -> list[str]:
+        keep = [
+            (last, rid)
+            for rid, (last, m) in expected.items()
+            if (model is None or m == model) and (since is None or last >= since)
+        ]
+        return [rid for _, rid in sorted(keep)]
+
+    for model, since in [(None, None), ("a", None), (None, 1001.5), ("b", 1001.0), ("nobody", None), (None, 9e9)]:
+        want = ordered(model, since)
+        for limit in (1, 4, 7, 100):
+            pages = await _all_pages(engine, limit=limit, model=model, since=since)
+            got = [rid for page in pages for rid in page]
+            assert got == want, (model, since, limit)  # every rollout once, in (last_call_at, id) order
+            assert all(len(page) == limit for page in pages[:-1])
+
+    async with engine.connect() as conn:
+        first = (await list_rollouts(conn, limit=1))[0]
+    assert (first.last_call_at, first.call_count, first.first_call_at) == (1000.0, 2, 997.0)
+
+
+# --- concurrency -------------------------------------------------------------------------------------
+
+
+async def test_concurrent_writers_exact_counts(engine: AsyncEngine) -> None:
+    """8 writers on their own connections, every batch touching the same rollouts in a different order.
+
+    Also two writers at a time write the same calls (a replayed spill racing the live recorder), in
+    different orders. Lost updates, double counts or deadlocks would show as wrong counts or errors.
+    """
+    writers, batches, per_batch = 8, 12, 10
+    rollout_ids = [f"shared-{k}" for k in range(6)]
+    start = asyncio.Barrier(writers)
+
+    def batch(writer: int, b: int) -> list[CallRecord]:
+        owner = writer // 2  # writers 2k and 2k+1 write the same calls
+        rng = random.Random(writer * 1000 + b)
+        records = [
+            call(
+                f"w{owner}-b{b}-{j}",
+                rollout_ids[(owner + b + j) % len(rollout_ids)],
+                1000.0 + owner * 100 + b + j / 100,
+                model=None if j == 0 else f"m{owner}",
+            )
+            for j in range(per_batch)
+        ]
+        rng.shuffle(records)
+        return records
+
+    async def writer(w: int) -> int:
+        await start.wait()
+        new = 0
+        for b in range(batches):
+            async with engine.begin() as conn:
+                new += await write_calls(conn, batch(w, b))
+            await asyncio.sleep(0)
+        return new
+
+    new_counts = await asyncio.wait_for(asyncio.gather(*(writer(w) for w in range(writers))), 120)
+
+    written = {r.call_id: r for w in range(0, writers, 2) for b in range(batches) for r in batch(w, b)}
+    assert sum(new_counts) == len(written) == writers // 2 * batches * per_batch
+    assert await call_ids(engine) == sorted(written)
+    for rollout_id in rollout_ids:
+        mine = [r for r in written.values() if r.rollout_id == rollout_id]
+        row = await rollout_row(engine, rollout_id)
+        assert row.call_count == len(mine), rollout_id
+        assert row.first_call_at == min(r.started_at for r in mine)
+        assert row.last_call_at == max(r.started_at for r in mine)
+        assert row.model is not None
