@@ -8,10 +8,30 @@ name reaches the base weights.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from gateway.errors import OpenAIError, model_not_found
+import httpx
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.store.adapters import (
+    AdapterRow,
+    LeaseLost,
+    adapter_history,
+    commit_step,
+    loaded_adapters,
+    record_failure,
+    set_status,
+)
+from gateway.store.groups import count_by_state
+
+log = logging.getLogger("artgw.adapters")
 
 _PINNED = re.compile(r"^(?P<name>.+)@(?P<step>\d+)$")
 
@@ -74,3 +94,141 @@ class AdapterRegistry:
             out.extend((adapter_name(model.name, s), self.base_model) for s in sorted(model.loaded_steps))
         out.append((self.base_model, self.base_model))
         return out
+
+
+# ---------------------------------------------------------------- loading adapters into the engine
+
+
+class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a trainer posts once a step's checkpoint is on disk."""
+
+    step: int
+    path: str  # directory with adapter_config.json + weights, readable by the engine
+    group_ids: list[str] = []  # the groups this step trained: marked trained once the adapter serves
+    lease_owner: str = ""
+    metrics: dict[str, Any] | None = None
+
+
+class ModelStatus(msgspec.Struct, frozen=True):
+    name: str
+    base_model: str | None
+    served_step: int
+    loaded_steps: list[int]
+    groups: dict[str, int]  # state -> count
+    steps: list[AdapterRow]  # newest first
+    object: str = "art.model"
+
+
+class AdapterService:
+    """Loads adapters into vLLM beside the old ones, moves the alias, unloads old ones later."""
+
+    def __init__(self, registry: AdapterRegistry, client: httpx.AsyncClient, store: AsyncEngine, keep: int = 3):
+        self.registry = registry
+        self.client = client
+        self.store = store
+        self.keep = keep  # adapters kept loaded per model: pinned `NAME@K` requests keep working a while
+        self._lock = asyncio.Lock()
+
+    def _model(self, name: str) -> TrainableModel:
+        model = self.registry.models.get(name)
+        if model is None:
+            raise model_not_found(name)
+        return model
+
+    async def _engine(self, action: str, body: dict[str, Any]) -> tuple[bool, str]:
+        try:
+            answer = await self.client.post(f"/v1/{action}_lora_adapter", json=body, timeout=120.0)
+        except httpx.TransportError as exc:
+            return False, f"engine unreachable: {type(exc).__name__}"
+        return answer.status_code == 200, answer.text
+
+    async def _load_into_engine(self, name: str, path: str) -> tuple[bool, str]:
+        ok, text = await self._engine("load", {"lora_name": name, "lora_path": path})
+        if not ok and "already" in text.lower():  # left over from an attempt that did not commit
+            await self._engine("unload", {"lora_name": name})
+            ok, text = await self._engine("load", {"lora_name": name, "lora_path": path})
+        return ok, text
+
+    async def load(self, name: str, spec: AdapterLoad) -> ModelStatus:
+        model = self._model(name)
+        if spec.step < 1:
+            raise invalid_request("'step' must be >= 1 (step 0 is the base model).", param="step")
+        if not (Path(spec.path) / "adapter_config.json").is_file():
+            raise invalid_request(f"No adapter at `{spec.path}` (adapter_config.json missing).", param="path")
+        async with self._lock:
+            if spec.step <= model.served_step:
+                raise OpenAIError(
+                    409, f"Step {spec.step} is not newer than the served step {model.served_step}.", param="step"
+                )
+            adapter = adapter_name(name, spec.step)
+            ok, text = await self._load_into_engine(adapter, spec.path)
+            if not ok:
+                async with self.store.begin() as conn:
+                    await record_failure(
+                        conn, model=name, step=spec.step, path=spec.path, metrics=spec.metrics, error=text[:2000]
+                    )
+                raise OpenAIError(
+                    502, f"The engine refused adapter {adapter}: {text[:500]}", code="adapter_load_failed"
+                )
+            try:
+                async with self.store.begin() as conn:
+                    await commit_step(
+                        conn,
+                        model=name,
+                        step=spec.step,
+                        path=spec.path,
+                        metrics=spec.metrics,
+                        group_ids=spec.group_ids,
+                        lease_owner=spec.lease_owner,
+                    )
+            except LeaseLost as exc:
+                await self._engine("unload", {"lora_name": adapter})
+                raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
+            model.loaded_steps.add(spec.step)
+            model.served_step = spec.step  # the alias moves: new requests for `name` get this step
+            await self._unload_old(model)
+        return await self.status(name)
+
+    async def _unload_old(self, model: TrainableModel) -> None:
+        old = sorted(model.loaded_steps)[: -self.keep] if self.keep else sorted(model.loaded_steps)
+        done = []
+        for step in old:
+            ok, _ = await self._engine("unload", {"lora_name": adapter_name(model.name, step)})
+            model.loaded_steps.discard(step)
+            if ok:
+                done.append(step)
+        async with self.store.begin() as conn:
+            await set_status(conn, model.name, done, "unloaded")
+
+    async def sync_engine(self) -> None:
+        """After the engine (re)starts: load what the store says should be serving, newest `keep` per model."""
+        async with self.store.connect() as conn:
+            rows = await loaded_adapters(conn)
+        async with self._lock:
+            for row in rows:
+                model = self.registry.models.get(row.model)
+                if model is None:
+                    continue
+                newest = sorted(r.step for r in rows if r.model == row.model)[-self.keep :]
+                if row.step not in newest:
+                    continue
+                ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
+                if ok:
+                    model.loaded_steps.add(row.step)
+                    model.served_step = max(model.served_step, row.step)
+                else:
+                    log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
+
+    async def status(self, name: str) -> ModelStatus:
+        model = self._model(name)
+        async with self.store.connect() as conn:
+            history = await adapter_history(conn, name)
+            counts = await count_by_state(conn)
+        return ModelStatus(
+            name=name,
+            base_model=self.registry.base_model,
+            served_step=model.served_step,
+            loaded_steps=sorted(model.loaded_steps),
+            groups={state: n for (m, state), n in counts.items() if m == name},
+            steps=history,
+        )

@@ -19,7 +19,7 @@ from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import art_api
-from gateway.adapters import AdapterRegistry
+from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
 from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, wait_until_ready
 from gateway.errors import exception_handlers
@@ -43,6 +43,7 @@ class GatewayState:
     store: AsyncEngine
     rollouts: RolloutService
     groups: GroupService
+    adapters: AdapterService
     engine_state: str = "starting"
     fatal: list[str] = field(default_factory=list)  # why the gateway gave up, if it did
 
@@ -112,6 +113,7 @@ async def _bring_up_engine(state: GatewayState) -> None:
         else:
             await wait_until_ready(settings.upstream_url, settings.engine_startup_timeout)
             state.registry.base_model = await _discover_base_model(state.client)
+            await state.adapters.sync_engine()
             state.engine_state = "ready"
     except EngineFailed as exc:
         _fail(state, f"the inference engine did not start: {exc}")
@@ -164,6 +166,7 @@ def create_app(settings: Settings) -> Litestar:
             store=store,
             rollouts=RolloutService(store, recorder),
             groups=None,  # type: ignore[arg-type]  # set just below
+            adapters=AdapterService(registry, client, store),
         )
         state.groups = GroupService(store, state.rollouts, registry, recorder)
         if settings.base_model is not None:
@@ -180,6 +183,7 @@ def create_app(settings: Settings) -> Litestar:
                     env=settings.extra_env,
                 ),
                 on_fatal=lambda reason: _fail(state, reason),
+                on_ready=state.adapters.sync_engine,
             )
             state.supervisor = supervisor
         state.chat = ChatService(

@@ -8,6 +8,8 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.params import Parameter
 
+from gateway.adapters import AdapterLoad, ModelStatus
+from gateway.errors import OpenAIError, decode_body
 from gateway.groups import GroupOut, GroupPage, parse_group_create
 from gateway.rollouts import RolloutPage
 from gateway.trajectories import Trajectory
@@ -62,4 +64,38 @@ async def list_groups(
     return await _state(request).groups.page(model=model, state=group_state, limit=limit, cursor=cursor)
 
 
-routes = [get_rollout, get_rollout_choice, list_rollouts, create_group, get_group, list_groups]
+def require_admin(request: Request[Any, Any, State]) -> None:
+    """Admin endpoints: the bearer admin key; with none configured, only clients on this machine."""
+    key = _state(request).settings.admin_key
+    if key is None:
+        host = request.client.host if request.client else ""
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise OpenAIError(403, "Admin endpoints need --admin-key when called from another host.")
+        return
+    if request.headers.get("Authorization") != f"Bearer {key}":
+        raise OpenAIError(401, "Admin endpoints need `Authorization: Bearer <admin key>`.", code="invalid_admin_key")
+
+
+@post("/v1/art/models/{name:str}/adapters")
+async def load_adapter(request: Request[Any, Any, State], name: str) -> ModelStatus:
+    """A trainer's new step: load it beside the old one, point `name` at it, mark its groups trained."""
+    require_admin(request)
+    spec = decode_body(await request.body(), AdapterLoad)
+    return await _state(request).adapters.load(name, spec)
+
+
+@get("/v1/art/models/{name:str}")
+async def model_status(request: Request[Any, Any, State], name: str) -> ModelStatus:
+    return await _state(request).adapters.status(name)
+
+
+routes = [
+    get_rollout,
+    get_rollout_choice,
+    list_rollouts,
+    create_group,
+    get_group,
+    list_groups,
+    load_adapter,
+    model_status,
+]

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,9 +118,15 @@ async def wait_until_ready(url: str, within: float, alive: Callable[[], bool] = 
 class EngineSupervisor:
     """Starts, watches, restarts and stops one vLLM server process."""
 
-    def __init__(self, config: EngineConfig, on_fatal: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_fatal: Callable[[str], None],
+        on_ready: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.config = config
         self.on_fatal = on_fatal
+        self.on_ready = on_ready  # after every (re)start: reload the adapters that should be serving
         self.state = "stopped"  # starting | ready | restarting | failed | stopped
         self.process: asyncio.subprocess.Process | None = None
         self.started_at: float | None = None
@@ -159,6 +165,8 @@ class EngineSupervisor:
             await self._kill()
             raise EngineFailed(f"{exc}; last lines of {self.config.log_path}:\n{self.log_tail()}") from None
         self.ready_seconds = time.monotonic() - self.started_at
+        if self.on_ready is not None:
+            await self.on_ready()
         self.state = "ready"
 
     async def _watch_loop(self) -> None:

@@ -7,13 +7,15 @@ SDK turn this into typed exceptions (`openai.NotFoundError`, ...).
 from __future__ import annotations
 
 import logging
-from typing import Any
+import re
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 log = logging.getLogger("artgw.gateway")
+T = TypeVar("T")
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -67,6 +69,17 @@ def model_not_found(model: str) -> OpenAIError:
         param="model",
         code="model_not_found",
     )
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into a struct; anything wrong is a 400 naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        where = re.search(r"at `\$\.?(.*)`", str(exc))
+        raise invalid_request(f"Invalid request: {exc}", param=where[1] if where else None) from None
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.adapters import AdapterRegistry
-from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.errors import OpenAIError, decode_body, invalid_request, model_not_found
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService, decode_cursor_pair, encode_cursor_pair
 from gateway.store.groups import (
@@ -130,13 +130,7 @@ def group_out(row: GroupRow) -> GroupOut:
 
 
 def parse_group_create(body: bytes) -> GroupCreate:
-    try:
-        return msgspec.json.decode(body, type=GroupCreate)
-    except msgspec.ValidationError as exc:
-        where = re.search(r"at `\$\.?(.*)`", str(exc))
-        raise invalid_request(f"Invalid group: {exc}", param=where[1] if where else None) from None
-    except msgspec.DecodeError as exc:
-        raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    return decode_body(body, GroupCreate)
 
 
 def split_ref(ref: str) -> tuple[str, int | None]:

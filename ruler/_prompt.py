@@ -8,6 +8,7 @@ holds only what follows that prefix. Messages are one compact JSON object per li
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ much higher."""
 messages, so it serves most tasks without change."""
 
 # Bump when the prompt or the answer format changes, so cached answers are not reused.
-_PROMPT_VERSION = 1
+_PROMPT_VERSION = 2
 
 _SYSTEM_TEMPLATE = """\
 You are the judge in a reinforcement-learning loop. Every trajectory below was produced \
@@ -39,21 +40,30 @@ each other, so rank carefully. If the goal is not stated, infer it from the cont
 Grading standards:
 {rubric}
 
-Answer with JSON only: {{"scores": [{{"trajectory_id": "1", "explanation": "...", \
-"score": 0.0}}, ...]}} with exactly one entry per trajectory id; write the explanation \
-(one or two sentences) before deciding the score."""
+Answer with JSON only: {{"scores": {{"1": {{"explanation": "...", "score": 0.0}}, \
+"2": {{"explanation": "...", "score": 0.0}}, ...}}}}, an object with exactly one entry per \
+trajectory id as its key; write the explanation (one or two sentences) before deciding \
+the score."""
 
 _EMPTY_REMAINDER = "(no messages after the shared context)"
 
 
 class _AnswerScore(msgspec.Struct):
-    trajectory_id: str | int  # a string in the schema; a bare number is accepted too
+    explanation: str
+    score: float
+
+
+class _LegacyAnswerScore(msgspec.Struct):
+    trajectory_id: str | int  # a string in the old schema; a bare number is accepted too
     explanation: str
     score: float
 
 
 class _Answer(msgspec.Struct):
-    scores: list[_AnswerScore]
+    # The schema asks for {"1": {...}, "2": {...}}; the list of {"trajectory_id": ...}
+    # entries (RULER's format before _PROMPT_VERSION 2) is accepted from judges that
+    # ignore the schema.
+    scores: dict[str, _AnswerScore] | list[_LegacyAnswerScore]
 
 
 def canonical_json(value: Any) -> bytes:
@@ -119,16 +129,15 @@ def build_judge_messages(trajectories: Sequence[Trajectory], rubric: str) -> lis
     for i, trajectory in enumerate(trajectories, start=1):
         body = []
         if not tools_shared:
-            body.append(
-                f"<tools>\n{_tool_lines(trajectory.tools) if trajectory.tools else '(none)'}\n</tools>"
-            )
+            body.append(f"<tools>\n{_tool_lines(trajectory.tools) if trajectory.tools else '(none)'}\n</tools>")
         remainder = trajectory.messages[prefix:]
         body.append(_message_lines(remainder) if remainder else _EMPTY_REMAINDER)
         parts.append(f'<trajectory id="{i}">\n' + "\n".join(body) + "\n</trajectory>")
     ids = ", ".join(f'"{i}"' for i in range(1, n + 1))
     parts.append(
-        f"Score each of the {n} trajectories (trajectory_id {ids}). Answer with JSON: "
-        '{"scores": [{"trajectory_id": "1", "explanation": "...", "score": <number from 0 to 1>}, ...]}'
+        f'Score each of the {n} trajectories (ids {ids}). Answer with JSON whose "scores" object has '
+        f"exactly the keys {ids}: "
+        '{"scores": {"1": {"explanation": "...", "score": <number from 0 to 1>}, ...}}'
     )
     return [
         {"role": "system", "content": _SYSTEM_TEMPLATE.format(rubric=rubric.strip())},
@@ -139,22 +148,33 @@ def build_judge_messages(trajectories: Sequence[Trajectory], rubric: str) -> lis
 def response_format(n: int) -> dict[str, Any]:
     """litellm/OpenAI ``response_format`` asking for one score per trajectory id 1..n.
 
-    The [0, 1] range and the one-per-id rule are checked by ``parse_judge_answer``:
-    strict structured outputs do not support every JSON-schema bound.
+    ``scores`` is an object whose keys are exactly "1".."n", all required, so a
+    grammar-constrained judge (OpenAI strict mode, vLLM) can neither skip nor repeat an
+    id; each value holds the explanation, then the score in [0, 1]. ``parse_judge_answer``
+    checks all of it again for judges that ignore the schema.
     """
-    score = {
+    ids = [str(i) for i in range(1, n + 1)]
+
+    def score() -> dict[str, Any]:  # a fresh dict per id: nothing downstream sees shared objects
+        return {
+            "type": "object",
+            "properties": {
+                "explanation": {"type": "string"},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["explanation", "score"],
+            "additionalProperties": False,
+        }
+
+    scores = {
         "type": "object",
-        "properties": {
-            "trajectory_id": {"type": "string", "enum": [str(i) for i in range(1, n + 1)]},
-            "explanation": {"type": "string"},
-            "score": {"type": "number"},
-        },
-        "required": ["trajectory_id", "explanation", "score"],
+        "properties": {i: score() for i in ids},
+        "required": ids,
         "additionalProperties": False,
     }
     schema = {
         "type": "object",
-        "properties": {"scores": {"type": "array", "items": score}},
+        "properties": {"scores": scores},
         "required": ["scores"],
         "additionalProperties": False,
     }
@@ -164,12 +184,36 @@ def response_format(n: int) -> dict[str, Any]:
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
 
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object as the stdlib parser saw it: (key, value) pairs, repeats kept."""
+
+
+def _score_keys(text: str, decoded: dict[str, Any]) -> list[str]:
+    """The keys of the answer's ``scores`` object in document order, repeated keys included.
+
+    msgspec keeps only the last of repeated object keys, which would hide a judge that
+    scored one trajectory twice; the stdlib parser can report every key. Falls back to
+    ``decoded``'s keys if the two parsers somehow disagree.
+    """
+    try:
+        top = json.loads(text, object_pairs_hook=_Pairs)
+    except (ValueError, RecursionError):
+        return list(decoded)
+    scores = [value for key, value in top if key == "scores"] if isinstance(top, _Pairs) else []
+    if not scores or not isinstance(scores[-1], _Pairs):
+        return list(decoded)
+    keys = [key for key, _ in scores[-1]]
+    return keys if set(keys) == decoded.keys() else list(decoded)
+
+
 def parse_judge_answer(text: str, n: int) -> list[Score]:
     """The judge's scores for trajectory ids 1..n, in id order.
 
     Raises ``RulerError`` naming the problem unless the answer is JSON with exactly one
-    entry per id and every score a finite number in [0, 1]. A surrounding Markdown code
-    fence is tolerated.
+    entry per id and every score a finite number in [0, 1]. The expected shape is
+    ``{"scores": {"1": {"explanation": ..., "score": ...}, ...}}``; the older list of
+    ``{"trajectory_id": ..., "explanation": ..., "score": ...}`` entries is accepted too.
+    A surrounding Markdown code fence is tolerated.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -182,22 +226,26 @@ def parse_judge_answer(text: str, n: int) -> list[Score]:
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise RulerError(f"judge answer is not the expected JSON ({exc}): {text[:200]!r}") from None
 
+    if isinstance(answer.scores, dict):
+        found = answer.scores
+        entries = [(key, found[key].explanation, found[key].score) for key in _score_keys(stripped, found)]
+    else:
+        entries = [(str(entry.trajectory_id), entry.explanation, entry.score) for entry in answer.scores]
+
     by_id: dict[str, Score] = {}
-    for entry in answer.scores:
-        raw = str(entry.trajectory_id).strip()
+    for key, explanation, value in entries:
+        raw = key.strip()
         if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= n:
-            raise RulerError(f"judge answer has unknown trajectory_id {raw!r}; expected 1..{n}")
+            raise RulerError(f"judge answer has unknown trajectory id {raw!r}; expected ids 1..{n}")
         tid = str(int(raw))
         if tid in by_id:
             raise RulerError(f"judge answer scores trajectory {tid!r} more than once")
-        if not (math.isfinite(entry.score) and 0.0 <= entry.score <= 1.0):
-            raise RulerError(f"judge score for trajectory {tid!r} is {entry.score!r}, not in [0, 1]")
-        by_id[tid] = Score(score=entry.score, explanation=entry.explanation)
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise RulerError(f"judge score for trajectory {tid!r} is {value!r}, not in [0, 1]")
+        by_id[tid] = Score(score=value, explanation=explanation)
     missing = [str(i) for i in range(1, n + 1) if str(i) not in by_id]
     if missing:
-        raise RulerError(
-            f"judge answer has {len(by_id)} scores for {n} trajectories; missing ids {', '.join(missing)}"
-        )
+        raise RulerError(f"judge answer has {len(by_id)} scores for {n} trajectories; missing ids {', '.join(missing)}")
     return [by_id[str(i)] for i in range(1, n + 1)]
 
 

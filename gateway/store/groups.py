@@ -149,3 +149,67 @@ class StoreJudgeCache:
             exists = (await conn.execute(sa.select(judge_cache.c.key).where(judge_cache.c.key == key))).first()
             if exists is None:
                 await conn.execute(sa.insert(judge_cache), [{"key": key, "value": value, "created_at": time.time()}])
+
+
+# ---------------------------------------------------------------- the trainer's claims (leases)
+
+
+def _claimable(now: float) -> sa.ColumnElement[bool]:
+    # Ready, or claimed by a trainer whose lease ran out (it died): claimable again.
+    return sa.or_(groups.c.state == "ready", sa.and_(groups.c.state == "training", groups.c.lease_expires_at < now))
+
+
+async def claim_groups(conn: AsyncConnection, *, model: str, owner: str, lease_seconds: float, limit: int) -> list[str]:
+    """Claim up to `limit` groups for training, oldest first, in one transaction.
+
+    On PostgreSQL the candidates are locked with `FOR UPDATE SKIP LOCKED`, so concurrent trainers
+    never wait on or double-claim a group; on SQLite the single writer serializes claims, and the
+    guarded UPDATE ... RETURNING reports only what this claim really took.
+    """
+    now = time.time()
+    candidates = (
+        sa.select(groups.c.id)
+        .where(groups.c.model == model, _claimable(now))
+        .order_by(groups.c.created_at, groups.c.id)
+        .limit(limit)
+    )
+    if conn.dialect.name == "postgresql":
+        candidates = candidates.with_for_update(skip_locked=True)
+    ids = list((await conn.execute(candidates)).scalars())
+    if not ids:
+        return []
+    claimed = await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id.in_(ids), _claimable(now))
+        .values(state="training", lease_owner=owner, lease_expires_at=now + lease_seconds, updated_at=now)
+        .returning(groups.c.id)
+    )
+    taken = set(claimed.scalars())
+    return [gid for gid in ids if gid in taken]
+
+
+async def renew_lease(conn: AsyncConnection, group_ids: Sequence[str], owner: str, lease_seconds: float) -> int:
+    result = await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
+        .values(lease_expires_at=time.time() + lease_seconds)
+    )
+    return result.rowcount
+
+
+async def release_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str) -> None:
+    """A failed step gives its groups back: ready for the next claim."""
+    await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
+        .values(state="ready", lease_owner=None, lease_expires_at=None, updated_at=time.time())
+    )
+
+
+async def drop_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str, reason: str) -> None:
+    """Claimed groups the trainer will not train (too stale): `failed`, with the reason."""
+    await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
+        .values(state="failed", failure_reason=reason, lease_owner=None, lease_expires_at=None, updated_at=time.time())
+    )

@@ -92,3 +92,18 @@ judge_cache = sa.Table(
     sa.Column("value", sa.Text, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
 )
+
+# Every adapter step a trainer produced, and what became of it: the history of what served each model.
+adapters = sa.Table(
+    "adapters",
+    metadata,
+    sa.Column("model", sa.String(256), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # loaded | unloaded | failed
+    sa.Column("metrics", sa.JSON, nullable=True),  # the training step's metrics
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("group_count", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("served_at", sa.Float, nullable=True),  # when `model` started to mean this step
+)

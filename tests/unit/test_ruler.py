@@ -33,6 +33,7 @@ from ruler import (
     parse_judge_answer,
     score_group,
 )
+from ruler._prompt import response_format
 
 # ---------------------------------------------------------------------------- fixtures
 
@@ -78,6 +79,14 @@ NO_TOOL = Trajectory(messages=[SYSTEM, USER, answer("I cannot check the weather.
 
 
 def judge_json(*scores: float) -> str:
+    """A judge answer in the schema's shape: {"scores": {"1": {"explanation": ..., "score": ...}, ...}}."""
+    return msgspec.json.encode(
+        {"scores": {str(i): {"explanation": f"reason {i}", "score": s} for i, s in enumerate(scores, start=1)}}
+    ).decode()
+
+
+def legacy_judge_json(*scores: float) -> str:
+    """A judge answer in the list shape RULER asked for before (still accepted)."""
     return msgspec.json.encode(
         {
             "scores": [
@@ -86,6 +95,12 @@ def judge_json(*scores: float) -> str:
             ]
         }
     ).decode()
+
+
+def entries(*pairs: tuple[str, float]) -> str:
+    """A hand-written answer object with the given (key, score) entries, repeats kept."""
+    body = ", ".join(f'"{key}": {{"explanation": "x", "score": {score}}}' for key, score in pairs)
+    return f'{{"scores": {{{body}}}}}'
 
 
 class FakeJudge:
@@ -220,8 +235,10 @@ def test_prompt_shows_context_once_and_each_remainder_in_its_block() -> None:
     ]
     assert '\\"Lyon\\"' in blocks[2] and "12C and rain." in blocks[2] and "Paris" not in blocks[2]
     assert blocks[3] == '{"role":"assistant","content":"I cannot check the weather."}'
-    assert '(trajectory_id "1", "2", "3")' in text
-    assert '"scores"' in text
+    assert '(ids "1", "2", "3")' in text and 'exactly the keys "1", "2", "3"' in text
+    assert '{"scores": {"1": {"explanation": "...", "score":' in text
+    assert '{"scores": {"1": {"explanation": "...", "score": 0.0}' in system["content"]
+    assert "trajectory_id" not in system["content"] + text
 
 
 def test_prompt_shows_differing_tools_per_trajectory() -> None:
@@ -253,6 +270,20 @@ def test_prompt_marks_a_trajectory_that_is_all_prefix() -> None:
 
 
 def test_parse_good_answer_in_id_order() -> None:
+    text = '{"scores": {"2": {"explanation": "worse", "score": 0.25}, "1": {"explanation": "better", "score": 1}}}'
+    assert parse_judge_answer(text, 2) == [
+        Score(score=1.0, explanation="better"),
+        Score(score=0.25, explanation="worse"),
+    ]
+    assert [s.score for s in parse_judge_answer(judge_json(0.1, 0.2, 0.3), 3)] == [0.1, 0.2, 0.3]
+
+
+def test_parse_tolerates_a_code_fence() -> None:
+    assert parse_judge_answer(f"```json\n{judge_json(0.5, 0.0)}\n```", 2)[1].score == 0.0
+
+
+def test_parse_accepts_the_legacy_list_shape() -> None:
+    # Judges that ignore the schema may still answer in RULER's earlier list format.
     text = (
         '{"scores": [{"trajectory_id": "2", "explanation": "worse", "score": 0.25},'
         ' {"trajectory_id": 1, "explanation": "better", "score": 1}]}'
@@ -261,27 +292,37 @@ def test_parse_good_answer_in_id_order() -> None:
         Score(score=1.0, explanation="better"),
         Score(score=0.25, explanation="worse"),
     ]
-
-
-def test_parse_tolerates_a_code_fence() -> None:
-    assert parse_judge_answer(f"```json\n{judge_json(0.5, 0.0)}\n```", 2)[1].score == 0.0
+    assert parse_judge_answer(legacy_judge_json(0.5, 0.0), 2)[1] == Score(score=0.0, explanation="reason 2")
 
 
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
         ("The first one is better.", "not the expected JSON"),
-        ('{"scores": [{"trajectory_id": "1", "explanation": "x"}]}', "not the expected JSON"),  # no score
-        (
-            '{"scores": [{"trajectory_id": "1", "explanation": "x", "score": "high"}]}',
-            "not the expected JSON",
-        ),
-        (judge_json(0.5), "1 scores for 2 trajectories; missing ids 2"),
-        (judge_json(0.5, 0.5, 0.5), "unknown trajectory_id '3'"),
+        ('{"scores": "1: 0.5, 2: 0.5"}', "not the expected JSON"),
+        ('{"score": {"1": {"explanation": "x", "score": 0.5}}}', "not the expected JSON"),  # no "scores"
+        ('{"scores": {"1": {"explanation": "x"}, "2": {"explanation": "y"}}}', "not the expected JSON"),  # no score
+        ('{"scores": {"1": {"score": 0.5}, "2": {"score": 0.5}}}', "not the expected JSON"),  # no explanation
+        (entries(("1", '"high"'), ("2", 0.5)), "not the expected JSON"),
+        (entries(("1", 0.5)), "1 scores for 2 trajectories; missing ids 2"),
+        (entries(("2", 0.5)), "1 scores for 2 trajectories; missing ids 1"),
+        ('{"scores": {}}', "0 scores for 2 trajectories; missing ids 1, 2"),
+        (judge_json(0.5, 0.5, 0.5), "unknown trajectory id '3'; expected ids 1..2"),
+        (entries(("1", 0.5), ("2", 0.5), ("4", 0.5)), "unknown trajectory id '4'"),
+        (entries(("0", 0.5), ("1", 0.5)), "unknown trajectory id '0'"),
+        (entries(("first", 0.5), ("2", 0.5)), "unknown trajectory id 'first'"),
         (judge_json(0.5, 1.5), "is 1.5, not in [0, 1]"),
         (judge_json(-0.1, 0.5), "is -0.1, not in [0, 1]"),
+        (entries(("1", "NaN"), ("2", 0.5)), "not the expected JSON"),
+        (entries(("1", "1e999"), ("2", 0.5)), "not the expected JSON"),
+        # msgspec alone would keep the last of repeated keys; a repeat is rejected instead.
+        (entries(("1", 0.1), ("2", 0.5), ("1", 0.2)), "scores trajectory '1' more than once"),
+        (entries(("1", 0.1), ("01", 0.2)), "scores trajectory '1' more than once"),
+        # The legacy list shape is checked the same way.
+        (legacy_judge_json(0.5), "1 scores for 2 trajectories; missing ids 2"),
+        (legacy_judge_json(0.5, 0.5, 0.5), "unknown trajectory id '3'"),
+        (legacy_judge_json(0.5, 1.5), "is 1.5, not in [0, 1]"),
         ('{"scores": [{"trajectory_id": "1", "explanation": "x", "score": NaN}]}', "not the expected JSON"),
-        ('{"scores": [{"trajectory_id": "1", "explanation": "x", "score": 1e999}]}', "not the expected JSON"),
         (
             '{"scores": [{"trajectory_id": "1", "explanation": "a", "score": 0.1},'
             ' {"trajectory_id": "1", "explanation": "b", "score": 0.2}]}',
@@ -299,6 +340,32 @@ def test_parse_rejects_malformed_answers(text: str, problem: str) -> None:
     assert problem in str(info.value)
 
 
+def test_response_format_schema_fixes_the_ids() -> None:
+    fmt = response_format(3)
+    assert fmt["type"] == "json_schema"
+    assert fmt["json_schema"]["name"] == "ruler_scores" and fmt["json_schema"]["strict"] is True
+    schema = fmt["json_schema"]["schema"]
+    assert schema["required"] == ["scores"] and schema["additionalProperties"] is False
+    scores = schema["properties"]["scores"]
+    assert scores["type"] == "object" and scores["additionalProperties"] is False
+    assert list(scores["properties"]) == ["1", "2", "3"] and scores["required"] == ["1", "2", "3"]
+    for entry in scores["properties"].values():
+        assert entry == {
+            "type": "object",
+            "properties": {
+                "explanation": {"type": "string"},
+                "score": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["explanation", "score"],
+            "additionalProperties": False,
+        }
+        assert list(entry["properties"]) == ["explanation", "score"]  # the judge reasons, then scores
+    # Every id gets its own schema object, so a change to one cannot leak into the others.
+    assert scores["properties"]["1"] is not scores["properties"]["2"]
+    # An answer in exactly the schema's shape parses.
+    assert [s.score for s in parse_judge_answer(judge_json(0.0, 0.5, 1.0), 3)] == [0.0, 0.5, 1.0]
+
+
 # ------------------------------------------------------------------------ cache key
 
 
@@ -310,6 +377,13 @@ def test_cache_key_is_canonical_and_covers_model_rubric_and_trajectories() -> No
     assert cache_key("other-judge", DEFAULT_RUBRIC, [GOOD, WRONG_CITY]) != key
     assert cache_key("judge", "Be strict.", [GOOD, WRONG_CITY]) != key
     assert cache_key("judge", DEFAULT_RUBRIC, [WRONG_CITY, GOOD]) != key
+
+
+def test_cache_key_covers_the_prompt_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Answers cached under an older prompt/answer format are never looked up again.
+    key = cache_key("judge", DEFAULT_RUBRIC, [GOOD, WRONG_CITY])
+    monkeypatch.setattr(ruler._prompt, "_PROMPT_VERSION", ruler._prompt._PROMPT_VERSION - 1)
+    assert cache_key("judge", DEFAULT_RUBRIC, [GOOD, WRONG_CITY]) != key
 
 
 # ------------------------------------------------------------------------ score_group
@@ -349,8 +423,9 @@ async def test_judges_distinct_trajectories_once_and_fans_scores_out(fake_judge)
     fmt = sent["response_format"]
     assert fmt["type"] == "json_schema" and fmt["json_schema"]["name"] == "ruler_scores"
     assert fmt["json_schema"]["strict"] is True
-    item = fmt["json_schema"]["schema"]["properties"]["scores"]["items"]
-    assert item["properties"]["trajectory_id"]["enum"] == ["1", "2"]
+    assert fmt == response_format(2)
+    scores = fmt["json_schema"]["schema"]["properties"]["scores"]
+    assert list(scores["properties"]) == ["1", "2"] and scores["required"] == ["1", "2"]
 
 
 async def test_transient_failure_is_retried(fake_judge) -> None:
@@ -367,6 +442,12 @@ async def test_invalid_answer_is_retried(fake_judge) -> None:
     assert len(judge.calls) == 2
     assert [s.score for s in result.scores] == [0.7, 0.3]
     assert result.usage.judge_calls == 2 and result.usage.prompt_tokens == 200  # both responses cost tokens
+
+
+async def test_legacy_list_answer_is_accepted(fake_judge) -> None:
+    fake_judge(legacy_judge_json(0.4, 0.6))
+    result = await score_group([GOOD, NO_TOOL], judge_model="judge", backoff_seconds=0)
+    assert [s.score for s in result.scores] == [0.4, 0.6] and result.usage.judge_calls == 1
 
 
 async def test_auth_error_fails_at_once(fake_judge) -> None:
