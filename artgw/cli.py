@@ -163,6 +163,90 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from trainer.config import TrainConfig
+    from trainer.train import run
+
+    if not args.base_model:
+        print("artgw train: --base-model is required (the same weights vLLM serves)", file=sys.stderr)
+        return 2
+    try:
+        config = TrainConfig(
+            model=args.model,
+            base_model=args.base_model,
+            db=_store_url(args),
+            gateway=args.gateway,
+            admin_key=args.admin_key,
+            checkpoints=args.checkpoints or args.data_dir / "checkpoints",
+            groups_per_step=args.groups_per_step,
+            min_groups_per_step=min(args.min_groups_per_step, args.groups_per_step),
+            max_wait_seconds=args.max_wait,
+            max_staleness=args.max_staleness,
+            lease_seconds=args.lease_seconds,
+            max_steps=args.max_steps,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            learning_rate=args.learning_rate,
+            grad_clip=args.grad_clip,
+            gradient_checkpointing=args.gradient_checkpointing,
+            scale_rewards=args.scale_rewards,
+            normalization=args.normalization,
+            epsilon_low=args.epsilon_low,
+            epsilon_high=args.epsilon_high,
+            tis_cap=args.tis_cap if args.tis_cap > 0 else None,
+            beta=args.beta,
+            mask_truncated=args.mask_truncated,
+            seed=args.seed,
+            pause_before_commit=args.pause_before_commit,
+        )
+    except ValueError as exc:
+        print(f"artgw train: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)  # finish or abandon the step cleanly, then exit
+        await run(config, stop)
+        return 0
+
+    return asyncio.run(main())
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    answer = httpx.get(f"{args.gateway.rstrip('/')}/v1/art/models/{args.model}", timeout=10)
+    if answer.status_code != 200:
+        print(f"artgw status: {answer.status_code} {answer.text}", file=sys.stderr)
+        return 1
+    status = answer.json()
+    console = Console()
+    console.print(
+        f"[bold]{status['name']}[/bold] serves step [bold]{status['served_step']}[/bold] "
+        f"(base {status['base_model']}; loaded steps {status['loaded_steps']})"
+    )
+    console.print("groups: " + ", ".join(f"{k}={v}" for k, v in sorted(status["groups"].items())) or "groups: none")
+    table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
+    for row in status["steps"]:
+        m = row.get("metrics") or {}
+        table.add_row(
+            str(row["step"]),
+            row["status"],
+            str(row["group_count"]),
+            f"{m.get('loss', float('nan')):.4f}",
+            f"{m.get('reward_mean', float('nan')):.3f}",
+            f"{m.get('trainable_tokens_per_second', 0):.0f}",
+            f"{m.get('step_seconds', 0):.2f}",
+            (row.get("error") or "")[:60],
+        )
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="artgw",
@@ -232,6 +316,51 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", help="only rollouts of this trainable model (default: all)")
     export.add_argument("--since", type=float, help="only rollouts with a call at or after this unix time")
     export.set_defaults(func=_cmd_export)
+
+    train = sub.add_parser(
+        "train",
+        help="run the GRPO trainer sidecar for one trainable model",
+        description="Claim ready groups from the store (leases: a dead trainer's groups return), train a LoRA "
+        "step with GRPO on the recorded token ids, write CHECKPOINTS/NAME/<step>/, and have the gateway load "
+        "it as NAME@<step> and point NAME at it. Groups count as trained only once the adapter serves. "
+        "Restarts resume from the newest committed checkpoint with its optimizer state.",
+    )
+    _option(train, "--model", default="my-agent", help="trainable model name (the gateway's --model-name)")
+    _option(train, "--base-model", help="path or hub id of the base weights (the same vLLM serves)")
+    _add_db(train)
+    _option(train, "--gateway", default="http://127.0.0.1:8000", help="gateway URL to post adapters to")
+    _option(train, "--admin-key", help="the gateway's admin key")
+    _option(train, "--checkpoints", type=Path, help="checkpoint root (default: DATA_DIR/checkpoints)")
+    _option(train, "--groups-per-step", default=4, type=int, help="groups per optimizer step")
+    _option(train, "--min-groups-per-step", default=1, type=int, help="fewest groups to train after --max-wait")
+    _option(train, "--max-wait", default=30.0, type=float, help="seconds to wait for --groups-per-step groups")
+    _option(train, "--max-staleness", default=8, type=int, help="drop groups sampled >= this many steps ago; 0 off")
+    _option(train, "--lease-seconds", default=600.0, type=float, help="claim lease; an expired claim returns")
+    _option(train, "--max-steps", type=int, help="stop after this many committed steps")
+    _option(train, "--lora-rank", default=8, type=int, help="LoRA rank (<= the engine's --max-lora-rank)")
+    _option(train, "--lora-alpha", default=16, type=int, help="LoRA alpha")
+    _option(train, "--learning-rate", default=1e-4, type=float, help="AdamW learning rate")
+    _option(train, "--grad-clip", default=1.0, type=float, help="max gradient norm (0: off)")
+    train.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
+    _option(train, "--scale-rewards", default="group", help="advantage std scaling: group, batch or none")
+    _option(train, "--normalization", default="grpo", help="loss normalization: grpo, dr_grpo or dapo")
+    _option(train, "--epsilon-low", default=0.2, type=float, help="PPO clip: ratio >= 1 - epsilon_low")
+    _option(train, "--epsilon-high", default=0.28, type=float, help="PPO clip: ratio <= 1 + epsilon_high")
+    _option(train, "--tis-cap", default=2.0, type=float, help="truncated importance-sampling cap (0: off)")
+    _option(train, "--beta", default=0.0, type=float, help="KL-to-base weight (k3); 0: off")
+    train.add_argument("--mask-truncated", action="store_true", help="no loss on completions cut by max_tokens")
+    _option(train, "--seed", default=0, type=int, help="random seed")
+    _option(train, "--pause-before-commit", default=0.0, type=float, help="sleep before commit (crash tests)")
+    train.set_defaults(func=_cmd_train)
+
+    status = sub.add_parser(
+        "status",
+        help="show a trainable model's served step, groups and last training steps",
+        description="Print what GET /v1/art/models/NAME says: served step, group counts by state, step metrics.",
+    )
+    _option(status, "--model", default="my-agent", help="trainable model name")
+    _option(status, "--gateway", default="http://127.0.0.1:8000", help="gateway URL")
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

@@ -76,7 +76,7 @@ def require_admin(request: Request[Any, Any, State]) -> None:
         raise OpenAIError(401, "Admin endpoints need `Authorization: Bearer <admin key>`.", code="invalid_admin_key")
 
 
-@post("/v1/art/models/{name:str}/adapters")
+@post("/v1/art/models/{name:str}/adapters", status_code=200)
 async def load_adapter(request: Request[Any, Any, State], name: str) -> ModelStatus:
     """A trainer's new step: load it beside the old one, point `name` at it, mark its groups trained."""
     require_admin(request)

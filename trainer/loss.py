@@ -55,13 +55,10 @@ class LossConfig:
             # A smaller cap would truncate positive-advantage tokens inside the clip range,
             # silently replacing PPO's clip with the cap.
             raise ValueError(
-                f"tis_cap must be None (off) or >= 1 + epsilon_high = {1.0 + self.epsilon_high}, "
-                f"got {self.tis_cap}"
+                f"tis_cap must be None (off) or >= 1 + epsilon_high = {1.0 + self.epsilon_high}, got {self.tis_cap}"
             )
         if self.normalization not in get_args(Normalization):
-            raise ValueError(
-                f"normalization must be one of {get_args(Normalization)}, got {self.normalization!r}"
-            )
+            raise ValueError(f"normalization must be one of {get_args(Normalization)}, got {self.normalization!r}")
         if self.max_completion_tokens is not None:
             if self.normalization != "dr_grpo":
                 raise ValueError(
@@ -224,9 +221,7 @@ def grpo_loss(
     )
 
 
-def _normalize(
-    token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj: Tensor, config: LossConfig
-) -> Tensor:
+def _normalize(token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj: Tensor, config: LossConfig) -> Tensor:
     """Reduce per-token values (B, T) over masked tokens to a scalar.
 
     "grpo": mean within each trajectory, then mean over trajectories (every trajectory weighs
@@ -261,8 +256,7 @@ def _check_inputs(
 ) -> None:
     if new_logprobs.ndim != 2 or not new_logprobs.is_floating_point():
         raise ValueError(
-            "new_logprobs must be a (B, T) float tensor, "
-            f"got {new_logprobs.dtype} {tuple(new_logprobs.shape)}"
+            f"new_logprobs must be a (B, T) float tensor, got {new_logprobs.dtype} {tuple(new_logprobs.shape)}"
         )
     shape = tuple(new_logprobs.shape)
     same_shape = {
@@ -283,8 +277,7 @@ def _check_inputs(
         raise ValueError(f"token_trajectory must be a long tensor, got {token_trajectory.dtype}")
     if advantages.ndim != 1 or advantages.numel() == 0 or not advantages.is_floating_point():
         raise ValueError(
-            "advantages must be a non-empty 1-D float tensor, "
-            f"got {advantages.dtype} {tuple(advantages.shape)}"
+            f"advantages must be a non-empty 1-D float tensor, got {advantages.dtype} {tuple(advantages.shape)}"
         )
     trained = token_trajectory[mask]
     if trained.numel() > 0 and (int(trained.min()) < 0 or int(trained.max()) >= advantages.shape[0]):

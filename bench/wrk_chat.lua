@@ -1,0 +1,24 @@
+-- wrk script: POST one small non-streaming chat completion per request.
+--
+--   BENCH_ROLLOUT_ID=bench wrk -t1 -c32 -d10s --latency -s bench/wrk_chat.lua http://127.0.0.1:8000
+--
+-- At the end it prints one line "BENCH_JSON {...}" (counts, errors, latency in
+-- microseconds) that bench/gateway_overhead.py parses.
+
+wrk.method = "POST"
+wrk.path = "/v1/chat/completions"
+wrk.body = '{"model":"my-agent","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["X-ART-Rollout-Id"] = os.getenv("BENCH_ROLLOUT_ID") or "bench"
+
+done = function(summary, latency, requests)
+   local e = summary.errors
+   io.write(string.format(
+      'BENCH_JSON {"duration_us":%d,"requests":%d,"bytes":%d,' ..
+      '"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d,' ..
+      '"p50_us":%d,"p90_us":%d,"p99_us":%d,"mean_us":%.1f,"max_us":%d}\n',
+      summary.duration, summary.requests, summary.bytes,
+      e.connect, e.read, e.write, e.status, e.timeout,
+      latency:percentile(50), latency:percentile(90), latency:percentile(99),
+      latency.mean, latency.max))
+end

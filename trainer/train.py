@@ -1,0 +1,443 @@
+"""`artgw train`: the GRPO sidecar. Claims ready groups, trains a LoRA step on their recorded tokens,
+writes a checkpoint, has the gateway serve it, and only then are the groups trained.
+
+Reads top to bottom: config → store and resume → model → optimizer → the loop. A step always runs in
+the same order: claim → load trajectories → advantages → pack → forward/backward per micro-batch →
+clip → optimizer step → checkpoint → commit through the gateway → log.
+
+Exactly once: a step counts only when the gateway has loaded its adapter and, in the same store
+transaction, marked its groups trained (see gateway/store/adapters.py). A trainer that dies before that
+leaves its groups' leases to expire; on restart it resumes from the newest *committed* checkpoint and
+deletes any newer, uncommitted one, so no group is trained twice or lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.rollouts import RolloutService
+from gateway.store import create_engine
+from gateway.store.adapters import last_committed_step
+from gateway.store.groups import (
+    GroupRow,
+    claim_groups,
+    drop_groups,
+    load_groups,
+    release_groups,
+    renew_lease,
+)
+from trainer.batch import TrainSequence, pack_sequences, sequences_from_trajectory
+from trainer.config import TrainConfig
+from trainer.loss import compute_advantages, grpo_loss, token_logprobs
+
+log = logging.getLogger("artgw.trainer")
+console = Console(stderr=True)
+
+
+# -----------------------------------------------------------------------------
+# the data of one step
+
+
+@dataclass(frozen=True)
+class StepData:
+    group_ids: list[str]
+    sequences: list[TrainSequence]  # every trainable sequence, trajectory index into `advantages`
+    advantages: torch.Tensor  # (N,) one per trajectory
+    rewards: list[float]
+    zero_signal_groups: int  # groups whose rewards were all equal: no gradient
+    zero_advantage_trajectories: int  # skipped: their advantage is 0
+    staleness: int  # steps between the oldest adapter that sampled a rollout and the one being trained
+
+
+async def load_step_data(
+    rollouts: RolloutService, groups: list[GroupRow], config: TrainConfig, current_step: int
+) -> tuple[StepData, list[str]]:
+    """The claimed groups as training sequences; returns (data, ids of groups too stale to train)."""
+    all_rewards, group_index, trajectories, steps_seen = [], [], [], []
+    stale: list[str] = []
+    kept: list[GroupRow] = []
+    for group in groups:
+        loaded = [await rollouts.get(m.rollout_id, choice=m.choice, settle_seconds=0) for m in group.members]
+        steps = [s for t in loaded for seq in t.sequences for s in seq.steps if s is not None]
+        if steps and current_step - min(steps) >= config.max_staleness > 0:
+            stale.append(group.id)
+            continue
+        kept.append(group)
+        steps_seen += steps
+        for member, trajectory in zip(group.members, loaded, strict=True):
+            assert member.reward is not None, "claimed groups are ready: every reward is known"
+            all_rewards.append(member.reward)
+            group_index.append(len(kept) - 1)
+            trajectories.append(trajectory)
+
+    rewards = torch.tensor(all_rewards, dtype=torch.float32)  # (N,)
+    advantages = (
+        compute_advantages(rewards, torch.tensor(group_index), scale=config.scale_rewards)
+        if all_rewards
+        else torch.zeros(0)
+    )
+    sequences: list[TrainSequence] = []
+    zero = 0
+    for i, trajectory in enumerate(trajectories):
+        if advantages[i] == 0:
+            zero += 1  # no gradient: skip its tokens entirely
+            continue
+        if config.mask_truncated and any(
+            c.finish_reasons[c.choice or 0] == "length"
+            for c in trajectory.calls
+            if c.status == "ok" and c.choice is not None
+        ):
+            continue  # a completion cut by the length limit: its reward judged an unfinished answer
+        sequences += sequences_from_trajectory(i, trajectory.sequences)
+    zero_groups = sum(1 for g in kept if len({m.reward for m in g.members}) == 1)
+    data = StepData(
+        group_ids=[g.id for g in kept],
+        sequences=sequences,
+        advantages=advantages,
+        rewards=all_rewards,
+        zero_signal_groups=zero_groups,
+        zero_advantage_trajectories=zero,
+        staleness=current_step - 1 - min(steps_seen) if steps_seen else 0,
+    )
+    return data, stale
+
+
+# -----------------------------------------------------------------------------
+# model, optimizer, checkpoints
+
+
+def pick_device(config: TrainConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def load_policy(config: TrainConfig, device: torch.device, adapter_dir: Path | None):  # -> PeftModel
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    # bf16 where the device does it well, fp32 on CPU.
+    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(config.base_model, dtype=dtype, attn_implementation="sdpa")
+    if config.gradient_checkpointing:
+        base.gradient_checkpointing_enable()
+        base.enable_input_require_grads()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    else:
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(base, lora)
+    return model.to(device)
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=config.learning_rate, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
+    )
+
+
+def checkpoint_dir(config: TrainConfig, step: int) -> Path:
+    return config.checkpoints / config.model / str(step)
+
+
+def save_checkpoint(model, optimizer, config: TrainConfig, step: int, metrics: dict[str, Any]) -> Path:
+    out = checkpoint_dir(config, step)
+    tmp = out.with_name(f".{step}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors: what vLLM loads
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "step.json").write_text(json.dumps({"step": step, "metrics": metrics, "config": config.to_json()}, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # a checkpoint dir is complete or absent
+    return out
+
+
+def discard_uncommitted(config: TrainConfig, committed: int) -> list[int]:
+    """Checkpoints newer than the last committed step never served: their groups will be trained again."""
+    root = config.checkpoints / config.model
+    dropped = []
+    for path in root.glob("*") if root.exists() else []:
+        name = path.name.lstrip(".").removesuffix(".tmp")
+        if name.isdigit() and (int(name) > committed or path.name.endswith(".tmp")):
+            shutil.rmtree(path, ignore_errors=True)
+            dropped.append(int(name))
+    return sorted(dropped)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# -----------------------------------------------------------------------------
+# one optimizer step
+
+
+def train_step(model, optimizer, data: StepData, config: TrainConfig, device: torch.device, pad_id: int) -> dict:
+    """Forward/backward over the packed batch in micro-batches, clip, step. Returns the step's metrics."""
+    loss_config = config.loss()
+    started = time.monotonic()
+    batch = pack_sequences(data.sequences, max_tokens_per_row=config.max_tokens_per_row, pad_id=pad_id)
+    advantages = data.advantages.to(device)
+    rows = batch.input_ids.shape[0]
+    total_tokens = max(batch.trainable_tokens, 1)
+    n_trajectories = max(len({int(s.trajectory) for s in data.sequences}), 1)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+    for start in range(0, rows, config.rows_per_micro_batch):
+        sl = slice(start, start + config.rows_per_micro_batch)
+        input_ids = batch.input_ids[sl].to(device)  # (b, T)
+        position_ids = batch.position_ids[sl].to(device)  # (b, T)
+        attention_mask = batch.attention_mask[sl].to(device)  # (b, 1, T, T)
+        labels = batch.labels[sl].to(device)  # (b, T)
+        mask = batch.loss_mask[sl].to(device)  # (b, T)
+        if not mask.any():
+            continue
+        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
+        new_logprobs = token_logprobs(logits.float(), labels)  # (b, T)
+        ref_logprobs = None
+        if loss_config.beta > 0:
+            with torch.no_grad(), model.disable_adapter():  # the base model is the reference policy
+                ref_logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
+                ref_logprobs = token_logprobs(ref_logits.float(), labels)
+        result = grpo_loss(
+            new_logprobs,
+            batch.sampled_logprobs[sl].to(device),
+            batch.token_trajectory[sl].to(device),
+            advantages,
+            mask,
+            loss_config,
+            ref_logprobs=ref_logprobs,
+        )
+        # Weigh micro-batches by their share of what the normalization averages over.
+        if loss_config.normalization == "grpo":
+            share = result.num_trajectories / n_trajectories
+        else:
+            share = result.num_tokens / total_tokens
+        (result.loss * share).backward()
+        sums["loss"] += float(result.loss) * share
+        sums["policy_loss"] += result.policy_loss * share
+        sums["kl"] += (result.kl or 0.0) * share
+        sums["clip_fraction"] += result.clip_fraction * share
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    seconds = time.monotonic() - started
+    return {
+        **sums,
+        "grad_norm": float(grad_norm),
+        "reward_mean": statistics.fmean(data.rewards) if data.rewards else 0.0,
+        "reward_std": statistics.pstdev(data.rewards) if data.rewards else 0.0,
+        "groups": len(data.group_ids),
+        "zero_signal_group_fraction": data.zero_signal_groups / max(len(data.group_ids), 1),
+        "zero_advantage_trajectories": data.zero_advantage_trajectories,
+        "trainable_tokens": batch.trainable_tokens,
+        "padding_tokens": batch.padding_tokens,
+        "rows": rows,
+        "trainable_tokens_per_second": batch.trainable_tokens / seconds if seconds > 0 else 0.0,
+        "step_seconds": seconds,
+        "staleness": data.staleness,
+    }
+
+
+# -----------------------------------------------------------------------------
+# talking to the gateway
+
+
+def commit_through_gateway(
+    config: TrainConfig, step: int, path: Path, group_ids: list[str], owner: str, metrics: dict[str, Any]
+) -> None:
+    """Ask the gateway to serve the adapter; it marks the groups trained in the same transaction."""
+    headers = {"Authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
+    answer = httpx.post(
+        f"{config.gateway.rstrip('/')}/v1/art/models/{config.model}/adapters",
+        json={
+            "step": step,
+            "path": str(path.resolve()),
+            "group_ids": group_ids,
+            "lease_owner": owner,
+            "metrics": metrics,
+        },
+        headers=headers,
+        timeout=300,
+    )
+    if not answer.is_success:
+        raise RuntimeError(f"gateway refused step {step} ({answer.status_code}): {answer.text[:500]}")
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+async def wait_for_groups(store: AsyncEngine, config: TrainConfig, owner: str, stop: asyncio.Event) -> list[str]:
+    """Claim groups_per_step groups, or at least min_groups_per_step once max_wait_seconds have passed."""
+    claimed: list[str] = []
+    deadline = time.monotonic() + config.max_wait_seconds
+    with console.status(f"[bold]waiting for ready groups of {config.model}[/bold]") as status:
+        while not stop.is_set():
+            async with store.begin() as conn:
+                claimed += await claim_groups(
+                    conn,
+                    model=config.model,
+                    owner=owner,
+                    lease_seconds=config.lease_seconds,
+                    limit=config.groups_per_step - len(claimed),
+                )
+            status.update(f"[bold]{len(claimed)}/{config.groups_per_step} groups claimed for {config.model}[/bold]")
+            enough = len(claimed) >= config.groups_per_step
+            if enough or (len(claimed) >= config.min_groups_per_step and time.monotonic() >= deadline):
+                return claimed
+            if claimed:  # keep what we hold alive while waiting for more
+                async with store.begin() as conn:
+                    await renew_lease(conn, claimed, owner, config.lease_seconds)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+    return claimed
+
+
+def _metrics_table(step: int, metrics: dict[str, Any]) -> Table:
+    table = Table(title=f"step {step}", show_header=False, box=None)
+    for key in ("loss", "reward_mean", "reward_std", "zero_signal_group_fraction", "kl", "grad_norm"):
+        table.add_row(key, f"{metrics[key]:.4f}")
+    for key in ("groups", "trainable_tokens", "staleness"):
+        table.add_row(key, str(metrics[key]))
+    table.add_row("tokens/s", f"{metrics['trainable_tokens_per_second']:.0f}")
+    table.add_row("step seconds", f"{metrics['step_seconds']:.2f}")
+    return table
+
+
+async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
+    """Train until stopped (or max_steps); returns the number of committed steps."""
+    stop = stop or asyncio.Event()
+    torch.manual_seed(config.seed)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    device = pick_device(config)
+
+    # ---- store and resume: from the newest committed step, never from an uncommitted checkpoint
+    store = create_engine(config.db)
+    rollouts = RolloutService(store)
+    async with store.connect() as conn:
+        committed = await last_committed_step(conn, config.model)
+    step = committed.step if committed is not None else 0
+    dropped = discard_uncommitted(config, step)
+    if dropped:
+        console.print(f"[yellow]discarded uncommitted checkpoints {dropped}[/yellow]")
+
+    def restore():
+        adapter = Path(committed.path) if committed is not None else None
+        model = load_policy(config, device, adapter)
+        optimizer = make_optimizer(model, config)
+        if adapter is not None and (adapter / "optimizer.pt").exists():
+            optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
+        return model, optimizer
+
+    # ---- model and optimizer
+    model, optimizer = restore()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    console.print(
+        f"[bold]artgw train[/bold] model={config.model} base={config.base_model} device={device} "
+        f"resume_step={step} trainable_params={trainable:,} owner={owner}"
+    )
+
+    # ---- the loop
+    done = 0
+    try:
+        while not stop.is_set() and (config.max_steps is None or done < config.max_steps):
+            group_ids = await wait_for_groups(store, config, owner, stop)
+            if not group_ids:
+                break
+            async with store.connect() as conn:
+                groups = await load_groups(conn, group_ids)
+            data, stale = await load_step_data(rollouts, groups, config, step + 1)
+            if stale:
+                async with store.begin() as conn:
+                    await drop_groups(conn, stale, owner, f"stale: sampled more than {config.max_staleness} steps ago")
+                console.print(f"[yellow]dropped {len(stale)} stale groups[/yellow]")
+            if not data.group_ids:
+                continue
+            step += 1
+            metrics = train_step(model, optimizer, data, config, device, pad_id)
+            metrics["peak_memory_mb"] = peak_memory_mb(device)
+            metrics["group_ids"] = data.group_ids
+            path = save_checkpoint(model, optimizer, config, step, metrics)
+            if config.pause_before_commit:
+                await asyncio.sleep(config.pause_before_commit)
+            failure = await commit_step(store, config, step, path, data.group_ids, owner, metrics)
+            if failure is not None:
+                # The previous adapter keeps serving; the groups go back to `ready` and the model and
+                # optimizer back to the last committed step, so nothing of this step survives.
+                console.print(f"[red]step {step} failed: {failure}[/red]")
+                async with store.begin() as conn:
+                    await release_groups(conn, data.group_ids, owner)
+                shutil.rmtree(path, ignore_errors=True)
+                step -= 1
+                model, optimizer = restore()
+                await asyncio.sleep(2.0)
+                continue
+            committed = await _committed(store, config)
+            done += 1
+            console.print(_metrics_table(step, metrics))
+    finally:
+        await store.dispose()
+    return done
+
+
+async def _committed(store: AsyncEngine, config: TrainConfig) -> Any:
+    async with store.connect() as conn:
+        return await last_committed_step(conn, config.model)
+
+
+async def commit_step(
+    store: AsyncEngine,
+    config: TrainConfig,
+    step: int,
+    path: Path,
+    group_ids: list[str],
+    owner: str,
+    metrics: dict[str, Any],
+) -> str | None:
+    """Commit through the gateway; None on success, else why not. A lost answer is checked in the store."""
+    try:
+        commit_through_gateway(config, step, path, group_ids, owner, metrics)
+        return None
+    except Exception as exc:
+        committed = await _committed(store, config)
+        if committed is not None and committed.step == step:
+            return None  # the gateway committed; only its answer was lost
+        return str(exc)
