@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -28,6 +29,7 @@ from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.store import create_engine, migrate
+from gateway.store.db import create_sync_sqlite_engine
 
 log = logging.getLogger("artgw.gateway")
 
@@ -84,11 +86,12 @@ async def healthz() -> dict[str, str]:
 @get("/readyz")
 async def readyz(request: Request[Any, Any, State]) -> Response[Any]:
     state = gateway(request)
-    try:
-        answer = await state.client.get("/health", timeout=2.0)
-        ready = answer.status_code == 200
-    except httpx.TransportError:
-        ready = False
+    ready = state.current_engine_state() == "ready"  # started, base model known, adapters synced
+    if ready:
+        try:
+            ready = (await state.client.get("/health", timeout=2.0)).status_code == 200
+        except httpx.TransportError:
+            ready = False
     body = {"status": "ready" if ready else "not ready", "engine": state.current_engine_state()}
     return Response(body, status_code=200 if ready else 503)
 
@@ -151,6 +154,7 @@ def create_app(settings: Settings) -> Litestar:
         base_name = served_base_name(settings.base_model) if settings.base_model is not None else None
         recorder = Recorder(
             store,
+            sync_engine=create_sync_sqlite_engine(settings.db_url),
             spill_dir=settings.data_dir / "spill",
             queue_size=settings.recorder_queue_size,
             batch_size=settings.recorder_batch_size,
@@ -186,8 +190,16 @@ def create_app(settings: Settings) -> Litestar:
                 on_ready=state.adapters.sync_engine,
             )
             state.supervisor = supervisor
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
+        )
         state.chat = ChatService(
-            client=client, registry=registry, recorder=recorder, engine_state=state.current_engine_state
+            session=session,
+            upstream_url=settings.upstream_url,
+            request_timeout=settings.request_timeout,
+            registry=registry,
+            recorder=recorder,
+            engine_state=state.current_engine_state,
         )
         app.state.gateway = state
         await recorder.start()
@@ -202,6 +214,7 @@ def create_app(settings: Settings) -> Litestar:
             if supervisor is not None:
                 await supervisor.stop()
             await client.aclose()
+            await session.close()
             await store.dispose()
 
     return Litestar(

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 import msgspec
 from litestar import Response
 from litestar.response import Stream
@@ -140,6 +140,7 @@ def _upstream_error(status: int, body: bytes) -> OpenAIError:
     return OpenAIError(status, message, param=param)
 
 
+_JSON_HEADERS = {"content-type": "application/json"}
 EngineState = Callable[[], str]  # starting | ready | restarting | failed | stopped
 
 
@@ -210,12 +211,18 @@ class ChatService:
     def __init__(
         self,
         *,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
+        upstream_url: str,
+        request_timeout: float,
         registry: AdapterRegistry,
         recorder: Recorder,
         engine_state: EngineState,
     ) -> None:
-        self.client = client
+        # aiohttp on the data path: httpx's connection pool rescans every connection per request
+        # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
+        self.session = session
+        self.chat_url = f"{upstream_url}/v1/chat/completions"
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=request_timeout)
         self.registry = registry
         self.recorder = recorder
         self.engine_state = engine_state
@@ -229,14 +236,8 @@ class ChatService:
         call = _Call(self, key, route, request, stream, time.time())
         self.recorder.begin(key.rollout_id)
         try:
-            upstream = await self.client.send(
-                self.client.build_request(
-                    "POST",
-                    "/v1/chat/completions",
-                    content=upstream_body,
-                    headers={"content-type": "application/json"},
-                ),
-                stream=stream,
+            upstream = await self.session.post(
+                self.chat_url, data=upstream_body, headers=_JSON_HEADERS, timeout=self.timeout
             )
         except BaseException as exc:
             error = self._send_error(exc)
@@ -246,10 +247,13 @@ class ChatService:
             await call.finish("upstream_error", error.status, error.message)
             raise error from None
         headers = {ROLLOUT_HEADER: key.rollout_id}
-        if upstream.status_code != 200:
-            payload = await upstream.aread() if stream else upstream.content
-            await upstream.aclose()
-            error = _upstream_error(upstream.status_code, payload)
+        if upstream.status != 200:
+            try:
+                payload = await upstream.read()
+            except aiohttp.ClientError:
+                payload = b""
+            upstream.release()
+            error = _upstream_error(upstream.status, payload)
             await call.finish("upstream_error", error.status, error.message)
             raise error
         if stream:
@@ -263,7 +267,7 @@ class ChatService:
                 headers={**headers, "Cache-Control": "no-cache"},
             )
         try:
-            payload = _decode(upstream.content)
+            payload = _decode(await upstream.read())
             choices = [_choice_record(c) for c in payload.get("choices") or ()]
             prompt_ids = payload.get("prompt_token_ids") or []
             _hide_unasked(payload, asked, request["model"])
@@ -275,9 +279,9 @@ class ChatService:
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send; None for cancellation (the client went away)."""
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
             return OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout")
-        if isinstance(exc, httpx.TransportError):
+        if isinstance(exc, aiohttp.ClientError | OSError):
             return self._unreachable(exc)
         if isinstance(exc, Exception):
             return OpenAIError(502, f"The engine request failed: {type(exc).__name__}.", code="upstream_error")
@@ -344,7 +348,7 @@ class _Call:
             )
         )
 
-    async def relay(self, upstream: httpx.Response, asked: _Asked, model: str) -> AsyncIterator[bytes]:
+    async def relay(self, upstream: aiohttp.ClientResponse, asked: _Asked, model: str) -> AsyncIterator[bytes]:
         """Pass vLLM's SSE events on, minus what the client did not ask for.
 
         A client that goes away cancels this generator; closing the upstream
@@ -356,18 +360,18 @@ class _Call:
         status: CallStatus = "cancelled"
         error: str | None = None
         try:
-            async for line in upstream.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in upstream.content:
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].rstrip()
+                if data == b"[DONE]":
                     status = "ok"
                     yield b"data: [DONE]\n\n"
                     continue
                 event = _decode(data)
                 if "error" in event and "choices" not in event:
                     status, error = "upstream_error", str((event.get("error") or {}).get("message"))
-                    yield b"data: " + data.encode() + b"\n\n"
+                    yield b"data: " + data + b"\n\n"
                     continue
                 if self.first_token_at is None:
                     self.first_token_at = time.time()
@@ -379,7 +383,7 @@ class _Call:
                     choices.setdefault(choice.get("index", 0), _StreamedChoice()).add(choice)
                 _hide_unasked(event, asked, model)
                 yield b"data: " + _encode(event) + b"\n\n"
-        except httpx.TransportError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             status, error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
             failure = OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
             yield b"data: " + _encode(failure.body()) + b"\n\n"
@@ -387,7 +391,11 @@ class _Call:
             # Shielded: a client that went away cancels this generator's scope, and the
             # upstream close and the record must still happen.
             with anyio.CancelScope(shield=True):
-                await upstream.aclose()
+                # Closing (not releasing) an unfinished response drops the connection: vLLM aborts.
+                if status == "ok":
+                    upstream.release()
+                else:
+                    upstream.close()
                 records = [choices[i].record(i) for i in sorted(choices)]
                 http_status = 200 if status != "cancelled" else 499
                 await self.finish(status, http_status, error, prompt_ids, records, usage)

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import msgspec
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.records import CallRecord
-from gateway.store.calls import write_calls
+from gateway.store.calls import write_calls, write_calls_sync
 
 log = logging.getLogger("artgw.recorder")
 
@@ -34,8 +35,12 @@ class Recorder:
         batch_size: int = 256,
         max_backoff: float = 5.0,
         shutdown_timeout: float = 30.0,
+        linger: float = 0.02,
+        sync_engine: Engine | None = None,
     ) -> None:
         self.engine = engine
+        self.sync_engine = sync_engine  # SQLite: batches written from a worker thread, one hop each
+        self.linger = linger  # wait this long for more records before a write: fewer, larger transactions
         self.spill_dir = spill_dir
         self.queue: asyncio.Queue[CallRecord] = asyncio.Queue(maxsize=queue_size)
         self.batch_size = batch_size
@@ -88,11 +93,12 @@ class Recorder:
         while True:
             if not self._pending:
                 self._pending.append(await self.queue.get())
+                if self.linger and self.queue.qsize() < self.batch_size:
+                    await asyncio.sleep(self.linger)
                 while len(self._pending) < self.batch_size and not self.queue.empty():
                     self._pending.append(self.queue.get_nowait())
             try:
-                async with self.engine.begin() as conn:
-                    await write_calls(conn, self._pending)
+                await self._write(self._pending)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -114,6 +120,18 @@ class Recorder:
             async with self._committed:
                 self._committed.notify_all()
 
+    async def _write(self, records: list[CallRecord]) -> None:
+        if self.sync_engine is not None:
+            await asyncio.to_thread(self._write_sync, list(records))
+        else:
+            async with self.engine.begin() as conn:
+                await write_calls(conn, records)
+
+    def _write_sync(self, records: list[CallRecord]) -> None:
+        assert self.sync_engine is not None
+        with self.sync_engine.begin() as conn:
+            write_calls_sync(conn, records)
+
     async def close(self) -> None:
         """Flush: wait for the queue to drain; spill what the store will not take in time."""
         try:
@@ -122,6 +140,8 @@ class Recorder:
             pass
         if self._task is not None:
             self._task.cancel()
+        if self.sync_engine is not None:
+            self.sync_engine.dispose()
             try:
                 await self._task
             except asyncio.CancelledError:
@@ -151,7 +171,6 @@ class Recorder:
         for path in sorted(self.spill_dir.glob("unrecorded-*.jsonl")):
             records = [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
             for i in range(0, len(records), self.batch_size):
-                async with self.engine.begin() as conn:
-                    await write_calls(conn, records[i : i + self.batch_size])  # idempotent per call id
+                await self._write(records[i : i + self.batch_size])  # idempotent per call id
             path.unlink()
             log.info("replayed %d spilled records from %s", len(records), path)

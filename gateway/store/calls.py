@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.records import CallRecord
@@ -19,6 +20,11 @@ def _upsert(dialect: str):  # type: ignore[no-untyped-def]
 
 
 async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> int:
+    """`write_calls_sync` on an async connection."""
+    return await conn.run_sync(write_calls_sync, records)
+
+
+def write_calls_sync(conn: Connection, records: Sequence[CallRecord]) -> int:
     """Insert a batch of calls and bump their rollouts, in one transaction. Idempotent per call id.
 
     Returns how many calls were new (a retried batch whose first attempt did commit inserts none).
@@ -36,7 +42,7 @@ async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> i
         row["id"] = row.pop("call_id")
         row.pop("rollout_explicit")
     insert = _upsert(conn.dialect.name)
-    result = await conn.execute(
+    result = conn.execute(
         insert(calls).on_conflict_do_nothing(index_elements=["id"]).returning(calls.c.id, calls.c.rollout_id),
         rows,
     )
@@ -77,7 +83,7 @@ async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> i
         },
     )
     # Sorted: concurrent writers (several gateway replicas) take row locks in the same order.
-    await conn.execute(stmt, sorted(per_rollout.values(), key=lambda r: r["id"]))
+    conn.execute(stmt, sorted(per_rollout.values(), key=lambda r: r["id"]))
     return len(new_ids)
 
 

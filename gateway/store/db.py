@@ -4,35 +4,59 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import event
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
+def _json(value: object) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _sqlite_pragmas(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+
+def _sqlite_path(url: str) -> None:
+    path = url.split(":///", 1)[-1]
+    if path and path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
 def create_engine(url: str) -> AsyncEngine:
-    """An async engine; SQLite gets WAL (readers never block the writer) and a busy timeout."""
+    """An async engine; SQLite gets WAL and a busy timeout, PostgreSQL a pool with pre-ping."""
     if url.startswith("sqlite"):
-        path = url.split(":///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.close()
-
+        _sqlite_path(url)
+        engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=_json)
+        _sqlite_pragmas(engine.sync_engine)
         return engine
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+asyncpg://" + url.split("://", 1)[1]
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, json_serializer=_json)
+
+
+def create_sync_sqlite_engine(url: str) -> Engine | None:
+    """For SQLite, a plain sqlite3 engine the recorder drives from one worker thread: a whole batch
+    costs one thread hop instead of one per statement (aiosqlite). None for other databases."""
+    if not url.startswith("sqlite"):
+        return None
+    _sqlite_path(url)
+    sync_url = url.replace("sqlite+aiosqlite", "sqlite", 1)
+    engine = sa_create_engine(sync_url, connect_args={"timeout": 30, "check_same_thread": False}, json_serializer=_json)
+    _sqlite_pragmas(engine)
+    return engine
 
 
 def alembic_config() -> Config:
