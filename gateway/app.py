@@ -17,6 +17,7 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import art_api
@@ -25,6 +26,7 @@ from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
 from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, wait_until_ready
 from gateway.errors import exception_handlers
 from gateway.groups import GroupService
+from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
@@ -46,6 +48,7 @@ class GatewayState:
     rollouts: RolloutService
     groups: GroupService
     adapters: AdapterService
+    metrics: GatewayMetrics
     engine_state: str = "starting"
     fatal: list[str] = field(default_factory=list)  # why the gateway gave up, if it did
 
@@ -76,6 +79,15 @@ async def list_models(request: Request[Any, Any, State], rollout_id: str | None 
         for model_id, root in gateway(request).registry.model_ids()
     ]
     return {"object": "list", "data": data}
+
+
+@get("/metrics")
+async def metrics(request: Request[Any, Any, State]) -> Response[bytes]:
+    state = gateway(request)
+    served = {name: model.served_step for name, model in state.registry.models.items()}
+    await state.metrics.refresh(state.store, state.recorder, served)
+    # Litestar adds the charset itself.
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""))
 
 
 @get("/healthz")
@@ -171,8 +183,9 @@ def create_app(settings: Settings) -> Litestar:
             rollouts=RolloutService(store, recorder),
             groups=None,  # type: ignore[arg-type]  # set just below
             adapters=AdapterService(registry, client, store),
+            metrics=GatewayMetrics(),
         )
-        state.groups = GroupService(store, state.rollouts, registry, recorder)
+        state.groups = GroupService(store, state.rollouts, registry, recorder, metrics=state.metrics)
         if settings.base_model is not None:
             supervisor = EngineSupervisor(
                 EngineConfig(
@@ -200,6 +213,7 @@ def create_app(settings: Settings) -> Litestar:
             registry=registry,
             recorder=recorder,
             engine_state=state.current_engine_state,
+            metrics=state.metrics,
         )
         app.state.gateway = state
         await recorder.start()
@@ -218,7 +232,7 @@ def create_app(settings: Settings) -> Litestar:
             await store.dispose()
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, healthz, readyz, *art_api.routes],
+        route_handlers=[chat_completions, list_models, metrics, healthz, readyz, *art_api.routes],
         lifespan=[lifespan],
         exception_handlers=exception_handlers,  # type: ignore[arg-type]
         request_max_body_size=settings.max_body_bytes,

@@ -23,6 +23,7 @@ from litestar.response import Stream
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.records import CallRecord, CallStatus, ChoiceRecord
 
@@ -217,7 +218,9 @@ class ChatService:
         registry: AdapterRegistry,
         recorder: Recorder,
         engine_state: EngineState,
+        metrics: GatewayMetrics,
     ) -> None:
+        self.metrics = metrics
         # aiohttp on the data path: httpx's connection pool rescans every connection per request
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
         self.session = session
@@ -235,6 +238,7 @@ class ChatService:
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, key, route, request, stream, time.time())
         self.recorder.begin(key.rollout_id)
+        self.metrics.call_started(call.label)
         try:
             upstream = await self.session.post(
                 self.chat_url, data=upstream_body, headers=_JSON_HEADERS, timeout=self.timeout
@@ -315,6 +319,7 @@ class _Call:
         self.stream = stream
         self.started = started
         self.first_token_at: float | None = None
+        self.label = route.model or route.upstream_model  # the metrics' model label
 
     async def finish(
         self,
@@ -326,27 +331,27 @@ class _Call:
         usage: dict[str, Any] | None = None,
     ) -> None:
         ended = time.time()
-        await self.service.recorder.submit(
-            CallRecord(
-                call_id=uuid.uuid4().hex,
-                rollout_id=self.key.rollout_id,
-                rollout_explicit=self.key.explicit,
-                model=self.route.model,
-                step=self.route.step,
-                upstream_model=self.route.upstream_model,
-                request=self.request,
-                stream=self.stream,
-                status=status,
-                http_status=http_status,
-                error=error,
-                prompt_token_ids=prompt_ids or [],
-                choices=choices or [],
-                usage=usage,
-                started_at=self.started,
-                first_token_at=self.first_token_at if self.stream else ended,
-                ended_at=ended,
-            )
+        record = CallRecord(
+            call_id=uuid.uuid4().hex,
+            rollout_id=self.key.rollout_id,
+            rollout_explicit=self.key.explicit,
+            model=self.route.model,
+            step=self.route.step,
+            upstream_model=self.route.upstream_model,
+            request=self.request,
+            stream=self.stream,
+            status=status,
+            http_status=http_status,
+            error=error,
+            prompt_token_ids=prompt_ids or [],
+            choices=choices or [],
+            usage=usage,
+            started_at=self.started,
+            first_token_at=self.first_token_at if self.stream else ended,
+            ended_at=ended,
         )
+        self.service.metrics.call_ended(self.label, record)
+        await self.service.recorder.submit(record)
 
     async def relay(self, upstream: aiohttp.ClientResponse, asked: _Asked, model: str) -> AsyncIterator[bytes]:
         """Pass vLLM's SSE events on, minus what the client did not ask for.

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import ruler
 from gateway.adapters import AdapterRegistry
 from gateway.errors import OpenAIError, decode_body, invalid_request, model_not_found
+from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService, decode_cursor_pair, encode_cursor_pair
 from gateway.store.groups import (
@@ -189,7 +190,9 @@ class GroupService:
         *,
         max_concurrent_judges: int = 4,
         settle_seconds: float = 2.0,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.store = store
         self.rollouts = rollouts
         self.registry = registry
@@ -423,6 +426,7 @@ class GroupService:
                 t = await self.rollouts.get(member.rollout_id, choice=member.choice, settle_seconds=0)
                 trajectories.append(ruler.Trajectory(messages=t.messages, tools=t.tools))
             async with self.judge_slots:
+                started = time.monotonic()
                 result = await ruler.score_group(
                     trajectories,
                     judge_model=spec.judge_model,
@@ -431,6 +435,14 @@ class GroupService:
                     cache=self.judge_cache,
                 )
             self.judge_calls += result.usage.judge_calls
+            if self.metrics is not None:
+                self.metrics.judged(
+                    row.model,
+                    time.monotonic() - started,
+                    result.usage.judge_calls,
+                    result.usage.prompt_tokens,
+                    result.usage.completion_tokens,
+                )
             usage = msgspec.to_builtins(result.usage)
             scores = [(m.position, s.score, s.explanation) for m, s in zip(row.members, result.scores, strict=True)]
             async with self.store.begin() as conn:
@@ -439,6 +451,8 @@ class GroupService:
             raise
         except Exception as exc:
             self.judge_errors += 1
+            if self.metrics is not None:
+                self.metrics.judge_errors.labels(row.model).inc()
             reason = f"RULER failed: {exc}" if isinstance(exc, ruler.RulerError) else f"RULER failed: {exc!r}"
             log.warning("group %s: %s", group_id, reason)
             async with self.store.begin() as conn:
