@@ -247,6 +247,52 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ruler_score(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    import ruler
+
+    lines = [json.loads(line) for line in args.file.read_text().splitlines() if line.strip()]
+    if not lines:
+        print(f"artgw ruler score: {args.file} has no trajectories", file=sys.stderr)
+        return 2
+    # Groups: a `group` field when the lines carry one, else runs of --group-size lines (default: one group).
+    groups: dict[str, list[dict]] = {}
+    size = args.group_size or len(lines)
+    for i, line in enumerate(lines):
+        groups.setdefault(str(line.get("group", i // size)), []).append(line)
+    rubric = args.rubric.read_text() if args.rubric else ruler.DEFAULT_RUBRIC
+    params = json.loads(args.litellm_params) if args.litellm_params else {}
+    console = Console()
+    table = Table("group", "rollout", "score", "explanation", title=f"RULER scores by {args.judge}")
+
+    async def run() -> int:
+        failed = 0
+        for name, members in groups.items():
+            trajectories = [ruler.Trajectory(messages=m["messages"], tools=m.get("tools")) for m in members]
+            try:
+                result = await ruler.score_group(
+                    trajectories, judge_model=args.judge, rubric=rubric, litellm_params=params
+                )
+            except ruler.RulerError as exc:
+                failed += 1
+                table.add_row(name, "-", "-", f"[red]{exc}[/red]")
+                continue
+            for member, score in zip(members, result.scores, strict=True):
+                table.add_row(name, str(member.get("rollout_id", "?")), f"{score.score:.3f}", score.explanation[:80])
+            console.print(
+                f"group {name}: {result.usage.judge_calls} judge calls, {result.usage.prompt_tokens} prompt tokens, "
+                f"cost {result.usage.cost_usd if result.usage.cost_usd is not None else 'unknown'}"
+            )
+        console.print(table)
+        return 1 if failed else 0
+
+    return asyncio.run(run())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="artgw",
@@ -352,6 +398,21 @@ def build_parser() -> argparse.ArgumentParser:
     _option(train, "--seed", default=0, type=int, help="random seed")
     _option(train, "--pause-before-commit", default=0.0, type=float, help="sleep before commit (crash tests)")
     train.set_defaults(func=_cmd_train)
+
+    ruler_cmd = sub.add_parser("ruler", help="RULER, the LLM judge, offline", description="RULER commands.")
+    ruler_sub = ruler_cmd.add_subparsers(dest="ruler_command", required=True, metavar="COMMAND")
+    score = ruler_sub.add_parser(
+        "score",
+        help="score groups of exported trajectories with an LLM judge and print a table",
+        description="Score trajectories from `artgw export` (JSON lines) with RULER. Lines are grouped by their "
+        "`group` field if they have one, else in runs of --group-size (default: all lines are one group).",
+    )
+    score.add_argument("file", type=Path, help="JSON lines with `messages` (and `tools`), e.g. from artgw export")
+    score.add_argument("--judge", required=True, help="litellm model name, e.g. openai/gpt-4o-mini")
+    score.add_argument("--rubric", type=Path, help="file with the rubric (default: RULER's)")
+    score.add_argument("--group-size", type=int, help="trajectories per group when lines carry no `group`")
+    score.add_argument("--litellm-params", help='JSON passed to litellm, e.g. \'{"api_base": "http://..."}\'')
+    score.set_defaults(func=_cmd_ruler_score)
 
     status = sub.add_parser(
         "status",

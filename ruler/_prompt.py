@@ -107,13 +107,21 @@ def _tool_lines(tools: Sequence[dict[str, Any]]) -> str:
     return "\n".join(msgspec.json.encode(t).decode() for t in tools)
 
 
-def build_judge_messages(trajectories: Sequence[Trajectory], rubric: str) -> list[dict[str, str]]:
-    """The judge's chat messages (system + user) for scoring ``trajectories`` with ids 1..n."""
+def build_judge_messages(
+    trajectories: Sequence[Trajectory], rubric: str, *, share_prefix: bool = True
+) -> list[dict[str, str]]:
+    """The judge's chat messages (system + user) for scoring ``trajectories`` with ids 1..n.
+
+    ``share_prefix=False`` sends every trajectory whole (tools included): the baseline the
+    prefix dedup is measured against (bench/ruler_dedup.py).
+    """
     if not trajectories:
         raise ValueError("build_judge_messages needs at least one trajectory")
     n = len(trajectories)
-    tools_shared = all(canonical_json(t.tools) == canonical_json(trajectories[0].tools) for t in trajectories)
-    prefix = common_prefix_length(trajectories)
+    tools_shared = share_prefix and all(
+        canonical_json(t.tools) == canonical_json(trajectories[0].tools) for t in trajectories
+    )
+    prefix = common_prefix_length(trajectories) if share_prefix else 0
 
     intro = "Each message is one JSON object per line."
     if prefix:
