@@ -21,6 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
 BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
 
+# A tool with a tight schema: guided decoding then forces a complete call even from a random-weight model.
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -9,28 +9,12 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import BASE_NAME
+from tests.conftest import BASE_NAME, WEATHER_TOOLS
 
 pytestmark = pytest.mark.engine
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather of a city",
-            # Tight schema: guided decoding then forces a complete call even from a random-weight model.
-            "strict": True,
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-]
+TOOLS = WEATHER_TOOLS
 
 
 @pytest.fixture

@@ -11,26 +11,12 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import ARTGW, BASE_NAME
+from tests.conftest import ARTGW, BASE_NAME, WEATHER_TOOLS
 
 pytestmark = pytest.mark.engine
 
 USER = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is the weather?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "strict": True,
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
-        },
-    }
-]
+TOOLS = WEATHER_TOOLS
 
 
 def rollout(gateway, rollout_id: str) -> dict:
