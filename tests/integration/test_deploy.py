@@ -1,0 +1,510 @@
+"""The deployment files: Prometheus config, the compose files (GPU and the CPU override), the Grafana dashboard.
+
+- `promtool check config` on deploy/prometheus/prometheus.yml (promtool: Debian's `prometheus` package);
+- the compose files are checked structurally (files they reference exist, dependencies, healthchecks, volumes,
+  the shared admin key, the checkpoints path vLLM and the trainer share) and, where `docker compose` works,
+  with `docker compose config -q`;
+- every PromQL expression of the dashboard parses (`promtool check rules`), and every metric it uses exists in
+  what a real gateway (after real traffic) and the session's real vLLM export.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_CPU = ROOT / "docker-compose.cpu.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "art-gateway.json"
+
+SERVICES = {"postgres", "vllm", "gateway", "trainer", "prometheus", "grafana"}
+GPU_SERVICES = {"vllm", "trainer"}
+# Every variable the compose files use has a default, except these (a user sets them in .env).
+REQUIRED_VARIABLES = {"ARTGW_ADMIN_KEY"}
+
+# The metrics the gateway exports (README "Deployment"): all of them are on the dashboard.
+GATEWAY_METRICS = {
+    "artgw_requests_total",
+    "artgw_request_duration_seconds",
+    "artgw_time_to_first_token_seconds",
+    "artgw_prompt_tokens_total",
+    "artgw_completion_tokens_total",
+    "artgw_requests_in_flight",
+    "artgw_recorder_queue_depth",
+    "artgw_records_written_total",
+    "artgw_record_write_retries_total",
+    "artgw_records_spilled_total",
+    "artgw_groups",
+    "artgw_ruler_judge_calls_total",
+    "artgw_ruler_judge_errors_total",
+    "artgw_ruler_judge_duration_seconds",
+    "artgw_ruler_judge_tokens_total",
+    "artgw_adapter_step",
+    "artgw_trainer_steps_total",
+    "artgw_trainer_loss",
+    "artgw_trainer_reward_mean",
+    "artgw_trainer_step_seconds",
+    "artgw_trainer_tokens_per_second",
+}
+METRIC_NAME = re.compile(r"\b(?:artgw_[a-z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+@functools.cache
+def promtool() -> str | None:
+    """promtool, installing Debian's `prometheus` package when it is missing and we are root."""
+    found = shutil.which("promtool")
+    if found or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return found
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
+    if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+        subprocess.run(install, env=env, capture_output=True, timeout=600)
+    return shutil.which("promtool")
+
+
+def need_promtool() -> str:
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool is missing and cannot be installed here (not root): apt-get install prometheus")
+    return tool
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: `!reset` (drop the inherited value) and `!override` (replace it)."""
+
+
+class Reset:
+    pass
+
+
+class Override:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _tagged(wrap):  # type: ignore[no-untyped-def]
+    def construct(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            value: Any = loader.construct_mapping(node, deep=True)
+        elif isinstance(node, yaml.SequenceNode):
+            value = loader.construct_sequence(node, deep=True)
+        else:
+            value = loader.construct_scalar(node)  # type: ignore[arg-type]
+        return wrap(value)
+
+    return construct
+
+
+ComposeLoader.add_constructor("!reset", _tagged(lambda _value: Reset()))
+ComposeLoader.add_constructor("!override", _tagged(Override))
+
+
+def load_compose(path: Path) -> dict[str, Any]:
+    doc = yaml.load(path.read_text(), Loader=ComposeLoader)  # a SafeLoader subclass
+    assert isinstance(doc, dict) and isinstance(doc.get("services"), dict), f"{path.name}: no services"
+    return doc
+
+
+def _volume_target(entry: Any) -> Any:
+    if isinstance(entry, dict):
+        return entry.get("target")
+    return str(entry).split(":")[1] if ":" in str(entry) else str(entry)
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """Compose's merge of an override file, as far as these checks need it: mappings merge key by key,
+    `command`/`entrypoint`/healthcheck `test` and scalars are replaced, `volumes` merge by mount target,
+    other lists append."""
+    if isinstance(override, Reset):
+        return None
+    if isinstance(override, Override):
+        return override.value
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            merged = merge(base.get(k), v, k) if k in base else merge(None, v, k)
+            if merged is None and isinstance(v, Reset):
+                out.pop(k, None)
+            else:
+                out[k] = merged
+        return out
+    if isinstance(base, list) and isinstance(override, list) and key not in ("command", "entrypoint", "test"):
+        if key == "volumes":
+            targets = {_volume_target(e) for e in override}
+            return [e for e in base if _volume_target(e) not in targets] + override
+        return base + [e for e in override if e not in base]
+    return override
+
+
+def merged_compose() -> dict[str, Any]:
+    return merge(load_compose(COMPOSE), load_compose(COMPOSE_CPU))
+
+
+def as_args(command: Any) -> list[str]:
+    return [str(a) for a in command] if isinstance(command, list) else str(command or "").split()
+
+
+def option(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(str(e).split("=", 1) if "=" in str(e) else (str(e), "") for e in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def mounts(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(source, target, read_only) of each volume entry; source is a named volume or a path."""
+    out = []
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, dict):
+            out.append((str(entry.get("source", "")), str(entry["target"]), bool(entry.get("read_only"))))
+            continue
+        parts = str(entry).split(":")
+        if len(parts) == 1:
+            out.append(("", parts[0], False))
+        else:
+            out.append((parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")))
+    return out
+
+
+def is_path(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    deploy = service.get("deploy") or {}
+    devices = ((deploy.get("resources") or {}).get("reservations") or {}).get("devices") or []
+    return [d for d in devices if d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or [])]
+
+
+def variables(text: str) -> dict[str, str]:
+    """`${NAME...}` references → the operator and default/message (`:-x`, `:?msg`, or '' for none)."""
+    return {m.group(1): m.group(2) or "" for m in re.finditer(r"\$\{([A-Za-z_][A-Za-z0-9_]*)([:?\-][^}]*)?\}", text)}
+
+
+def docker_compose_works() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_expressions() -> list[str]:
+    doc = dashboard()
+    exprs: list[str] = []
+
+    def panels(items: list[dict[str, Any]]) -> None:
+        for panel in items:
+            exprs.extend(t["expr"] for t in panel.get("targets") or [] if t.get("expr"))
+            panels(panel.get("panels") or [])
+
+    panels(doc.get("panels") or [])
+    for var in (doc.get("templating") or {}).get("list") or []:
+        query = var.get("query")
+        if var.get("type") == "query":
+            exprs.append(query["query"] if isinstance(query, dict) else str(query))
+    return exprs
+
+
+def dashboard_metric_names() -> set[str]:
+    return {name for expr in dashboard_expressions() for name in METRIC_NAME.findall(expr)}
+
+
+def family_candidates(name: str) -> set[str]:
+    """The metric family names a series name can belong to (prometheus_client's parser drops counters'
+    `_total` and names histograms without `_bucket`/`_sum`/`_count`)."""
+    names = {name}
+    for suffix in (*HISTOGRAM_SUFFIXES, "_total"):
+        if name.endswith(suffix):
+            names.add(name.removesuffix(suffix))
+    return names
+
+
+def exported_names(text: str) -> set[str]:
+    """Family names (also those with a `# TYPE` line and no samples yet) and sample names of an exposition."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+# --------------------------------------------------------------------------------------------------- Prometheus
+def test_promtool_accepts_the_prometheus_config() -> None:
+    result = subprocess.run(
+        [need_promtool(), "check", "config", str(PROMETHEUS)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_the_gateway_and_vllm_services() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    targets = {
+        target
+        for job in config["scrape_configs"]
+        if job.get("metrics_path", "/metrics") == "/metrics"
+        for static in job.get("static_configs") or []
+        for target in static["targets"]
+    }
+    services = load_compose(COMPOSE)["services"]
+    vllm_port = option(as_args(services["vllm"]["command"]), "--port") or "8000"
+    gateway_port = option(as_args(services["gateway"]["command"]), "--port") or "8000"
+    # no trainer target: trainer metrics come through the gateway's /metrics (derived from committed steps)
+    assert targets == {f"gateway:{gateway_port}", f"vllm:{vllm_port}"}, targets
+
+
+# --------------------------------------------------------------------------------------------------- compose
+@pytest.fixture(params=["gpu", "cpu"])
+def compose(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return load_compose(COMPOSE) if request.param == "gpu" else merged_compose()
+
+
+def test_compose_has_the_services_with_restart_policies(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == SERVICES
+    for name, service in services.items():
+        assert service.get("restart") == "unless-stopped", name
+        assert service.get("image") or service.get("build"), name
+
+
+def test_compose_references_existing_files(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build is not None:
+            context = ROOT / (build if isinstance(build, str) else build.get("context", "."))
+            assert context.is_dir(), f"{name}: build context {context} is missing"
+            dockerfile = context / ("Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile"))
+            assert dockerfile.is_file(), f"{name}: {dockerfile} is missing"
+        for source, target, _ in mounts(service):
+            if is_path(source):
+                assert (ROOT / source).exists(), f"{name}: bind mount source {source} (for {target}) is missing"
+
+
+def test_compose_dependencies_exist_and_healthy_ones_have_healthchecks(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        depends = service.get("depends_on") or {}
+        items = depends.items() if isinstance(depends, dict) else ((d, {}) for d in depends)
+        for dependency, spec in items:
+            assert dependency in services, f"{name} depends on unknown service {dependency}"
+            if (spec or {}).get("condition") == "service_healthy":
+                check = services[dependency].get("healthcheck") or {}
+                assert check.get("test") and not check.get("disable"), f"{dependency} has no healthcheck"
+    assert services["gateway"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["gateway"]["depends_on"]["vllm"]["condition"] == "service_healthy"
+    assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
+    assert "/health" in str(services["vllm"]["healthcheck"]["test"])
+    assert "/readyz" in str(services["gateway"]["healthcheck"]["test"])
+
+
+def test_compose_named_volumes_are_declared(compose: dict[str, Any]) -> None:
+    declared = set(compose.get("volumes") or {})
+    used = {
+        source
+        for service in compose["services"].values()
+        for source, _, _ in mounts(service)
+        if source and not is_path(source)
+    }
+    assert used <= declared, f"undeclared volumes: {used - declared}"
+    assert {"pgdata", "checkpoints", "hf-cache", "prometheus-data", "grafana-data"} <= used
+
+
+def test_gateway_and_trainer_share_the_required_admin_key(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    keys = {name: environment(services[name]).get("ARTGW_ADMIN_KEY", "") for name in ("gateway", "trainer")}
+    for name, value in keys.items():
+        assert variables(value).get("ARTGW_ADMIN_KEY", "").startswith(":?"), f"{name}: {value!r}"
+    assert not any("--admin-key" in as_args(services[n]["command"]) for n in keys), "keys belong in the env"
+
+
+def test_vllm_reads_checkpoints_at_the_path_the_trainer_writes_them(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    trainer_args = as_args(services["trainer"]["command"])
+    root = option(trainer_args, "--checkpoints") or environment(services["trainer"]).get("ARTGW_CHECKPOINTS")
+    assert root, "the trainer's checkpoint root must be explicit"
+    trainer_mounts = {target: source for source, target, _ in mounts(services["trainer"])}
+    vllm_mounts = {target: (source, ro) for source, target, ro in mounts(services["vllm"])}
+    assert trainer_mounts.get(root) == "checkpoints"
+    assert vllm_mounts.get(root) == ("checkpoints", True), "vLLM mounts the checkpoints read-only at the same path"
+
+
+def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    gateway = as_args(services["gateway"]["command"])
+    trainer = as_args(services["trainer"]["command"])
+    vllm = as_args(services["vllm"]["command"])
+    assert gateway[0] == "serve" and trainer[0] == "train"
+    assert option(gateway, "--upstream") == f"http://vllm:{option(vllm, '--port') or 8000}"
+    assert option(gateway, "--host") == "0.0.0.0"
+    assert option(trainer, "--gateway") == f"http://gateway:{option(gateway, '--port')}"
+    assert option(gateway, "--db") == option(trainer, "--db")
+    assert str(option(gateway, "--db")).startswith("postgresql+asyncpg://") and "@postgres:5432/" in str(
+        option(gateway, "--db")
+    )
+    assert option(gateway, "--model-name") == option(trainer, "--model") == "${MODEL_NAME:-my-agent}"
+    assert option(vllm, "--model") == option(trainer, "--base-model")
+    for flag, value in {"--served-model-name": "base", "--max-lora-rank": "16", "--tool-call-parser": "hermes"}.items():
+        assert option(vllm, flag) == value
+    assert {"--enable-lora", "--enable-auto-tool-choice"} <= set(vllm)
+    assert environment(services["vllm"])["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--no-migrate" not in gateway, "migrations run on start by default"
+    published = {str(p).rsplit(":", 1)[-1] for s in services.values() for p in s.get("ports") or []}
+    assert published == {"8000", "3000", "9090"}
+
+
+def test_gpu_reservations_only_without_the_cpu_override() -> None:
+    gpu = load_compose(COMPOSE)["services"]
+    cpu = merged_compose()["services"]
+    assert {name for name, s in gpu.items() if gpu_devices(s)} == GPU_SERVICES
+    assert not [name for name, s in cpu.items() if gpu_devices(s)]
+    assert gpu["vllm"]["image"].startswith("vllm/vllm-openai:")
+    build_args = cpu["vllm"]["build"]["args"]
+    assert "cpu" in build_args["EXTRAS"].split(",")
+    assert cpu["vllm"]["entrypoint"][-1] == "vllm.entrypoints.openai.api_server"
+
+
+def test_compose_variables_have_defaults_except_the_admin_key() -> None:
+    found: dict[str, str] = {}
+    for path in (COMPOSE, COMPOSE_CPU):
+        found.update(variables(path.read_text()))
+    required = {name for name, op in found.items() if op.startswith(":?")}
+    no_default = {name for name, op in found.items() if not op}
+    assert required == REQUIRED_VARIABLES and not no_default, (required, no_default)
+    assert found["MODEL_NAME"] == ":-my-agent" and found["BASE_MODEL"] == ":-Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_dockerfile_copies_existing_paths_and_runs_artgw() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM python:\$\{PYTHON_VERSION\}-slim$", text, re.M) and "ARG PYTHON_VERSION=3.11" in text
+    copied = [src for line in re.findall(r"^COPY\s+(.+)$", text, re.M) for src in line.split()[:-1]]
+    assert copied, "no COPY"
+    for src in copied:
+        assert (ROOT / src).exists(), f"COPY {src}: missing in the build context"
+    for package in ("artgw", "gateway", "trainer", "ruler", "migrations"):
+        assert f"{package}/" in copied
+    assert {"pyproject.toml", "README.md"} <= set(copied)
+    assert 'ENTRYPOINT ["artgw"]' in text
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert not ignored & {"artgw", "gateway", "trainer", "ruler", "migrations", "pyproject.toml", "README.md"}
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
+def test_docker_compose_config(files: list[str]) -> None:
+    if not docker_compose_works():
+        pytest.skip("`docker compose` does not work here (no Compose plugin/engine); checked structurally above")
+    args = [arg for f in files for arg in ("-f", f)]
+    result = subprocess.run(
+        ["docker", "compose", *args, "config", "-q"],
+        cwd=ROOT,
+        env={**os.environ, "ARTGW_ADMIN_KEY": "test-key"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------------------------------- Grafana
+def test_grafana_provisioning_matches_compose() -> None:
+    grafana = load_compose(COMPOSE)["services"]["grafana"]
+    targets = {target: source for source, target, _ in mounts(grafana)}
+    assert Path(targets["/etc/grafana/provisioning"]) == Path("./deploy/grafana/provisioning")
+    datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    (ds,) = datasource["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090" and ds["uid"] == "prometheus"
+    providers = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "dashboards.yml").read_text())
+    (provider,) = providers["providers"]
+    dashboards_dir = provider["options"]["path"]
+    assert Path(targets[dashboards_dir]) == Path("./deploy/grafana/dashboards")
+    home = environment(grafana).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    assert home == f"{dashboards_dir}/{DASHBOARD.name}"
+    variables_ = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables_["datasource"]["current"]["value"] == ds["uid"]
+
+
+def test_dashboard_panels_and_metric_coverage() -> None:
+    doc = dashboard()
+    assert doc["title"] == "ART Gateway" and doc["uid"]
+    panels = doc["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["type"] == "prometheus", panel["title"]
+        assert panel["targets"] and all(t.get("expr") for t in panel["targets"]), panel["title"]
+        assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+    used = {family for name in dashboard_metric_names() for family in family_candidates(name)}
+    assert GATEWAY_METRICS <= used, f"not on the dashboard: {GATEWAY_METRICS - used}"
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"):
+        assert name in used
+    assert "vllm:e2e_request_latency_seconds" in used and "vllm:kv_cache_usage_perc" in used
+
+
+def test_dashboard_expressions_are_valid_promql(tmp_path: Path) -> None:
+    tool = need_promtool()
+    rules = [
+        {"record": f"dashboard:expr_{i}", "expr": expr.replace("$__rate_interval", "5m").replace("$model", ".*")}
+        for i, expr in enumerate(dashboard_expressions())
+        if not expr.startswith("label_values(")
+    ]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.engine
+def test_dashboard_metrics_exist_in_the_gateway_and_vllm(engine_gateway, vllm_url) -> None:
+    base = engine_gateway.base_url
+    body = {"model": "my-agent", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8}
+    with httpx.Client(timeout=120) as client:
+        rid = f"deploy-{uuid.uuid4().hex[:8]}"
+        r = client.post(f"{base}/chat/completions", json=body, headers={"X-ART-Rollout-Id": rid})
+        assert r.status_code == 200, r.text
+        with client.stream(
+            "POST", f"{base}/chat/completions", json={**body, "stream": True}, headers={"X-ART-Rollout-Id": rid}
+        ) as stream:
+            assert stream.status_code == 200
+            for _ in stream.iter_lines():
+                pass
+        gateway_metrics = client.get(f"{engine_gateway.url}/metrics")
+        vllm_metrics = client.get(f"{vllm_url}/metrics")
+    assert gateway_metrics.status_code == 200, f"gateway /metrics: {gateway_metrics.status_code}"
+    assert vllm_metrics.status_code == 200
+    exported = exported_names(gateway_metrics.text) | exported_names(vllm_metrics.text)
+    missing = sorted(name for name in dashboard_metric_names() if not family_candidates(name) & exported)
+    assert not missing, f"the dashboard uses metrics nobody exports: {missing}"
