@@ -219,6 +219,22 @@ class AdapterService:
                 else:
                     log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
 
+    async def follow_store(self, every: float = 2.0) -> None:
+        """Replicas share one engine and one store: pick up steps another replica committed."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                async with self.store.connect() as conn:
+                    rows = await loaded_adapters(conn)
+            except Exception as exc:  # a store hiccup: try again next round
+                log.warning("could not read adapters from the store: %s", exc)
+                continue
+            for row in rows:
+                model = self.registry.models.get(row.model)
+                if model is not None and row.step > model.served_step and not self._lock.locked():
+                    model.loaded_steps.add(row.step)
+                    model.served_step = row.step
+
     async def status(self, name: str) -> ModelStatus:
         model = self._model(name)
         async with self.store.connect() as conn:

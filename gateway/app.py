@@ -219,10 +219,12 @@ def create_app(settings: Settings) -> Litestar:
         await recorder.start()
         await state.groups.resume_scoring()
         bring_up = asyncio.create_task(_bring_up_engine(state), name="engine-bring-up")
+        follow = asyncio.create_task(state.adapters.follow_store(), name="adapters-follow-store")
         try:
             yield
         finally:
             bring_up.cancel()
+            follow.cancel()
             await state.groups.close()
             await recorder.close()
             if supervisor is not None:
