@@ -47,7 +47,9 @@ class TrainConfig:
     beta: float = 0.0  # KL to the base model (adapter disabled), k3 estimator; 0 = off
     mask_truncated: bool = False  # no loss on completions the length limit cut (finish_reason "length")
     # -- batch layout
-    max_tokens_per_row: int = 4096  # packing width; longer sequences are truncated
+    # Packing width. Attention inside a packed row costs (row tokens)^2 under the block mask, so rows stay
+    # narrow; a sequence longer than this gets a row of its own (never truncated).
+    pack_tokens_per_row: int = 512
     rows_per_micro_batch: int = 8  # gradient accumulation unit
     # -- misc
     seed: int = 0

@@ -41,6 +41,7 @@ from gateway.store.groups import (
     GroupRow,
     claim_groups,
     drop_groups,
+    finish_without_update,
     load_groups,
     release_groups,
     renew_lease,
@@ -205,7 +206,8 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
     """Forward/backward over the packed batch in micro-batches, clip, step. Returns the step's metrics."""
     loss_config = config.loss()
     started = time.monotonic()
-    batch = pack_sequences(data.sequences, max_tokens_per_row=config.max_tokens_per_row, pad_id=pad_id)
+    width = max(config.pack_tokens_per_row, max(len(s.token_ids) for s in data.sequences))
+    batch = pack_sequences(data.sequences, max_tokens_per_row=width, pad_id=pad_id)
     advantages = data.advantages.to(device)
     rows = batch.input_ids.shape[0]
     total_tokens = max(batch.trainable_tokens, 1)
@@ -244,7 +246,7 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
         else:
             share = result.num_tokens / total_tokens
         (result.loss * share).backward()
-        sums["loss"] += float(result.loss) * share
+        sums["loss"] += float(result.loss.detach()) * share
         sums["policy_loss"] += result.policy_loss * share
         sums["kl"] += (result.kl or 0.0) * share
         sums["clip_fraction"] += result.clip_fraction * share
@@ -391,6 +393,11 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
                 console.print(f"[yellow]dropped {len(stale)} stale groups[/yellow]")
             if not data.group_ids:
                 continue
+            if not data.sequences:  # every advantage was 0: nothing to learn, no new adapter
+                async with store.begin() as conn:
+                    await finish_without_update(conn, data.group_ids, owner, step)
+                console.print(f"[yellow]{len(data.group_ids)} groups without learning signal: no step[/yellow]")
+                continue
             step += 1
             metrics = train_step(model, optimizer, data, config, device, pad_id)
             metrics["peak_memory_mb"] = peak_memory_mb(device)
@@ -398,6 +405,8 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
             path = save_checkpoint(model, optimizer, config, step, metrics)
             if config.pause_before_commit:
                 await asyncio.sleep(config.pause_before_commit)
+            async with store.begin() as conn:  # a long step must not lose its claim just before the commit
+                await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
             failure = await commit_step(store, config, step, path, data.group_ids, owner, metrics)
             if failure is not None:
                 # The previous adapter keeps serving; the groups go back to `ready` and the model and

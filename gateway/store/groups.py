@@ -213,3 +213,13 @@ async def drop_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: st
         .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
         .values(state="failed", failure_reason=reason, lease_owner=None, lease_expires_at=None, updated_at=time.time())
     )
+
+
+async def finish_without_update(conn: AsyncConnection, group_ids: Sequence[str], owner: str, step: int) -> int:
+    """Claimed groups with no learning signal (every advantage 0): consumed, trained at the served step."""
+    result = await conn.execute(
+        sa.update(groups)
+        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
+        .values(state="trained", trained_step=step, lease_owner=None, lease_expires_at=None, updated_at=time.time())
+    )
+    return result.rowcount

@@ -1,0 +1,310 @@
+"""A trainer killed mid-step loses no group and trains none twice (real vLLM, gateway and trainer processes).
+
+Each scenario: a gateway in front of the session's vLLM, 6 groups of 3 recorded rollouts with caller rewards,
+an `artgw train` (2 groups a step, 4 s leases) SIGKILLed mid-step, then a second trainer that finishes every
+group. Exactly once means: every group ends `trained`; the committed steps are 1..k with no gap; their
+`group_ids` partition the 6 groups; the gateway serves step k; and what the killed attempt left on disk never
+became a step (its checkpoint was discarded and written afresh by the step that did commit).
+
+1. Killed between checkpoint and commit: `--pause-before-commit` holds the first trainer after it wrote
+   CHECKPOINTS/my-agent/1/ and before it asked the gateway to serve it.
+2. Killed while training, before any checkpoint: the first trainer is killed as soon as its claim shows in the
+   store (its groups turn `training`); the claim commits before the step's data is even loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ARTGW, ROOT, GatewayProcess, start_gateway, stop_group
+
+pytestmark = pytest.mark.engine
+
+MODEL = "my-agent"
+GROUPS = 6
+PER_GROUP = 3
+REWARDS = (1.0, 0.0, 0.5)  # rotated per group: every group has signal
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+def poll(check: Callable[[], Any], timeout: float, what: str, *, every: float = 0.2, alive=()) -> Any:
+    """Call `check` until it returns something truthy; fail after `timeout` or if a watched process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        for proc in alive:
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.name} exited ({proc.returncode}) while waiting for {what}\n{proc.log()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+class Trainer:
+    """`artgw train` as a process of its own (own session: SIGKILL reaches it and nothing else)."""
+
+    def __init__(self, name: str, gateway: GatewayProcess, base_model: Path, *extra: str) -> None:
+        self.name = name
+        self.log_path = gateway.data_dir / f"{name}.log"
+        command = [
+            ARTGW,
+            "train",
+            "--model",
+            MODEL,
+            "--base-model",
+            str(base_model),
+            "--data-dir",
+            str(gateway.data_dir),
+            "--gateway",
+            gateway.url,
+            "--groups-per-step",
+            "2",
+            "--max-wait",
+            "1",
+            "--lease-seconds",
+            "4",
+            *extra,
+        ]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        stop_group(self.proc, grace=60)
+        return int(self.proc.returncode)
+
+
+def query(db: Path, sql: str, *args: Any) -> list[tuple]:
+    """Read the gateway's SQLite store directly, read-only (WAL: never blocks the writers)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def record_rollouts(gateway: GatewayProcess, count: int) -> list[str]:
+    def one(i: int) -> str:
+        rid = f"crash-{i}-{uuid.uuid4().hex[:8]}"
+        answer = httpx.post(
+            f"{gateway.base_url}/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Task {i // PER_GROUP}: say something."}],
+                "max_tokens": 24,
+                "temperature": 1.0,
+            },
+            headers={"X-ART-Rollout-Id": rid},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        return rid
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def make_groups(gateway: GatewayProcess) -> list[str]:
+    rollout_ids = record_rollouts(gateway, GROUPS * PER_GROUP)
+    group_ids = []
+    for g in range(GROUPS):
+        members = rollout_ids[g * PER_GROUP : (g + 1) * PER_GROUP]
+        rewards = REWARDS[g % PER_GROUP :] + REWARDS[: g % PER_GROUP]
+        answer = httpx.post(
+            f"{gateway.base_url}/art/groups",
+            json={
+                "model": MODEL,
+                "group_id": f"g{g}-{uuid.uuid4().hex[:6]}",
+                "rollouts": [{"rollout_id": r, "reward": w} for r, w in zip(members, rewards, strict=True)],
+            },
+            timeout=30,
+        )
+        assert answer.status_code == 201, answer.text
+        assert answer.json()["state"] == "ready"
+        group_ids.append(answer.json()["id"])
+    return group_ids
+
+
+def status(gateway: GatewayProcess) -> dict[str, Any]:
+    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def group_states(gateway: GatewayProcess) -> dict[str, str]:
+    return dict(query(gateway.db_path, "SELECT id, state FROM groups WHERE model = ?", MODEL))
+
+
+def checkpoint(gateway: GatewayProcess, step: int) -> Path:
+    return gateway.data_dir / "checkpoints" / MODEL / str(step)
+
+
+def finish(gateway: GatewayProcess, base_model: Path, group_ids: list[str]) -> Trainer:
+    """A fresh trainer (no pause) until every group is trained; then SIGTERM, which it must obey cleanly."""
+    trainer = Trainer("trainer-resumed", gateway, base_model)
+    try:
+        poll(
+            lambda: set(group_states(gateway).values()) == {"trained"},
+            150,
+            "the resumed trainer to train every group",
+            every=0.5,
+            alive=[trainer],
+        )
+    finally:
+        code = trainer.stop()
+    assert code == 0, trainer.log()
+    return trainer
+
+
+def assert_exactly_once(gateway: GatewayProcess, group_ids: list[str]) -> list[dict[str, Any]]:
+    """Every group trained by exactly one committed step; steps 1..k; step k served; disk matches the store."""
+    model = status(gateway)
+    assert model["groups"] == {"trained": len(group_ids)}, model["groups"]
+    steps = sorted(model["steps"], key=lambda s: s["step"])
+    assert all(s["status"] in ("loaded", "unloaded") for s in steps), steps  # nothing failed, nothing pending
+    numbers = [s["step"] for s in steps]
+    assert numbers == list(range(1, len(steps) + 1)), numbers
+    assert model["served_step"] == len(steps) == max(model["loaded_steps"])
+    assert len(steps) >= len(group_ids) // 2  # 2 groups per step at most
+
+    # The union of the committed steps' groups is every group, none in two steps.
+    seen = Counter(g for s in steps for g in s["metrics"]["group_ids"])
+    assert set(seen) == set(group_ids) and set(seen.values()) == {1}, seen
+    for s in steps:
+        assert s["group_count"] == len(s["metrics"]["group_ids"]) >= 1
+
+    # The store says the same, group by group, and holds no lease any more.
+    db = gateway.db_path
+    by_step = {g: s["step"] for s in steps for g in s["metrics"]["group_ids"]}
+    rows = query(db, "SELECT id, state, trained_step, lease_owner FROM groups WHERE model = ?", MODEL)
+    assert sorted(rows) == sorted((g, "trained", by_step[g], None) for g in group_ids)
+    stored = query(db, "SELECT step, status, group_count, metrics FROM adapters WHERE model = ? ORDER BY step", MODEL)
+    assert [(n, st, c) for n, st, c, _ in stored] == [(s["step"], s["status"], s["group_count"]) for s in steps]
+    assert [json.loads(m)["group_ids"] for *_, m in stored] == [s["metrics"]["group_ids"] for s in steps]
+
+    # On disk: exactly the committed steps, each the checkpoint of the groups its step committed.
+    root = gateway.data_dir / "checkpoints" / MODEL
+    assert sorted(p.name for p in root.iterdir()) == sorted(str(n) for n in numbers)  # no stray or .tmp dirs
+    for s in steps:
+        saved = json.loads((checkpoint(gateway, s["step"]) / "step.json").read_text())
+        assert saved["step"] == s["step"] and saved["metrics"]["group_ids"] == s["metrics"]["group_ids"]
+
+    # And `my-agent` is served by the newest step.
+    answer = httpx.post(
+        f"{gateway.base_url}/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    return steps
+
+
+@pytest.fixture
+def gateway(vllm_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
+    gateway = start_gateway(tmp_path, "--upstream", vllm_url)
+    yield gateway
+    gateway.stop()
+
+
+# -----------------------------------------------------------------------------
+# the scenarios
+
+
+def test_killed_between_checkpoint_and_commit(gateway: GatewayProcess, tiny_model: Path) -> None:
+    group_ids = make_groups(gateway)
+    first = Trainer("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
+    try:
+        ckpt = checkpoint(gateway, 1)
+        poll(lambda: (ckpt / "step.json").is_file(), 150, "the first checkpoint", alive=[first])
+        first.kill()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGKILL
+
+    # The kill landed where it should: step 1 written, not committed; its groups claimed, not trained.
+    killed_groups = json.loads((ckpt / "step.json").read_text())["metrics"]["group_ids"]
+    assert len(killed_groups) == 2
+    assert status(gateway)["steps"] == [] and status(gateway)["served_step"] == 0
+    states = group_states(gateway)
+    assert {states[g] for g in killed_groups} == {"training"}
+    assert "trained" not in states.values()
+    (ckpt / "KILLED_ATTEMPT").write_text("left by the killed trainer; a resumed trainer must not serve this")
+
+    resumed = finish(gateway, tiny_model, group_ids)
+
+    assert "discarded uncommitted checkpoints [1]" in " ".join(resumed.log().split()), resumed.log()
+    assert not (ckpt / "KILLED_ATTEMPT").exists()  # step 1 on disk is the resumed trainer's, not the killed one's
+    steps = assert_exactly_once(gateway, group_ids)
+    # The killed attempt's groups were trained again, once, by the resumed trainer.
+    assert set(killed_groups) <= {g for s in steps for g in s["metrics"]["group_ids"]}
+
+
+def test_killed_while_training_before_checkpoint(gateway: GatewayProcess, tiny_model: Path) -> None:
+    group_ids = make_groups(gateway)
+    db = gateway.db_path
+    # The pause only matters if the kill came late: then the step still never commits.
+    first = Trainer("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
+    try:
+        claimed = poll(
+            lambda: query(db, "SELECT id FROM groups WHERE state = 'training' AND lease_owner IS NOT NULL"),
+            150,
+            "the first trainer's claim",
+            every=0.02,
+            alive=[first],
+        )
+        first.kill()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGKILL
+    ckpt_root = gateway.data_dir / "checkpoints" / MODEL
+    left = sorted(p.name for p in ckpt_root.iterdir()) if ckpt_root.exists() else []
+    print(f"\nkilled right after claiming {len(claimed)} groups; checkpoints on disk at the kill: {left}")
+
+    assert status(gateway)["steps"] == [] and status(gateway)["served_step"] == 0
+    states = group_states(gateway)
+    assert {states[g] for (g,) in claimed} == {"training"}
+    assert "trained" not in states.values()
+    if left:  # the step got further than the claim before the kill: its leftovers must not survive
+        for name in left:
+            (ckpt_root / name / "KILLED_ATTEMPT").write_text("left by the killed trainer")
+
+    finish(gateway, tiny_model, group_ids)
+
+    assert not list(ckpt_root.glob("*/KILLED_ATTEMPT"))
+    assert_exactly_once(gateway, group_ids)
