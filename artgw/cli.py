@@ -27,12 +27,21 @@ def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _option(parser: argparse.ArgumentParser, flag: str, *, default: Any = None, type: Any = str, help: str) -> None:
+def _option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    default: Any = None,
+    type: Any = str,
+    help: str,
+    choices: Sequence[str] | None = None,
+) -> None:
     env = flag.lstrip("-").upper().replace("-", "_")
     parser.add_argument(
         flag,
         default=_env_default(env, default, type),
         type=type,
+        choices=choices,
         help=f"{help} (env: ARTGW_{env}; default: {default})",
     )
 
@@ -388,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option(train, "--learning-rate", default=1e-4, type=float, help="AdamW learning rate")
     _option(train, "--grad-clip", default=1.0, type=float, help="max gradient norm (0: off)")
     train.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
-    _option(train, "--scale-rewards", default="group", help="advantage std scaling: group, batch or none")
-    _option(train, "--normalization", default="grpo", help="loss normalization: grpo, dr_grpo or dapo")
+    _option(train, "--scale-rewards", default="group", help="advantage std scaling", choices=("group", "batch", "none"))
+    _option(train, "--normalization", default="grpo", help="loss normalization", choices=("grpo", "dr_grpo", "dapo"))
     _option(train, "--epsilon-low", default=0.2, type=float, help="PPO clip: ratio >= 1 - epsilon_low")
     _option(train, "--epsilon-high", default=0.28, type=float, help="PPO clip: ratio <= 1 + epsilon_high")
     _option(train, "--tis-cap", default=2.0, type=float, help="truncated importance-sampling cap (0: off)")
