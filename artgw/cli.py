@@ -302,6 +302,31 @@ def _cmd_ruler_score(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from artgw.demo import DemoConfig, run
+
+    overrides = {
+        name: value
+        for name, value in (
+            ("steps", args.steps),
+            ("groups_per_step", args.groups_per_step),
+            ("attempts", args.attempts),
+            ("eval_scenarios", args.eval_scenarios),
+            ("learning_rate", args.learning_rate),
+        )
+        if value is not None
+    }
+    common = {
+        "out": args.out,
+        "data_dir": args.data_dir,
+        "seed": args.seed,
+        "port": args.port,
+        "trainer_args": tuple(shlex.split(args.trainer_args or "")),
+    }
+    config = DemoConfig.quick(**common, **overrides) if args.quick else DemoConfig(**common, **overrides)
+    return run(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="artgw",
@@ -422,6 +447,28 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--group-size", type=int, help="trajectories per group when lines carry no `group`")
     score.add_argument("--litellm-params", help='JSON passed to litellm, e.g. \'{"api_base": "http://..."}\'')
     score.set_defaults(func=_cmd_ruler_score)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the whole loop end to end: tiny model, gateway + vLLM, trainer, an agent learning a task by RL",
+        description="Build the tiny model, start the gateway (supervising vLLM) and the trainer, run an agent "
+        "over the unmodified OpenAI SDK (it calls a tool that "
+        "returns the ballots on a motion and says whether the motion passed), post rewards to /v1/art/groups, "
+        "train GRPO steps that the gateway hot-loads, and evaluate held-out scenarios before and after. Writes a "
+        "table, results.json and a reward-curve PNG to --out; stops everything it started on exit or Ctrl-C.",
+    )
+    _option(demo, "--out", default=Path("demo-out"), type=Path, help="where the table and the PNG go")
+    _option(demo, "--data-dir", default=Path("data/demo"), type=Path, help="models, store, checkpoints and logs")
+    demo.add_argument("--quick", action="store_true", help="fewer steps and scenarios (CI: a few minutes)")
+    _option(demo, "--steps", type=int, help="GRPO steps (default: 16; --quick: 8)")
+    _option(demo, "--groups-per-step", type=int, help="scenarios per step (default: 8)")
+    _option(demo, "--attempts", type=int, help="attempts per scenario, the GRPO group (default: 8)")
+    _option(demo, "--eval-scenarios", type=int, help="held-out scenarios (default: 64; --quick: 32)")
+    _option(demo, "--learning-rate", type=float, help="the trainer's LoRA learning rate (default: 5e-3)")
+    _option(demo, "--seed", default=0, type=int, help="seed of the scenarios and the trainer")
+    _option(demo, "--port", default=0, type=int, help="the gateway's port (0: a free one)")
+    _option(demo, "--trainer-args", default="", help="more `artgw train` options, one shell-quoted string")
+    demo.set_defaults(func=_cmd_demo)
 
     status = sub.add_parser(
         "status",

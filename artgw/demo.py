@@ -1,0 +1,608 @@
+"""`artgw demo`: the whole loop on one machine, end to end, with real processes.
+
+tiny model → `artgw serve` (supervising vLLM on CPU, SQLite store under the data dir) →
+`artgw train` (GRPO LoRA sidecar) → the agent of `artgw.demo_task` over the unmodified OpenAI
+SDK → rewards posted to `POST /v1/art/groups` → the trainer's steps hot-loaded as `my-agent@N` →
+held-out evaluation before and after → a table, `results.json` and a reward-curve PNG in `--out`.
+
+Everything it starts runs in its own process group, dies with the demo (PR_SET_PDEATHSIG), and is
+stopped on the way out, also on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from artgw import demo_task
+from artgw.demo_task import Episode, Scenario
+
+MODEL_NAME = "my-agent"
+
+
+@dataclass
+class DemoConfig:
+    out: Path = Path("demo-out")
+    data_dir: Path = Path("data/demo")  # the tiny model, and runs/<time>/ (store, checkpoints, logs) per run
+    steps: int = 16  # GRPO steps
+    groups_per_step: int = 8  # scenarios per step
+    attempts: int = 8  # attempts per scenario (the group GRPO compares)
+    eval_scenarios: int = 64  # held-out scenarios
+    eval_samples: int = 4  # sampled attempts per held-out scenario (plus one greedy)
+    eval_every: int = 4  # also evaluate every N steps (0: before and after only)
+    learning_rate: float = 5e-3
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    seed: int = 0
+    trainer_args: tuple[str, ...] = ()  # more `artgw train` options, e.g. ("--beta", "0.05")
+    concurrency: int = 16
+    port: int = 0  # 0: a free port
+    engine_port: int = 0
+    startup_timeout: float = 600.0
+    step_timeout: float = 300.0  # longest wait for one trainer step to be served
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DemoConfig:
+        values: dict[str, Any] = {"steps": 8, "eval_scenarios": 32, "eval_samples": 2, "eval_every": 0}
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class EvalResult:
+    step: int
+    reward: float  # mean reward of sampled attempts (temperature 1): the policy's expected reward
+    greedy: float  # mean reward of greedy attempts (temperature 0), one per scenario
+    tool_calls: float  # share of attempts that called the tool
+    errors: int
+    seconds: float
+
+
+@dataclass
+class StepResult:
+    step: int  # the round: rollouts, groups posted, the trainer's step
+    served_step: int  # the adapter step serving after it (a round whose groups carry no signal makes none)
+    reward: float  # mean reward of this step's training rollouts (fresh, from the policy being trained)
+    reward_std: float
+    tool_calls: float
+    no_signal_groups: int
+    collect_seconds: float
+    train_seconds: float  # from the last group posted to the new adapter serving
+    errors: int
+
+
+@dataclass
+class DemoResult:
+    config: dict[str, Any]
+    before: EvalResult | None = None
+    after: EvalResult | None = None
+    evals: list[EvalResult] = field(default_factory=list)
+    steps: list[StepResult] = field(default_factory=list)
+    served_step: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    ok: bool = False
+
+
+# -----------------------------------------------------------------------------
+# child processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # in the child, between fork and exec
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM the group, wait `grace` seconds, then SIGKILL what is left of it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.proc.returncode
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def _artgw(*args: str) -> list[str]:
+    return [sys.executable, "-m", "artgw.cli", *args]
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM (and SIGINT, as usual) end the demo through its `finally` blocks."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+class Demo:
+    def __init__(self, config: DemoConfig, console: Console | None = None) -> None:
+        self.config = config
+        self.console = console or Console()
+        self.result = DemoResult(config=_jsonable(asdict(config)))
+        self.children: list[Child] = []
+        self.gateway_url = ""
+        self.logit_bias: dict[str, int] = {}
+        self.nonce = uuid.uuid4().hex[:6]
+        # Each run has its own store, checkpoints and logs: a rerun never meets a trained adapter.
+        self.run_dir = config.data_dir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.nonce}"
+
+    # ---- helpers
+
+    def log(self, message: str) -> None:
+        self.console.log(message)
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if not child.alive():
+                raise DemoError(
+                    f"{child.name} exited with code {child.proc.returncode}; last lines of {child.log_path}:\n"
+                    f"{child.tail()}"
+                )
+
+    def _wait_ready(self, progress: Progress, url: str, what: str, timeout: float) -> None:
+        task = progress.add_task(what, total=None)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                self._check_children()
+                try:
+                    if httpx.get(url, timeout=2).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            raise DemoError(f"{what}: not ready within {timeout:.0f}s")
+        finally:
+            progress.remove_task(task)
+
+    def wait_for_step(self, progress: Progress, step: int, group_ids: list[str]) -> int:
+        """Wait until the trainer has consumed this round's groups; returns the adapter step serving then.
+
+        Normally that is a new step, loaded and serving. A round in which every group had equal rewards
+        carries no signal: the trainer marks its groups trained without an update.
+        """
+        task = progress.add_task(f"step {step}: trainer running GRPO, gateway hot-loading the adapter", total=None)
+        deadline = time.monotonic() + self.config.step_timeout
+        try:
+            while True:
+                self._check_children()
+                if time.monotonic() > deadline:
+                    raise DemoError(f"step {step}: groups not trained within {self.config.step_timeout:.0f}s")
+                groups = [httpx.get(f"{self.gateway_url}/v1/art/groups/{g}", timeout=10).json() for g in group_ids]
+                if all(g["state"] in ("trained", "failed") for g in groups):
+                    trained = max((g["trained_step"] or 0 for g in groups), default=0)
+                    served = self.served_step()
+                    if served >= trained:
+                        return served
+                time.sleep(0.3)
+        finally:
+            progress.remove_task(task)
+
+    def served_step(self) -> int:
+        answer = httpx.get(f"{self.gateway_url}/v1/art/models/{MODEL_NAME}", timeout=10)
+        answer.raise_for_status()
+        return int(answer.json()["served_step"])
+
+    # ---- phases
+
+    def prepare_model(self, progress: Progress) -> Path:
+        from artgw.tiny_model import build_tiny_model, fingerprint
+
+        base = self.config.data_dir / "tiny-model"
+        started = time.monotonic()
+        if not (base / "model.safetensors").is_file():
+            task = progress.add_task("building the tiny model", total=None)
+            build_tiny_model(base)
+            progress.remove_task(task)
+        self.result.timings["model_seconds"] = time.monotonic() - started
+        self.log(f"tiny model (random weights, no warm start) at {base}, sha256 {fingerprint(base)[:16]}")
+        return base
+
+    def start_gateway(self, progress: Progress, model: Path) -> None:
+        c = self.config
+        port = c.port or _free_port()
+        engine_port = c.engine_port or _free_port()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        gateway = Child(
+            "gateway",
+            _artgw(
+                "serve",
+                "--base-model",
+                str(model.resolve()),
+                "--model-name",
+                MODEL_NAME,
+                "--port",
+                str(port),
+                "--engine-port",
+                str(engine_port),
+                "--data-dir",
+                str(self.run_dir.resolve()),
+                "--max-model-len",
+                "1024",
+                "--max-lora-rank",
+                str(max(16, c.lora_rank)),
+                "--log-level",
+                "warning",
+            ),
+            self.run_dir / "gateway.log",
+        )
+        self.children.append(gateway)
+        started = time.monotonic()
+        self._wait_ready(
+            progress, f"{self.gateway_url}/readyz", "starting the gateway and vLLM (CPU)", c.startup_timeout
+        )
+        self.result.timings["engine_start_seconds"] = time.monotonic() - started
+        self.log(f"gateway ready at {self.gateway_url}/v1 ({time.monotonic() - started:.0f}s, vLLM included)")
+
+    def start_trainer(self, model: Path) -> None:
+        c = self.config
+        trainer = Child(
+            "trainer",
+            _artgw(
+                "train",
+                "--model",
+                MODEL_NAME,
+                "--base-model",
+                str(model.resolve()),
+                "--data-dir",
+                str(self.run_dir.resolve()),
+                "--gateway",
+                self.gateway_url,
+                "--groups-per-step",
+                str(c.groups_per_step),
+                "--min-groups-per-step",
+                str(c.groups_per_step),
+                "--max-wait",
+                "600",
+                "--max-steps",
+                str(c.steps),
+                "--learning-rate",
+                str(c.learning_rate),
+                "--lora-rank",
+                str(c.lora_rank),
+                "--lora-alpha",
+                str(c.lora_alpha),
+                "--seed",
+                str(c.seed),
+                *c.trainer_args,
+            ),
+            self.run_dir / "trainer.log",
+            env={"COLUMNS": "120"},
+        )
+        self.children.append(trainer)
+        self.log(f"trainer started (GRPO, LoRA rank {c.lora_rank}, lr {c.learning_rate})")
+
+    async def _episodes(
+        self, progress: Progress, description: str, jobs: list[tuple[Scenario, str]], greedy: bool = False
+    ) -> list[Episode]:
+        import openai
+
+        task = progress.add_task(description, total=len(jobs))
+        client = openai.AsyncOpenAI(base_url=f"{self.gateway_url}/v1", api_key="unused", max_retries=2, timeout=120)
+        try:
+            return await demo_task.run_episodes(
+                client,
+                jobs,
+                model=MODEL_NAME,
+                logit_bias=self.logit_bias,
+                answer_temperature=0.0 if greedy else None,
+                concurrency=self.config.concurrency,
+                on_done=lambda _: progress.advance(task),
+            )
+        finally:
+            await client.close()
+            progress.remove_task(task)
+
+    def evaluate(self, progress: Progress, step: int) -> EvalResult:
+        c = self.config
+        held_out = demo_task.scenarios("heldout", c.eval_scenarios, seed=c.seed)
+        started = time.monotonic()
+        sampled_jobs = [(s, f"eval{step}-{self.nonce}-{s.id}-s{k}") for s in held_out for k in range(c.eval_samples)]
+        greedy_jobs = [(s, f"eval{step}-{self.nonce}-{s.id}-g") for s in held_out]
+        sampled = asyncio.run(self._episodes(progress, f"held-out eval at step {step}: sampled", sampled_jobs))
+        greedy = asyncio.run(
+            self._episodes(progress, f"held-out eval at step {step}: greedy", greedy_jobs, greedy=True)
+        )
+        everything = sampled + greedy
+        result = EvalResult(
+            step=step,
+            reward=statistics.fmean(e.reward for e in sampled),
+            greedy=statistics.fmean(e.reward for e in greedy),
+            tool_calls=statistics.fmean(float(e.called_tool) for e in everything),
+            errors=sum(1 for e in everything if e.error),
+            seconds=time.monotonic() - started,
+        )
+        self.result.evals.append(result)
+        self.log(
+            f"held-out at step {step}: reward {result.reward:.3f} (sampled, {len(sampled)} attempts), "
+            f"greedy {result.greedy:.3f}, tool calls {result.tool_calls:.0%}, errors {result.errors}"
+        )
+        if result.errors:
+            first = next(e.error for e in everything if e.error)
+            self.log(f"[yellow]first episode error: {first}[/yellow]")
+        return result
+
+    def train_step(self, progress: Progress, step: int) -> StepResult:
+        c = self.config
+        pool = demo_task.scenarios("train", c.steps * c.groups_per_step, seed=c.seed)
+        chosen = pool[(step - 1) * c.groups_per_step : step * c.groups_per_step]
+        jobs = [(s, f"s{step}-{self.nonce}-{s.id}-a{k}") for s in chosen for k in range(c.attempts)]
+        started = time.monotonic()
+        episodes = asyncio.run(self._episodes(progress, f"step {step}: rollouts", jobs))
+        collected = time.monotonic()
+        by_scenario: dict[str, list[Episode]] = {}
+        for episode in episodes:
+            by_scenario.setdefault(episode.scenario_id, []).append(episode)
+        no_signal = 0
+        group_ids = []
+        for scenario_id, group in by_scenario.items():
+            usable = [e for e in group if e.error is None]
+            if len(usable) < 2:
+                continue
+            group_ids.append(f"g-{self.nonce}-{step}-{scenario_id}")
+            posted = demo_task.post_group(self.gateway_url, MODEL_NAME, usable, group_id=group_ids[-1])
+            no_signal += bool(posted.get("no_signal"))
+        served = self.wait_for_step(progress, step, group_ids)
+        rewards = [e.reward for e in episodes]
+        result = StepResult(
+            step=step,
+            served_step=served,
+            reward=statistics.fmean(rewards),
+            reward_std=statistics.pstdev(rewards),
+            tool_calls=statistics.fmean(float(e.called_tool) for e in episodes),
+            no_signal_groups=no_signal,
+            collect_seconds=collected - started,
+            train_seconds=time.monotonic() - collected,
+            errors=sum(1 for e in episodes if e.error),
+        )
+        self.result.steps.append(result)
+        self.log(
+            f"step {step}: rollout reward {result.reward:.3f} ({len(episodes)} attempts, "
+            f"{no_signal}/{len(by_scenario)} groups without signal), rollouts {result.collect_seconds:.1f}s, "
+            f"train+load {result.train_seconds:.1f}s → {MODEL_NAME}@{served} serving"
+        )
+        return result
+
+    def run(self) -> DemoResult:
+        c = self.config
+        c.out.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log(f"run directory (store, checkpoints, logs): {self.run_dir}")
+        started = time.monotonic()
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
+        try:
+            with progress:
+                model = self.prepare_model(progress)
+                self.logit_bias = demo_task.answer_logit_bias(model)
+                self.start_gateway(progress, model)
+                self.start_trainer(model)
+                self.result.before = self.evaluate(progress, 0)
+                for step in range(1, c.steps + 1):
+                    self.train_step(progress, step)
+                    if c.eval_every and step % c.eval_every == 0 and step != c.steps:
+                        self.evaluate(progress, step)
+                self.result.after = self.evaluate(progress, c.steps)
+                self.result.served_step = self.served_step()
+                self.result.ok = True
+        finally:
+            stop_started = time.monotonic()
+            for child in reversed(self.children):  # the trainer first, then the gateway (which stops vLLM)
+                child.stop()
+            self.result.timings["shutdown_seconds"] = time.monotonic() - stop_started
+            self.result.timings["total_seconds"] = time.monotonic() - started
+            write_outputs(self.result, c.out, self.console)
+        return self.result
+
+
+# -----------------------------------------------------------------------------
+# outputs
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def summary_table(result: DemoResult) -> Table:
+    table = Table(title="ART Gateway demo: held-out scenarios, before and after RL", show_lines=False)
+    table.add_column("")
+    table.add_column("step 0 (before RL)", justify="right")
+    table.add_column(f"step {result.after.step if result.after else '?'} (after RL)", justify="right")
+    table.add_column("change", justify="right")
+    before, after = result.before, result.after
+
+    def row(name: str, attr: str, fmt: str = "{:.3f}") -> None:
+        b = getattr(before, attr) if before else None
+        a = getattr(after, attr) if after else None
+        change = f"{a - b:+.3f}" if a is not None and b is not None else ""
+        table.add_row(name, fmt.format(b) if b is not None else "-", fmt.format(a) if a is not None else "-", change)
+
+    row("mean reward (sampled, T=1)", "reward")
+    row("accuracy (greedy, T=0)", "greedy")
+    row("tool-call rate", "tool_calls")
+    return table
+
+
+def steps_table(result: DemoResult) -> Table:
+    table = Table(title="training steps (rollouts of the policy being trained, training scenarios)")
+    for name in ("step", "rollout reward", "std", "tool calls", "no-signal groups", "rollouts s", "train+load s"):
+        table.add_column(name, justify="right")
+    for s in result.steps:
+        table.add_row(
+            str(s.step),
+            f"{s.reward:.3f}",
+            f"{s.reward_std:.3f}",
+            f"{s.tool_calls:.0%}",
+            str(s.no_signal_groups),
+            f"{s.collect_seconds:.1f}",
+            f"{s.train_seconds:.1f}",
+        )
+    return table
+
+
+def write_outputs(result: DemoResult, out: Path, console: Console) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_jsonable(asdict(result)), indent=2) + "\n")
+    if not result.steps and result.before is None:
+        return
+    record = Console(record=True, width=110, file=io.StringIO())
+    for table in (summary_table(result), steps_table(result)):
+        console.print(table)
+        record.print(table)
+    (out / "table.txt").write_text(record.export_text())
+    plot(result, out / "reward_curve.png")
+    console.print(f"wrote {out / 'table.txt'}, {out / 'reward_curve.png'} and {out / 'results.json'}")
+
+
+def plot(result: DemoResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if result.steps:
+        xs = [s.step - 0.5 for s in result.steps]  # step k's rollouts come from the adapter of step k - 1
+        ax.plot(xs, [s.reward for s in result.steps], "o-", color="tab:blue", label="rollout reward (train scenarios)")
+    if result.evals:
+        ax.plot(
+            [e.step for e in result.evals],
+            [e.reward for e in result.evals],
+            "s--",
+            color="tab:orange",
+            label="held-out reward (sampled)",
+        )
+        ax.plot(
+            [e.step for e in result.evals],
+            [e.greedy for e in result.evals],
+            "^:",
+            color="tab:green",
+            label="held-out accuracy (greedy)",
+        )
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("training step (adapter served)")
+    ax.set_ylabel("reward")
+    ax.set_title("ART Gateway demo: GRPO on the ballot-counting agent (tiny model, CPU)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(config: DemoConfig, console: Console | None = None) -> int:
+    console = console or Console()
+    demo = Demo(config, console)
+    try:
+        with _signals_raise():
+            result = demo.run()
+    except KeyboardInterrupt:
+        console.print("[yellow]demo interrupted; every process it started is stopped[/yellow]")
+        return 130
+    except DemoError as exc:
+        console.print(f"[red]demo failed:[/red] {exc}")
+        return 1
+    before, after = result.before, result.after
+    if before is not None and after is not None:
+        console.print(
+            f"[bold]held-out reward {before.reward:.3f} → {after.reward:.3f}[/bold] "
+            f"(greedy accuracy {before.greedy:.3f} → {after.greedy:.3f}) after {len(result.steps)} GRPO steps, "
+            f"{result.timings.get('total_seconds', 0):.0f}s in all"
+        )
+    return 0
