@@ -42,7 +42,7 @@ def _option(
         default=_env_default(env, default, type),
         type=type,
         choices=choices,
-        help=f"{help} (env: ARTGW_{env}; default: {default})",
+        help=f"{help} (env: ARTGW_{env}" + ("" if default is None else f"; default: {default}") + ")",
     )
 
 
@@ -460,10 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(demo, "--out", default=Path("demo-out"), type=Path, help="where the table and the PNG go")
     _option(demo, "--data-dir", default=Path("data/demo"), type=Path, help="models, store, checkpoints and logs")
     demo.add_argument("--quick", action="store_true", help="fewer steps and scenarios (CI: a few minutes)")
-    _option(demo, "--steps", type=int, help="GRPO steps (default: 16; --quick: 8)")
+    _option(demo, "--steps", type=int, help="GRPO steps (default: 16; with --quick: 8)")
     _option(demo, "--groups-per-step", type=int, help="scenarios per step (default: 8)")
-    _option(demo, "--attempts", type=int, help="attempts per scenario, the GRPO group (default: 8)")
-    _option(demo, "--eval-scenarios", type=int, help="held-out scenarios (default: 64; --quick: 32)")
+    _option(demo, "--attempts", type=int, help="attempts per scenario: the group GRPO compares (default: 8)")
+    _option(demo, "--eval-scenarios", type=int, help="held-out scenarios (default: 64; with --quick: 32)")
     _option(demo, "--learning-rate", type=float, help="the trainer's LoRA learning rate (default: 5e-3)")
     _option(demo, "--seed", default=0, type=int, help="seed of the scenarios and the trainer")
     _option(demo, "--port", default=0, type=int, help="the gateway's port (0: a free one)")

