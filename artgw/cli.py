@@ -205,6 +205,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             tis_cap=args.tis_cap if args.tis_cap > 0 else None,
             beta=args.beta,
             mask_truncated=args.mask_truncated,
+            train_constrained=args.train_constrained,
             seed=args.seed,
             pause_before_commit=args.pause_before_commit,
         )
@@ -429,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     _option(train, "--tis-cap", default=2.0, type=float, help="truncated importance-sampling cap (0: off)")
     _option(train, "--beta", default=0.0, type=float, help="KL-to-base weight (k3); 0: off")
     train.add_argument("--mask-truncated", action="store_true", help="no loss on completions cut by max_tokens")
+    train.add_argument(
+        "--train-constrained",
+        action="store_true",
+        help="also train tokens sampled under a grammar (named/required tool_choice, JSON response_format, guided "
+        "decoding); off by default because vLLM reports their logprobs after the grammar's mask",
+    )
     _option(train, "--seed", default=0, type=int, help="random seed")
     _option(train, "--pause-before-commit", default=0.0, type=float, help="sleep before commit (crash tests)")
     train.set_defaults(func=_cmd_train)

@@ -22,10 +22,10 @@ answer position saturate and the read-out unlearnable: both were tried.)
 
 Token fidelity and what is trained. vLLM reports logprobs *before* logits processors such as
 `logit_bias` and temperature: the answer token's logprob is the model's own, the one the trainer
-recomputes, so the answer is trained exactly on-policy. The tool-call tokens are sampled under a
-grammar mask, and vLLM reports their logprobs *after* the mask; the trainer cannot reproduce the
-mask, so their importance ratio is far below 1 and PPO's clip keeps them (rightly) from being
-trained. The learning is in the answer.
+recomputes, so the answer is trained exactly on-policy. The tool call is sampled under a grammar
+(the named `tool_choice`), and vLLM reports those logprobs *after* the grammar's mask (about -0.7 or
+exactly 0 where the model's own are about -7): the gateway flags such calls and the trainer leaves
+their tokens out (`artgw train --train-constrained` would keep them). The learning is in the answer.
 """
 
 from __future__ import annotations

@@ -229,11 +229,15 @@ class AdapterService:
             except Exception as exc:  # a store hiccup: try again next round
                 log.warning("could not read adapters from the store: %s", exc)
                 continue
-            for row in rows:
-                model = self.registry.models.get(row.model)
-                if model is not None and row.step > model.served_step and not self._lock.locked():
-                    model.loaded_steps.add(row.step)
-                    model.served_step = row.step
+            if self._lock.locked():  # this replica is committing a step itself
+                continue
+            for model in self.registry.models.values():
+                steps = {r.step for r in rows if r.model == model.name}
+                if steps and max(steps) > model.served_step:
+                    # Mirror what the committing replica left in the engine, unloads included: a pinned
+                    # `NAME@K` must not be routed to an adapter that is gone.
+                    model.loaded_steps = steps
+                    model.served_step = max(steps)
 
     async def status(self, name: str) -> ModelStatus:
         model = self._model(name)

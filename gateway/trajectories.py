@@ -28,6 +28,7 @@ class Sequence(msgspec.Struct, frozen=True):
     call_ids: list[str]  # the calls merged into this sequence, in order
     steps: list[int | None]  # adapter step that served each of call_ids
     split_reason: str | None  # why this sequence did not continue the previous one (None: the first)
+    sampled_spans: list[tuple[int, int]] = []  # [start, end) in token_ids of each call's sampled tokens
 
     @property
     def trainable_tokens(self) -> int:
@@ -47,6 +48,7 @@ class CallSummary(msgspec.Struct, frozen=True):
     retry_of: str | None = None  # an earlier call of the rollout with the identical request
     superseded: bool = False  # retried later with the identical request: training uses the last attempt
     choice: int | None = None  # which choice the rollout continued with (n > 1)
+    constrained: bool = False  # sampled under a grammar: see `sampled_under_grammar`
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -58,6 +60,23 @@ class Trajectory(msgspec.Struct, frozen=True):
     calls: list[CallSummary]
     trainable_tokens: int
     context_tokens: int
+
+
+def sampled_under_grammar(request: dict[str, Any]) -> bool:
+    """Whether vLLM sampled this call's tokens under a grammar (structured outputs).
+
+    A named or `required` tool_choice, a JSON `response_format`, or vLLM's own structured-output
+    parameters. vLLM reports such tokens' logprobs after the grammar's mask, renormalized over the
+    allowed tokens, so they are not the model's own: the trainer leaves them out by default.
+    """
+    tool_choice = request.get("tool_choice")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        return bool(request.get("tools"))
+    response_format = request.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema"):
+        return True
+    guided = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return any(request.get(key) for key in guided)
 
 
 def _canonical(value: Any) -> bytes:
@@ -141,7 +160,10 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
         if current is None:
             current = {"token_ids": [], "sampled_mask": [], "logprobs": [], "call_ids": [], "steps": []}
             current["split_reason"] = split
+            current["sampled_spans"] = []
             sequences.append(current)
+        start = len(current["token_ids"]) + len(context)
+        current["sampled_spans"].append((start, start + len(picked.token_ids)))
         current["token_ids"] += context + picked.token_ids
         current["sampled_mask"] += [0] * len(context) + [1] * len(picked.token_ids)
         current["logprobs"] += [None] * len(context) + list(picked.logprobs)
@@ -164,6 +186,7 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
             retry_of=retry_of.get(c.call_id),
             superseded=c.call_id in superseded,
             choice=chosen.get(c.call_id),
+            constrained=sampled_under_grammar(c.request),
         )
         for c in calls
     ]

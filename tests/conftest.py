@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +70,47 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> str:
+    """URL of a database on the test PostgreSQL server: $ARTGW_TEST_PG_URL (`scripts/test` starts one),
+    else whatever `scripts/postgres` (installs and starts one if needed) prints."""
+    url = os.environ.get("ARTGW_TEST_PG_URL")
+    if url:
+        return url
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "postgres")], capture_output=True, text=True, timeout=900, check=False
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.fail(f"scripts/postgres failed ({proc.returncode}):\n{proc.stderr}", pytrace=False)
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@asynccontextmanager
+async def fresh_pg_database(server_url: str) -> AsyncIterator[str]:
+    """An empty PostgreSQL database of its own on the test server (asyncpg URL), dropped afterwards."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    server = make_url(server_url).set(drivername="postgresql+asyncpg")
+    name = f"artgw_test_{uuid.uuid4().hex[:16]}"
+    admin = create_async_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        yield server.set(database=name).render_as_string(hide_password=False)
+        async with admin.connect() as conn:
+            await conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+    finally:
+        await admin.dispose()
+
+
+@pytest.fixture
+async def pg_database_url(pg_server_url: str) -> AsyncIterator[str]:
+    async with fresh_pg_database(pg_server_url) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

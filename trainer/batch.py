@@ -14,7 +14,7 @@ So `token_logprobs(logits, labels)` feeds `grpo_loss` without any further shifti
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,22 +82,28 @@ class PackedBatch:
 # gateway trajectories -> sequences
 
 
-def sequences_from_trajectory(trajectory_index: int, sequences: Sequence[Any]) -> list[TrainSequence]:
+def sequences_from_trajectory(
+    trajectory_index: int, sequences: Sequence[Any], untrained_calls: Collection[str] = ()
+) -> list[TrainSequence]:
     """TrainSequences of one trajectory from objects with token_ids/sampled_mask/logprobs.
 
     Takes gateway.trajectories.Sequence (or anything shaped like it). All sequences of a
     split trajectory get the same index: the advantage (and grpo's per-trajectory mean)
-    belongs to the trajectory, not to the pieces it was split into.
+    belongs to the trajectory, not to the pieces it was split into. The sampled tokens of
+    `untrained_calls` (ids in `call_ids`, located by `sampled_spans`) become context.
     """
-    return [
-        TrainSequence(
-            token_ids=list(s.token_ids),
-            sampled_mask=list(s.sampled_mask),
-            logprobs=list(s.logprobs),
-            trajectory=trajectory_index,
+    out = []
+    for s in sequences:
+        mask = list(s.sampled_mask)
+        for call_id, (start, end) in zip(s.call_ids, s.sampled_spans, strict=True):
+            if call_id in untrained_calls:
+                mask[start:end] = [0] * (end - start)
+        out.append(
+            TrainSequence(
+                token_ids=list(s.token_ids), sampled_mask=mask, logprobs=list(s.logprobs), trajectory=trajectory_index
+            )
         )
-        for s in sequences
-    ]
+    return out
 
 
 # -----------------------------------------------------------------------------

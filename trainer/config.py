@@ -46,6 +46,10 @@ class TrainConfig:
     tis_cap: float | None = 2.0  # truncated importance-sampling cap; None = off
     beta: float = 0.0  # KL to the base model (adapter disabled), k3 estimator; 0 = off
     mask_truncated: bool = False  # no loss on completions the length limit cut (finish_reason "length")
+    # Tokens sampled under a grammar (named/required tool_choice, JSON response_format, guided decoding) are
+    # context unless this is set: vLLM reports their logprobs after the grammar's mask, so their importance
+    # ratio against the unmasked policy is off by the mask's renormalization (often 100x and more).
+    train_constrained: bool = False
     # -- batch layout
     # Packing width. Attention inside a packed row costs (row tokens)^2 under the block mask, so rows stay
     # narrow; a sequence longer than this gets a row of its own (never truncated).

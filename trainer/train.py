@@ -108,7 +108,8 @@ async def load_step_data(
             if c.status == "ok" and c.choice is not None
         ):
             continue  # a completion cut by the length limit: its reward judged an unfinished answer
-        sequences += sequences_from_trajectory(i, trajectory.sequences)
+        constrained = set() if config.train_constrained else {c.id for c in trajectory.calls if c.constrained}
+        sequences += [s for s in sequences_from_trajectory(i, trajectory.sequences, constrained) if any(s.sampled_mask)]
     zero_groups = sum(1 for g in kept if len({m.reward for m in g.members}) == 1)
     data = StepData(
         group_ids=[g.id for g in kept],
@@ -393,7 +394,7 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
                 console.print(f"[yellow]dropped {len(stale)} stale groups[/yellow]")
             if not data.group_ids:
                 continue
-            if not data.sequences:  # every advantage was 0: nothing to learn, no new adapter
+            if not data.sequences:  # every advantage was 0 (or no token trainable): no new adapter
                 async with store.begin() as conn:
                     await finish_without_update(conn, data.group_ids, owner, step)
                 console.print(f"[yellow]{len(data.group_ids)} groups without learning signal: no step[/yellow]")

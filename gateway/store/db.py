@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine as sa_create_engine
@@ -71,8 +72,17 @@ def _run(connection: Connection, action: str, revision: str) -> None:
     getattr(command, action)(config, revision)
 
 
+# Any constant: the key of the PostgreSQL advisory lock that serializes migrations.
+_MIGRATION_LOCK = 0x41525447  # "ARTG"
+
+
 async def migrate(engine: AsyncEngine, revision: str = "head") -> None:
     async with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Replicas starting together all migrate on start: one runs the migrations, the others wait
+            # here until its transaction commits (PostgreSQL's DDL is transactional) and then find the
+            # store at head.
+            await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
         await conn.run_sync(_run, "upgrade", revision)
 
 

@@ -8,10 +8,7 @@ else from running `scripts/postgres` (which installs and starts one if needed).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,31 +17,17 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.records import CallRecord, ChoiceRecord
 from gateway.store import create_engine, downgrade, migrate
 from gateway.store.calls import count_calls, list_rollouts, rollout_calls, write_calls
 from gateway.store.db import alembic_config
 from gateway.store.tables import calls, metadata, rollouts
-from tests.conftest import ROOT
+from tests.conftest import fresh_pg_database
 
 # --- databases ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def pg_server_url() -> str:
-    """URL of a database on the test PostgreSQL server (any database: tests only use its server)."""
-    url = os.environ.get("ARTGW_TEST_PG_URL")
-    if url:
-        return url
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "postgres")], capture_output=True, text=True, timeout=900, check=False
-    )
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"scripts/postgres failed ({proc.returncode}):\n{proc.stderr}", pytrace=False)
-    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -53,17 +36,8 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'store.sqlite'}"
         return
-    server = make_url(request.getfixturevalue("pg_server_url")).set(drivername="postgresql+asyncpg")
-    name = f"artgw_test_{uuid.uuid4().hex[:16]}"
-    admin = create_async_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            await conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-        yield server.set(database=name).render_as_string(hide_password=False)
-        async with admin.connect() as conn:
-            await conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-    finally:
-        await admin.dispose()
+    async with fresh_pg_database(request.getfixturevalue("pg_server_url")) as url:
+        yield url
 
 
 @pytest.fixture
@@ -198,6 +172,21 @@ async def test_migrations_step_by_step(store_url: str) -> None:
                 assert await conn.run_sync(_tables) == tables, revision
     finally:
         await engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_replicas_migrating_at_once_on_postgresql(pg_database_url: str) -> None:
+    """Gateway replicas started together all migrate the empty store: one does, the others wait and find head."""
+    engines = [create_engine(pg_database_url) for _ in range(4)]
+    try:
+        await asyncio.gather(*(migrate(engine) for engine in engines))
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+        async with engines[0].connect() as conn:
+            assert await conn.run_sync(_current_revision) == head
+            assert await conn.run_sync(_tables) >= {"calls", "rollouts", "groups", "adapters"}
+    finally:
+        for engine in engines:
+            await engine.dispose()
 
 
 # --- writing -----------------------------------------------------------------------------------------

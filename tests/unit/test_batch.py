@@ -183,6 +183,24 @@ def test_split_trajectory_maps_every_sequence_to_one_trajectory_index() -> None:
     assert float(result.loss) == pytest.approx(-2.0)  # mean over the trajectory's 3 tokens of -(1 * 2)
 
 
+def test_untrained_calls_become_context_in_every_sequence() -> None:
+    """The tool call was sampled under a grammar (its logprobs are not the model's): only the answer trains."""
+    turn1 = call("a", 1, [USER], [1, 2], TOOL_CALL_REPLY, [10, 11], [-0.1, -0.2])
+    turn2 = call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], ANSWER, [13], [-0.3])
+    again = [USER, TOOL_CALL_REPLY, TOOL_RESULT, ANSWER, {"role": "user", "content": "and Rome?"}]
+    turn3 = call("c", 3, again, [1, 2, 30, 4, 13, 6], ANSWER, [14, 15], [-0.4, -0.5])
+    trajectory = assemble("r", [turn1, turn2, turn3])  # turn 3's prompt re-rendered turn 1: a second sequence
+    assert [s.call_ids for s in trajectory.sequences] == [["a", "b"], ["c"]]
+
+    first, second = sequences_from_trajectory(0, trajectory.sequences, untrained_calls={"a", "c"})
+    assert first.token_ids == [1, 2, 10, 11, 4, 13]
+    assert first.sampled_mask == [0, 0, 0, 0, 0, 1]  # a's 10, 11 are context now; b's 13 still trains
+    assert second.sampled_mask == [0, 0, 0, 0, 0, 0, 0, 0]
+    assert first.logprobs == [None, None, -0.1, -0.2, None, -0.3]  # kept as recorded; the mask decides
+    everything = sequences_from_trajectory(0, trajectory.sequences)
+    assert [s.sampled_mask for s in everything] == [[0, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0, 1, 1]]
+
+
 # -----------------------------------------------------------------------------
 # layout
 

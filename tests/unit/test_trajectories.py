@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.records import CallRecord, ChoiceRecord
-from gateway.trajectories import SPLIT_DROPPED_REASONING, SPLIT_EDITED, SPLIT_RERENDERED, assemble
+from gateway.trajectories import (
+    SPLIT_DROPPED_REASONING,
+    SPLIT_EDITED,
+    SPLIT_RERENDERED,
+    assemble,
+    sampled_under_grammar,
+)
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "weather in Paris?"}
@@ -66,6 +72,7 @@ def test_three_turn_tool_rollout_that_extends_its_prefix_is_one_sequence() -> No
     assert seq.call_ids == ["a", "b"]
     assert seq.steps == [0, 1]
     assert seq.split_reason is None
+    assert seq.sampled_spans == [(3, 6), (8, 10)]  # each call's sampled tokens, in call order
     assert (trajectory.trainable_tokens, trajectory.context_tokens) == (5, 5)
     assert trajectory.messages[-1] == {"role": "assistant", "content": "sunny"}
     assert trajectory.messages[:4] == [SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]
@@ -142,3 +149,27 @@ def test_n_greater_than_one_follows_the_choice_the_next_call_continued() -> None
 def test_empty_rollout_of_only_failures() -> None:
     trajectory = assemble("r", [call("a", 1, [USER], [], status="cancelled")])
     assert trajectory.sequences == [] and trajectory.messages == [] and trajectory.trainable_tokens == 0
+
+
+def test_calls_sampled_under_a_grammar_are_flagged() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert sampled_under_grammar({"tools": tools, "tool_choice": named})
+    assert sampled_under_grammar({"tools": tools, "tool_choice": "required"})
+    assert sampled_under_grammar({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert sampled_under_grammar({"response_format": {"type": "json_object"}})
+    assert sampled_under_grammar({"structured_outputs": {"choice": ["yes", "no"]}})
+    assert sampled_under_grammar({"guided_regex": "[0-9]+"})
+    # Free sampling: the model's own distribution, whatever tools it was offered.
+    assert not sampled_under_grammar({"tools": tools, "tool_choice": "auto"})
+    assert not sampled_under_grammar({"tools": tools})
+    assert not sampled_under_grammar({"tool_choice": "none"})
+    assert not sampled_under_grammar({"response_format": {"type": "text"}})
+    assert not sampled_under_grammar({"logit_bias": {"5": 100}})
+
+    c1 = call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]), extra={"tools": tools, "tool_choice": named})
+    c2 = call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], ({"role": "assistant"}, [13]))
+    trajectory = assemble("r", [c1, c2])
+    assert [(c.id, c.constrained) for c in trajectory.calls] == [("a", True), ("b", False)]
+    (seq,) = trajectory.sequences
+    assert seq.sampled_spans == [(2, 4), (5, 6)]

@@ -1,0 +1,150 @@
+"""Scale-out: two gateway replicas on one PostgreSQL store in front of one real vLLM, and a trainer.
+
+What a load-balanced deployment relies on, with real processes: replicas started together migrate the
+store once (the others wait on an advisory lock); a call recorded by one replica is visible to the other
+(groups are made from rollouts either one recorded); the trainer claims on PostgreSQL and commits through
+one replica while the other follows; and Prometheus, scraping each replica, reads one consistent picture:
+live counters add up across replicas, store-derived gauges (groups, trainer steps, adapter step) agree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ARTGW, ROOT, GatewayProcess, start_gateway, stop_group, wait_http
+
+pytestmark = [pytest.mark.engine, pytest.mark.postgres]
+
+MODEL = "my-agent"
+USER = [{"role": "user", "content": "hello"}]
+
+
+def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """A sample of the replica's /metrics, parsed with prometheus_client; summed over other labels."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def poll(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.3)
+    return value
+
+
+@pytest.fixture
+def replicas(pg_database_url: str, vllm_url: str, tmp_path: Path) -> Iterator[list[GatewayProcess]]:
+    # Started together, not one after the other: both migrate the empty store on start.
+    started = [start_gateway(tmp_path, "--upstream", vllm_url, "--db", pg_database_url, wait=False) for _ in range(2)]
+    try:
+        for gateway in started:
+            try:
+                wait_http(f"{gateway.url}/readyz", 90, gateway.proc)
+            except Exception:
+                print(gateway.log())
+                raise
+        yield started
+    finally:
+        for gateway in started:
+            gateway.stop()
+
+
+def test_replicas_share_the_store_and_report_one_picture(
+    replicas: list[GatewayProcess], pg_database_url: str, tiny_model: Path
+) -> None:
+    a, b = replicas
+    assert all(g.proc.poll() is None for g in replicas)
+    ok_before = [metric(g, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
+
+    # Calls through both replicas; one group made of rollouts recorded by either, created on B.
+    rollouts: list[str] = []
+    for gateway, calls in ((a, 3), (b, 2)):
+        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        for _ in range(calls):
+            rollouts.append(f"rep-{uuid.uuid4().hex[:8]}")
+            client.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=4, extra_headers={"X-ART-Rollout-Id": rollouts[-1]}
+            )
+    for rid in rollouts[:3]:  # recorded by A, read back through B
+        poll(lambda rid=rid: httpx.get(f"{b.base_url}/art/rollouts/{rid}").status_code == 200, 10, f"{rid} on B")
+    group = httpx.post(
+        f"{b.base_url}/art/groups",
+        json={"model": MODEL, "rollouts": [{"rollout_id": r, "reward": float(i % 2)} for i, r in enumerate(rollouts)]},
+        timeout=30,
+    )
+    assert group.status_code == 201, group.text
+    group_id = group.json()["id"]
+
+    # Live counters are per replica and add up; the store's gauges are the same on both.
+    ok_after = [metric(g, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
+    assert [after - before for after, before in zip(ok_after, ok_before, strict=True)] == [3, 2]
+    for gateway in replicas:
+        assert metric(gateway, "artgw_groups", model=MODEL, state="ready") == 1
+        assert metric(gateway, "artgw_adapter_step", model=MODEL) == 0
+
+    # The trainer claims on PostgreSQL and commits its step through A; B follows it.
+    log_path = a.data_dir / "trainer.log"
+    with log_path.open("wb") as log:
+        trainer = subprocess.Popen(
+            [
+                ARTGW,
+                "train",
+                "--model",
+                MODEL,
+                "--base-model",
+                str(tiny_model),
+                "--db",
+                pg_database_url,
+                "--data-dir",
+                str(a.data_dir),
+                "--gateway",
+                a.url,
+                "--groups-per-step",
+                "1",
+                "--max-steps",
+                "1",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        assert trainer.wait(300) == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        stop_group(trainer)
+    assert httpx.get(f"{a.base_url}/art/groups/{group_id}").json()["state"] == "trained"
+    poll(lambda: metric(b, "artgw_adapter_step", model=MODEL) == 1, 15, "B to follow step 1")
+    for gateway in replicas:
+        assert metric(gateway, "artgw_adapter_step", model=MODEL) == 1
+        assert metric(gateway, "artgw_trainer_steps_total", model=MODEL) == 1
+        assert metric(gateway, "artgw_groups", model=MODEL, state="trained") == 1
+        assert metric(gateway, "artgw_groups", model=MODEL, state="ready") == 0
+        ids = [m["id"] for m in httpx.get(f"{gateway.base_url}/models").json()["data"]]
+        assert f"{MODEL}@1" in ids
+
+    # A call through B now reaches the adapter A loaded, and its record says so.
+    rid = f"rep-after-{uuid.uuid4().hex[:8]}"
+    answer = openai.OpenAI(base_url=b.base_url, api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=4, extra_headers={"X-ART-Rollout-Id": rid}
+    )
+    assert answer.model == MODEL
+    rollout = poll(lambda: httpx.get(f"{a.base_url}/art/rollouts/{rid}").json().get("calls"), 10, "the record")
+    assert [call["step"] for call in rollout] == [1]
