@@ -1,6 +1,10 @@
 """A stand-in for vLLM's OpenAI server, for the failure paths a real engine cannot be made to show on cue
-(a hang past the gateway's timeout, a 5xx answer, dying mid-stream). Everything else is tested against the
-real vLLM. Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream]."""
+(a hang past the gateway's timeout, a 5xx answer, dying mid-stream) and for watching the engine's side of a
+client hang-up: with --endless-stream it streams a token every 20 ms until its client goes away, and
+`GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
+then, but on a busy CPU its own event loop may only notice once the generation is over).
+Everything else is tested against the real vLLM.
+Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]."""
 
 from __future__ import annotations
 
@@ -30,13 +34,53 @@ COMPLETION = {
 }
 
 
-def make_app(delay: float, status: int, die_mid_stream: bool):  # type: ignore[no-untyped-def]
+def _chunk(**extra: object) -> bytes:
+    chunk = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "stub",
+        "choices": [{"index": 0, "delta": {"content": "o"}, "token_ids": [7], "logprobs": None}],
+        **extra,
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+async def _endless_stream(receive, send, stats: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+    stats["streams_started"] += 1
+    gone = asyncio.Event()
+
+    async def listen() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    listener = asyncio.create_task(listen())
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": _chunk(prompt_token_ids=[1, 2, 3]), "more_body": True})
+    while not gone.is_set():
+        await asyncio.sleep(0.02)
+        await send({"type": "http.response.body", "body": _chunk(), "more_body": True})
+    stats["streams_aborted"] += 1
+    listener.cancel()
+
+
+def make_app(delay: float, status: int, die_mid_stream: bool, endless_stream: bool = False):  # type: ignore[no-untyped-def]
+    stats = {"streams_started": 0, "streams_aborted": 0}
+
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
             return
         path = scope["path"]
         if path == "/health":
             body, code = b"", 200
+        elif path == "/stats":
+            body, code = json.dumps(stats).encode(), 200
+        elif path.endswith("/chat/completions") and endless_stream:
+            while (await receive()).get("more_body"):
+                pass
+            await _endless_stream(receive, send, stats)
+            return
         elif path == "/v1/models":
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200
@@ -52,21 +96,8 @@ def make_app(delay: float, status: int, die_mid_stream: bool):  # type: ignore[n
                         "headers": [(b"content-type", b"text/event-stream")],
                     }
                 )
-                chunk = {
-                    "id": "x",
-                    "object": "chat.completion.chunk",
-                    "created": 0,
-                    "model": "stub",
-                    "choices": [{"index": 0, "delta": {"content": "o"}, "token_ids": [7], "logprobs": None}],
-                    "prompt_token_ids": [1, 2, 3],
-                }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                        "more_body": True,
-                    }
-                )
+                first = _chunk(prompt_token_ids=[1, 2, 3])
+                await send({"type": "http.response.body", "body": first, "more_body": True})
                 os._exit(1)  # the engine dies mid-stream
             if status != 200:
                 body = json.dumps(
@@ -93,5 +124,7 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--status", type=int, default=200)
     parser.add_argument("--die-mid-stream", action="store_true")
+    parser.add_argument("--endless-stream", action="store_true")
     a = parser.parse_args()
-    uvicorn.run(make_app(a.delay, a.status, a.die_mid_stream), host="127.0.0.1", port=a.port, log_level="warning")
+    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream)
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")

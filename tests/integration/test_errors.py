@@ -6,6 +6,9 @@ vLLM cannot be made to misbehave on cue (hang, 5xx, die mid-stream). The upstrea
 
 from __future__ import annotations
 
+import itertools
+import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -158,6 +161,32 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_fac
         assert '"content":"o"' in events[0]
         assert '"code":"upstream_error"' in events[-1]
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+    finally:
+        stop_group(proc)
+
+
+def test_client_hangup_mid_stream_closes_the_engine_stream_and_is_recorded_cancelled(gateway_factory) -> None:
+    url, proc = start_stub("--endless-stream")
+    try:
+        gateway = gateway_factory("--upstream", url)
+        headers = {"X-ART-Rollout-Id": "hangup-1"}
+        body = {**CHAT, "stream": True}
+        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, headers=headers) as r:
+            lines = r.iter_lines()
+            assert sum(1 for line in itertools.islice(lines, 6) if line.startswith("data: ")) == 3
+        # The engine streams on until its client, the gateway, goes away: it must go at once.
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{url}/stats").json()["streams_aborted"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/stats").json() == {"streams_started": 1, "streams_aborted": 1}
+        rollout = httpx.get(f"{gateway.base_url}/art/rollouts/hangup-1").json()
+        (call,) = rollout["calls"]
+        assert call["status"] == "cancelled" and call["stream"]
+        assert rollout["sequences"] == []  # a cancelled call is kept but never trained
+        # What the engine had sent before the hang-up is recorded (a token every 20 ms: a few, not hundreds).
+        with sqlite3.connect(gateway.db_path) as db:
+            ((choices, http_status),) = db.execute("SELECT choices, http_status FROM calls").fetchall()
+        assert http_status == 499 and 3 <= len(json.loads(choices)[0]["token_ids"]) < 100
     finally:
         stop_group(proc)
 
