@@ -169,8 +169,11 @@ class NginxUpstream:
 
     kind = "nginx"
 
-    def __init__(self, children: Children, workdir: Path) -> None:
+    def __init__(
+        self, children: Children, workdir: Path, chat_body: bytes = CHAT_BODY, chat_type: str = "application/json"
+    ) -> None:
         self.children = children
+        self.chat_body, self.chat_type = chat_body, chat_type
         self.dir = workdir / "nginx"
         self.dir.mkdir()
         self.direct_port, self.gateway_port = free_port(), free_port()
@@ -184,7 +187,9 @@ class NginxUpstream:
         listen 127.0.0.1:{port} backlog=4096;
         location = /health {{ return 200; }}
         location = /v1/models {{ return 200 {_nginx_string(MODELS_BODY)}; }}
-        location = /v1/chat/completions {{ {access} return 200 {_nginx_string(CHAT_BODY)}; }}
+        location = /v1/chat/completions {{
+            {access} default_type {self.chat_type}; return 200 {_nginx_string(self.chat_body)};
+        }}
         location / {{ return 404 {_nginx_string(NOT_FOUND_BODY)}; }}
     }}"""
 

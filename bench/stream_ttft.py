@@ -1,16 +1,18 @@
 """What the gateway adds to a streamed call's time to first token (DESIGN.md: <= 1 ms).
 
-Starts a streaming stand-in for vLLM (this file, `--serve PORT`: aiohttp, events shaped like vLLM 0.32's
-with `return_token_ids` and `logprobs`): the role event and the first token go out at once, the other
-tokens `--gap` ms apart, so the time to the first token and the time to the whole answer differ as they do
-with a real engine. Then `artgw serve --upstream` in front of it (a fresh SQLite store), and one client
-process that times, per call, the first content token and the last byte, direct and through the gateway,
-the two paths interleaved call by call so both see the same machine. At each concurrency it prints
-median / p90 / p99 TTFT both ways and what the gateway adds; then it stops the gateway (the recorder
-flushes) and checks that every streamed call through it was recorded `ok` with all its token ids.
+Two stand-ins for vLLM's streaming answer (events shaped like vLLM 0.32's with `return_token_ids` and
+`logprobs`): nginx (the default, as in gateway_overhead.py: ~0.03 ms a call) returns the whole event stream
+at once, so what the gateway adds is all there is to see; `--upstream python` (aiohttp, this file's
+`--serve PORT`) sends the role event and the first token at once and the other tokens `--gap` ms apart, so
+the time to the first token and the time to the whole answer differ as they do with a real engine.
+`artgw serve --upstream` runs in front of it (a fresh SQLite store), and one client process times, per
+call, the first content token and the last byte, direct and through the gateway, the two paths interleaved
+call by call so both see the same machine. At each concurrency it prints median / p90 / p99 TTFT both ways
+and what the gateway adds; then it stops the gateway (the recorder flushes) and checks that every streamed
+call through it was recorded `ok` with all its token ids.
 
-    .venv/bin/python bench/stream_ttft.py                    # 1 and 16 concurrent streams, 400 calls each way
-    .venv/bin/python bench/stream_ttft.py --calls 1000 --concurrency 1,4,32
+    .venv/bin/python bench/stream_ttft.py                    # nginx; 1 and 16 concurrent streams, 400 calls each
+    .venv/bin/python bench/stream_ttft.py --upstream python --calls 1000 --concurrency 1,4,32
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from gateway_overhead import MODEL_NAME, Children, Gateway, free_port, say, wait_http_ok  # noqa: E402
+from gateway_overhead import (  # noqa: E402
+    MODEL_NAME,
+    Children,
+    Gateway,
+    NginxUpstream,
+    ensure_tool,
+    free_port,
+    say,
+    wait_http_ok,
+)
 
 PROMPT_IDS = list(range(100, 124))
 TOKENS = [(" properties", 373, -6.7468), ("ct", 176, -7.1481), ("to", 452, -7.06), ("49", 500, -7.123)]
@@ -54,14 +65,20 @@ def _event(delta: dict[str, Any], token: tuple[str, int, float] | None, finish: 
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def serve_upstream(port: int, gap: float) -> None:
-    from aiohttp import web
-
+def stream_events() -> tuple[bytes, list[bytes], bytes]:
+    """(the role event and the first token, one event per later token, the usage event and [DONE])."""
     first = _event({"role": "assistant", "content": ""}, None, None, prompt_token_ids=PROMPT_IDS)
     first += _event({"content": TOKENS[0][0]}, TOKENS[0], None)
     rest = [_event({"content": t[0]}, t, "length" if t is TOKENS[-1] else None) for t in TOKENS[1:]]
     usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": len(TOKENS)}
     done = b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n"
+    return first, rest, done
+
+
+def serve_upstream(port: int, gap: float) -> None:
+    from aiohttp import web
+
+    first, rest, done = stream_events()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -175,7 +192,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=400, help="streamed calls each way per concurrency")
     parser.add_argument("--concurrency", default="1,16", help="concurrent streams, comma-separated")
-    parser.add_argument("--gap", type=float, default=0.005, help="seconds between the upstream's later tokens")
+    parser.add_argument(
+        "--upstream", choices=("nginx", "python"), default="nginx", help="the stand-in engine (see above)"
+    )
+    parser.add_argument("--gap", type=float, default=0.005, help="python upstream: seconds between later tokens")
     parser.add_argument("--artgw", default=str(Path(sys.executable).with_name("artgw")), help="artgw to measure")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the upstream child
     args = parser.parse_args()
@@ -186,17 +206,26 @@ def main() -> int:
     children = Children()
     try:
         with tempfile.TemporaryDirectory(prefix="artgw-ttft-") as tmp:
-            port = free_port()
-            upstream = children.start(
-                [sys.executable, __file__, "--serve", str(port), "--gap", str(args.gap)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
-            )
-            wait_http_ok(f"http://127.0.0.1:{port}/health", upstream, 30, "the streaming upstream")
+            if args.upstream == "nginx":
+                if not ensure_tool("nginx", "nginx-light", install=True):
+                    raise SystemExit("nginx is needed (Debian's nginx-light), or use --upstream python")
+                first, rest, done = stream_events()
+                nginx = NginxUpstream(children, Path(tmp), b"".join([first, *rest, done]), "text/event-stream")
+                nginx.start()
+                direct_port, port = nginx.direct_port, nginx.gateway_port
+                say("upstream: nginx, the whole event stream at once")
+            else:
+                direct_port = port = free_port()
+                upstream = children.start(
+                    [sys.executable, __file__, "--serve", str(port), "--gap", str(args.gap)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+                wait_http_ok(f"http://127.0.0.1:{port}/health", upstream, 30, "the streaming upstream")
+                later = f"{len(TOKENS) - 1} more {args.gap * 1e3:g} ms apart"
+                say(f"upstream: aiohttp stand-in, the first token at once, then {later}")
             gateway = Gateway(children, args.artgw, port, Path(tmp))
             gateway.start()
-            later = f"{len(TOKENS) - 1} more {args.gap * 1e3:g} ms apart"
-            say(f"upstream: streaming stand-in (aiohttp), the first token at once, then {later}")
             say("\n## Streaming time to first token, direct vs through the gateway (ms)\n")
             say(
                 "| conc | calls | direct p50 / p90 / p99 | gateway p50 / p90 / p99 | added p50 "
@@ -206,7 +235,7 @@ def main() -> int:
             added = []
             made = 0
             for concurrency in (int(c) for c in args.concurrency.split(",")):
-                results = asyncio.run(measure(f"http://127.0.0.1:{port}", gateway.url, args.calls, concurrency))
+                results = asyncio.run(measure(f"http://127.0.0.1:{direct_port}", gateway.url, args.calls, concurrency))
                 line, delta = row(concurrency, results)
                 say(line)
                 added.append((concurrency, delta))

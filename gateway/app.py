@@ -17,6 +17,7 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
+from litestar.types import ASGIApp
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -67,7 +68,8 @@ def gateway(request: Request[Any, Any, State]) -> GatewayState:
     ["/v1/chat/completions", "/rollouts/{rollout_id:str}/v1/chat/completions"],
     status_code=200,
 )
-async def chat_completions(request: Request[Any, Any, State], rollout_id: str | None = None) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, State], rollout_id: str | None = None) -> ASGIApp:
+    # The answer is a bare ASGI app (gateway/responses.py): no framework work between engine and client.
     key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
     return await gateway(request).chat.complete(await request.body(), key)
 

@@ -11,21 +11,20 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import anyio
 import msgspec
-from litestar import Response
-from litestar.response import Stream
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.records import CallRecord, CallStatus, ChoiceRecord
+from gateway.responses import EventStream, JSONBody
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -145,13 +144,6 @@ _JSON_HEADERS = {"content-type": "application/json"}
 EngineState = Callable[[], str]  # starting | ready | restarting | failed | stopped
 
 
-async def _prepend(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first is not None:
-        yield first
-        async for chunk in rest:
-            yield chunk
-
-
 @dataclass
 class _StreamedChoice:
     content: list[str] = field(default_factory=list)
@@ -230,7 +222,7 @@ class ChatService:
         self.recorder = recorder
         self.engine_state = engine_state
 
-    async def complete(self, body: bytes, key: RolloutKey) -> Response[Any]:
+    async def complete(self, body: bytes, key: RolloutKey) -> JSONBody | EventStream:
         request = parse_chat_request(body)
         route = self.registry.resolve(request["model"])
         upstream_body, asked = _upstream_body(request, route)
@@ -264,12 +256,9 @@ class ChatService:
             relay = call.relay(upstream, asked, request["model"])
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
-            first = await anext(relay, None)
-            return Stream(
-                _prepend(first, relay),
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache"},
-            )
+            # The relay yields at least one event (the engine's first, or an error event) and records the call
+            # in its `finally`, which runs even if the client is gone before the response begins.
+            return EventStream(await anext(relay), relay, headers)
         try:
             payload = _decode(await upstream.read())
             choices = [_choice_record(c) for c in payload.get("choices") or ()]
@@ -279,7 +268,7 @@ class ChatService:
             await call.finish("upstream_error", 502, f"unreadable engine answer: {exc}")
             raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
         await call.finish("ok", 200, None, prompt_ids, choices, payload.get("usage"))
-        return Response(_encode(payload), media_type="application/json", headers=headers)
+        return JSONBody(_encode(payload), headers)
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send; None for cancellation (the client went away)."""
@@ -353,43 +342,30 @@ class _Call:
         self.service.metrics.call_ended(self.label, record)
         await self.service.recorder.submit(record)
 
-    async def relay(self, upstream: aiohttp.ClientResponse, asked: _Asked, model: str) -> AsyncIterator[bytes]:
+    async def relay(self, upstream: aiohttp.ClientResponse, asked: _Asked, model: str) -> AsyncGenerator[bytes]:
         """Pass vLLM's SSE events on, minus what the client did not ask for.
 
-        A client that goes away cancels this generator; closing the upstream
-        response then closes the connection, and vLLM aborts the request.
+        Whatever the engine has sent by the time the gateway reads goes on as one write: events that
+        arrive together (the role and the first token, a burst under load) cost one syscall, not one each.
+        A client that goes away cancels this generator; closing the upstream response then closes the
+        connection, and vLLM aborts the request.
         """
-        choices: dict[int, _StreamedChoice] = {}
-        prompt_ids: list[int] = []
-        usage: dict[str, Any] | None = None
-        status: CallStatus = "cancelled"
-        error: str | None = None
+        stream = _Stream(asked, model)
+        pending = b""
         try:
-            async for raw in upstream.content:
-                if not raw.startswith(b"data: "):
-                    continue
-                data = raw[6:].rstrip()
-                if data == b"[DONE]":
-                    status = "ok"
-                    yield b"data: [DONE]\n\n"
-                    continue
-                event = _decode(data)
-                if "error" in event and "choices" not in event:
-                    status, error = "upstream_error", str((event.get("error") or {}).get("message"))
-                    yield b"data: " + data + b"\n\n"
-                    continue
-                if self.first_token_at is None:
-                    self.first_token_at = time.time()
-                if event.get("prompt_token_ids"):
-                    prompt_ids = event["prompt_token_ids"]
-                if event.get("usage"):
-                    usage = event["usage"]
-                for choice in event.get("choices") or ():
-                    choices.setdefault(choice.get("index", 0), _StreamedChoice()).add(choice)
-                _hide_unasked(event, asked, model)
-                yield b"data: " + _encode(event) + b"\n\n"
+            async for data in upstream.content.iter_any():
+                *lines, pending = (pending + data).split(b"\n")
+                out = [event for line in lines if (event := stream.take(line, self)) is not None]
+                if out:
+                    yield b"".join(out)
+            if pending and (event := stream.take(pending, self)) is not None:
+                yield event
+            if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
+                stream.status, stream.error = "upstream_error", "the engine ended the stream early"
+                failure = OpenAIError(502, "The engine ended the stream early.", code="upstream_error")
+                yield b"data: " + _encode(failure.body()) + b"\n\n"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            status, error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
+            stream.status, stream.error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
             failure = OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
             yield b"data: " + _encode(failure.body()) + b"\n\n"
         finally:
@@ -397,10 +373,46 @@ class _Call:
             # upstream close and the record must still happen.
             with anyio.CancelScope(shield=True):
                 # Closing (not releasing) an unfinished response drops the connection: vLLM aborts.
-                if status == "ok":
+                if stream.status == "ok":
                     upstream.release()
                 else:
                     upstream.close()
-                records = [choices[i].record(i) for i in sorted(choices)]
-                http_status = 200 if status != "cancelled" else 499
-                await self.finish(status, http_status, error, prompt_ids, records, usage)
+                records = [stream.choices[i].record(i) for i in sorted(stream.choices)]
+                http_status = 200 if stream.status != "cancelled" else 499
+                await self.finish(stream.status, http_status, stream.error, stream.prompt_ids, records, stream.usage)
+
+
+@dataclass
+class _Stream:
+    """What a streamed call has sent so far, and its outcome (`cancelled` until the engine's [DONE])."""
+
+    asked: _Asked
+    model: str
+    choices: dict[int, _StreamedChoice] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    status: CallStatus = "cancelled"
+    error: str | None = None
+
+    def take(self, line: bytes, call: _Call) -> bytes | None:
+        """One line of the engine's SSE stream -> the bytes the client gets for it (None: nothing)."""
+        if not line.startswith(b"data: "):
+            return None
+        data = line[6:].rstrip()
+        if data == b"[DONE]":
+            self.status = "ok"
+            return b"data: [DONE]\n\n"
+        event = _decode(data)
+        if "error" in event and "choices" not in event:
+            self.status, self.error = "upstream_error", str((event.get("error") or {}).get("message"))
+            return b"data: " + data + b"\n\n"
+        if call.first_token_at is None:
+            call.first_token_at = time.time()
+        if event.get("prompt_token_ids"):
+            self.prompt_ids = event["prompt_token_ids"]
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            self.choices.setdefault(choice.get("index", 0), _StreamedChoice()).add(choice)
+        _hide_unasked(event, self.asked, self.model)
+        return b"data: " + _encode(event) + b"\n\n"

@@ -4,7 +4,8 @@ client hang-up: with --endless-stream it streams a token every 20 ms until its c
 `GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
 then, but on a busy CPU its own event loop may only notice once the generation is over).
 Everything else is tested against the real vLLM.
-Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]."""
+Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
+[--end-stream-early]."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ async def _endless_stream(receive, send, stats: dict[str, int]) -> None:  # type
     listener.cancel()
 
 
-def make_app(delay: float, status: int, die_mid_stream: bool, endless_stream: bool = False):  # type: ignore[no-untyped-def]
+def make_app(  # type: ignore[no-untyped-def]
+    delay: float, status: int, die_mid_stream: bool, endless_stream: bool = False, end_early: bool = False
+):
     stats = {"streams_started": 0, "streams_aborted": 0}
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
@@ -88,7 +91,7 @@ def make_app(delay: float, status: int, die_mid_stream: bool, endless_stream: bo
             while (await receive()).get("more_body"):
                 pass
             await asyncio.sleep(delay)
-            if die_mid_stream:
+            if die_mid_stream or end_early:
                 await send(
                     {
                         "type": "http.response.start",
@@ -98,7 +101,10 @@ def make_app(delay: float, status: int, die_mid_stream: bool, endless_stream: bo
                 )
                 first = _chunk(prompt_token_ids=[1, 2, 3])
                 await send({"type": "http.response.body", "body": first, "more_body": True})
-                os._exit(1)  # the engine dies mid-stream
+                if die_mid_stream:
+                    os._exit(1)  # the engine dies mid-stream
+                await send({"type": "http.response.body", "body": b"", "more_body": False})  # no [DONE]
+                return
             if status != 200:
                 body = json.dumps(
                     {"error": {"message": "engine exploded", "type": "InternalServerError", "code": status}}
@@ -125,6 +131,7 @@ if __name__ == "__main__":
     parser.add_argument("--status", type=int, default=200)
     parser.add_argument("--die-mid-stream", action="store_true")
     parser.add_argument("--endless-stream", action="store_true")
+    parser.add_argument("--end-stream-early", action="store_true", help="one event, then the end: no [DONE]")
     a = parser.parse_args()
-    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream)
+    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")

@@ -151,16 +151,20 @@ def test_engine_not_yet_up_is_503(gateway_factory) -> None:
     assert httpx.get(f"{gateway.url}/readyz").status_code == 503
 
 
-def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_factory) -> None:
-    url, proc = start_stub("--die-mid-stream")
+@pytest.mark.parametrize("how", ["--die-mid-stream", "--end-stream-early"])
+def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_factory, how: str) -> None:
+    url, proc = start_stub(how)
     try:
         gateway = gateway_factory("--upstream", url)
         with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json={**CHAT, "stream": True}) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert '"content":"o"' in events[0]
-        assert '"code":"upstream_error"' in events[-1]
+        assert '"code":"upstream_error"' in events[-1] and len(events) == 2  # and no [DONE]
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+        gateway.stop()  # flushes the recorder
+        with sqlite3.connect(gateway.db_path) as db:
+            assert db.execute("SELECT status, http_status FROM calls").fetchall() == [("upstream_error", 200)]
     finally:
         stop_group(proc)
 
