@@ -205,6 +205,28 @@ def start_gateway(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     return gateway
 
 
+def start_trainer(
+    gateway: GatewayProcess, base_model: Path, *options: str, log_name: str = "trainer"
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """`artgw train` for `my-agent` against the gateway (its data dir: store and checkpoints), as a process of
+    its own session (SIGKILL reaches it and nothing else); returns it and its log file."""
+    log_path = gateway.data_dir / f"{log_name}.log"
+    command = [ARTGW, "train", "--model", "my-agent", "--base-model", str(base_model)]
+    command += ["--data-dir", str(gateway.data_dir), "--gateway", gateway.url, *options]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # One torch thread: the tiny model needs no more, and on 2 cores busy with vLLM, torch's spinning
+            # intra-op threads turn a ~1 s step into ~60 s.
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
+    return proc, log_path
+
+
 @pytest.fixture
 def gateway_factory(tmp_path: Path) -> Iterator[object]:
     started: list[GatewayProcess] = []

@@ -9,7 +9,6 @@ live counters add up across replicas, store-derived gauges (groups, trainer step
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ARTGW, ROOT, GatewayProcess, start_gateway, stop_group, wait_http
+from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group, wait_http
 
 pytestmark = [pytest.mark.engine, pytest.mark.postgres]
 
@@ -100,32 +99,9 @@ def test_replicas_share_the_store_and_report_one_picture(
         assert metric(gateway, "artgw_adapter_step", model=MODEL) == 0
 
     # The trainer claims on PostgreSQL and commits its step through A; B follows it.
-    log_path = a.data_dir / "trainer.log"
-    with log_path.open("wb") as log:
-        trainer = subprocess.Popen(
-            [
-                ARTGW,
-                "train",
-                "--model",
-                MODEL,
-                "--base-model",
-                str(tiny_model),
-                "--db",
-                pg_database_url,
-                "--data-dir",
-                str(a.data_dir),
-                "--gateway",
-                a.url,
-                "--groups-per-step",
-                "1",
-                "--max-steps",
-                "1",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    trainer, log_path = start_trainer(
+        a, tiny_model, "--db", pg_database_url, "--groups-per-step", "1", "--max-steps", "1"
+    )
     try:
         assert trainer.wait(300) == 0, log_path.read_text(errors="replace")[-3000:]
     finally:

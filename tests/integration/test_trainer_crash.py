@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ARTGW, ROOT, GatewayProcess, start_gateway, stop_group
+from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -64,30 +63,8 @@ class Trainer:
 
     def __init__(self, name: str, gateway: GatewayProcess, base_model: Path, *extra: str) -> None:
         self.name = name
-        self.log_path = gateway.data_dir / f"{name}.log"
-        command = [
-            ARTGW,
-            "train",
-            "--model",
-            MODEL,
-            "--base-model",
-            str(base_model),
-            "--data-dir",
-            str(gateway.data_dir),
-            "--gateway",
-            gateway.url,
-            "--groups-per-step",
-            "2",
-            "--max-wait",
-            "1",
-            "--lease-seconds",
-            "4",
-            *extra,
-        ]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        options = ("--groups-per-step", "2", "--max-wait", "1", "--lease-seconds", "4", *extra)
+        self.proc, self.log_path = start_trainer(gateway, base_model, *options, log_name=name)
 
     @property
     def returncode(self) -> int | None:

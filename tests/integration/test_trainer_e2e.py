@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from artgw import demo_task
-from tests.conftest import ARTGW, GatewayProcess, start_gateway, stop_group
+from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -53,40 +53,12 @@ def rl_gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def trainer(rl_gateway: GatewayProcess, tiny_model: Path) -> Iterator[subprocess.Popen[bytes]]:
-    log_path = rl_gateway.data_dir / "trainer.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                ARTGW,
-                "train",
-                "--model",
-                MODEL,
-                "--base-model",
-                str(tiny_model),
-                "--data-dir",
-                str(rl_gateway.data_dir),
-                "--gateway",
-                rl_gateway.url,
-                "--groups-per-step",
-                str(GROUPS),
-                "--min-groups-per-step",
-                str(GROUPS),
-                "--max-wait",
-                "600",
-                "--max-steps",
-                str(ROUNDS),
-                "--learning-rate",
-                str(LEARNING_RATE),
-                "--seed",
-                str(SEED),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # One torch thread: with vLLM busy on both cores (the background calls), torch's spinning
-            # intra-op threads turn a ~1 s step into ~60 s.
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            start_new_session=True,
-        )
+    proc, log_path = start_trainer(
+        rl_gateway,
+        tiny_model,
+        *("--groups-per-step", str(GROUPS), "--min-groups-per-step", str(GROUPS), "--max-wait", "600"),
+        *("--max-steps", str(ROUNDS), "--learning-rate", str(LEARNING_RATE), "--seed", str(SEED)),
+    )
     yield proc
     stop_group(proc)
     print(f"--- trainer log (tail) ---\n{log_path.read_text(errors='replace')[-3000:]}")
