@@ -140,6 +140,11 @@ def _upstream_error(status: int, body: bytes) -> OpenAIError:
     return OpenAIError(status, message, param=param)
 
 
+def _upstream_error_event(message: str) -> bytes:
+    """The SSE event that ends a stream the engine broke off: OpenAI's error body, code `upstream_error`."""
+    return b"data: " + _encode(OpenAIError(502, message, code="upstream_error").body()) + b"\n\n"
+
+
 _JSON_HEADERS = {"content-type": "application/json"}
 EngineState = Callable[[], str]  # starting | ready | restarting | failed | stopped
 
@@ -362,12 +367,10 @@ class _Call:
                 yield event
             if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
-                failure = OpenAIError(502, "The engine ended the stream early.", code="upstream_error")
-                yield b"data: " + _encode(failure.body()) + b"\n\n"
+                yield _upstream_error_event("The engine ended the stream early.")
         except (aiohttp.ClientError, TimeoutError) as exc:
             stream.status, stream.error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
-            failure = OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
-            yield b"data: " + _encode(failure.body()) + b"\n\n"
+            yield _upstream_error_event("The engine connection was lost mid-stream.")
         finally:
             # Shielded: a client that went away cancels this generator's scope, and the
             # upstream close and the record must still happen.
