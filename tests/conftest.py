@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -70,6 +71,33 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def poll(check: Callable[[], Any], timeout: float, what: str, *, every: float = 0.2, alive: Any = ()) -> Any:
+    """Call `check` until it returns something truthy; fail after `timeout`, or when one of the `alive`
+    processes (objects with poll(), name, returncode and log()) exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        for proc in alive:
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.name} exited ({proc.returncode}) while waiting for {what}\n{proc.log()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def metric(url: str, name: str, *, exported: bool = False, **labels: str) -> float:
+    """A sample of `url`/metrics (a gateway's or vLLM's), parsed with prometheus_client's parser and summed
+    over the labels not given; 0 when no sample matches. `exported`: fail if no sample has the name at all."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    named = [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+    assert named or not exported, f"{name} not exported by {url}"
+    return sum(s.value for s in named if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.fixture(scope="session")

@@ -9,43 +9,20 @@ live counters add up across replicas, store-derived gauges (groups, trainer step
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group, wait_http
+from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_trainer, stop_group, wait_http
 
 pytestmark = [pytest.mark.engine, pytest.mark.postgres]
 
 MODEL = "my-agent"
 USER = [{"role": "user", "content": "hello"}]
-
-
-def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
-    """A sample of the replica's /metrics, parsed with prometheus_client; summed over other labels."""
-    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
-
-
-def poll(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.3)
-    return value
 
 
 @pytest.fixture
@@ -70,7 +47,7 @@ def test_replicas_share_the_store_and_report_one_picture(
 ) -> None:
     a, b = replicas
     assert all(g.proc.poll() is None for g in replicas)
-    ok_before = [metric(g, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
+    ok_before = [metric(g.url, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
 
     # Calls through both replicas; one group made of rollouts recorded by either, created on B.
     rollouts: list[str] = []
@@ -92,11 +69,11 @@ def test_replicas_share_the_store_and_report_one_picture(
     group_id = group.json()["id"]
 
     # Live counters are per replica and add up; the store's gauges are the same on both.
-    ok_after = [metric(g, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
+    ok_after = [metric(g.url, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
     assert [after - before for after, before in zip(ok_after, ok_before, strict=True)] == [3, 2]
     for gateway in replicas:
-        assert metric(gateway, "artgw_groups", model=MODEL, state="ready") == 1
-        assert metric(gateway, "artgw_adapter_step", model=MODEL) == 0
+        assert metric(gateway.url, "artgw_groups", model=MODEL, state="ready") == 1
+        assert metric(gateway.url, "artgw_adapter_step", model=MODEL) == 0
 
     # The trainer claims on PostgreSQL and commits its step through A; B follows it.
     trainer, log_path = start_trainer(
@@ -107,12 +84,12 @@ def test_replicas_share_the_store_and_report_one_picture(
     finally:
         stop_group(trainer)
     assert httpx.get(f"{a.base_url}/art/groups/{group_id}").json()["state"] == "trained"
-    poll(lambda: metric(b, "artgw_adapter_step", model=MODEL) == 1, 15, "B to follow step 1")
+    poll(lambda: metric(b.url, "artgw_adapter_step", model=MODEL) == 1, 15, "B to follow step 1")
     for gateway in replicas:
-        assert metric(gateway, "artgw_adapter_step", model=MODEL) == 1
-        assert metric(gateway, "artgw_trainer_steps_total", model=MODEL) == 1
-        assert metric(gateway, "artgw_groups", model=MODEL, state="trained") == 1
-        assert metric(gateway, "artgw_groups", model=MODEL, state="ready") == 0
+        assert metric(gateway.url, "artgw_adapter_step", model=MODEL) == 1
+        assert metric(gateway.url, "artgw_trainer_steps_total", model=MODEL) == 1
+        assert metric(gateway.url, "artgw_groups", model=MODEL, state="trained") == 1
+        assert metric(gateway.url, "artgw_groups", model=MODEL, state="ready") == 0
         ids = [m["id"] for m in httpx.get(f"{gateway.base_url}/models").json()["data"]]
         assert f"{MODEL}@1" in ids
 

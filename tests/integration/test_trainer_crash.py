@@ -18,10 +18,9 @@ import json
 import os
 import signal
 import sqlite3
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group
+from tests.conftest import GatewayProcess, poll, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -41,21 +40,6 @@ REWARDS = (1.0, 0.0, 0.5)  # rotated per group: every group has signal
 
 # -----------------------------------------------------------------------------
 # helpers
-
-
-def poll(check: Callable[[], Any], timeout: float, what: str, *, every: float = 0.2, alive=()) -> Any:
-    """Call `check` until it returns something truthy; fail after `timeout` or if a watched process exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        for proc in alive:
-            if proc.poll() is not None:
-                raise AssertionError(f"{proc.name} exited ({proc.returncode}) while waiting for {what}\n{proc.log()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 class Trainer:
