@@ -126,7 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    from gateway.store import create_engine, downgrade, migrate
+    from store import create_engine, downgrade, migrate
 
     url = _store_url(args)
 
@@ -153,7 +153,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
     from gateway.rollouts import RolloutService
-    from gateway.store import create_engine
+    from store import create_engine
 
     async def run() -> int:
         engine = create_engine(_store_url(args))

@@ -20,7 +20,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.store.adapters import (
+from store.adapters import (
     AdapterRow,
     LeaseLost,
     adapter_history,
@@ -29,7 +29,7 @@ from gateway.store.adapters import (
     record_failure,
     set_status,
 )
-from gateway.store.groups import count_by_state
+from store.groups import count_by_state
 
 log = logging.getLogger("artgw.adapters")
 

@@ -31,8 +31,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
-from gateway.store import create_engine, migrate
-from gateway.store.db import create_sync_sqlite_engine
+from store import create_engine, migrate
+from store.db import create_sync_sqlite_engine
 
 log = logging.getLogger("artgw.gateway")
 

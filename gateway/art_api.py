@@ -12,7 +12,7 @@ from gateway.adapters import AdapterLoad, ModelStatus
 from gateway.errors import OpenAIError, decode_body
 from gateway.groups import GroupOut, GroupPage, parse_group_create
 from gateway.rollouts import RolloutPage
-from gateway.trajectories import Trajectory
+from store.trajectories import Trajectory
 
 
 def _state(request: Request[Any, Any, State]) -> Any:

@@ -23,7 +23,7 @@ from gateway.adapters import AdapterRegistry, Route
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
-from gateway.records import CallRecord, CallStatus, ChoiceRecord
+from store.records import CallRecord, CallStatus, ChoiceRecord
 from gateway.responses import EventStream, JSONBody
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"

@@ -31,7 +31,7 @@ from gateway.errors import OpenAIError, decode_body, invalid_request, model_not_
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService, decode_cursor_pair, encode_cursor_pair
-from gateway.store.groups import (
+from store.groups import (
     GroupRow,
     StoreJudgeCache,
     fail_group,

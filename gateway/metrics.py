@@ -17,9 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.records import CallRecord
-from gateway.store.groups import count_by_state
-from gateway.store.tables import adapters
+from store.records import CallRecord
+from store.groups import count_by_state
+from store.tables import adapters
 
 # LLM latencies run from milliseconds (a cached short answer) to minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)

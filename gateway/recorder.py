@@ -19,8 +19,8 @@ import msgspec
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.records import CallRecord
-from gateway.store.calls import write_calls, write_calls_sync
+from store.records import CallRecord
+from store.calls import write_calls, write_calls_sync
 
 log = logging.getLogger("artgw.recorder")
 

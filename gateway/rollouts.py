@@ -10,8 +10,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import OpenAIError, invalid_request
 from gateway.recorder import Recorder
-from gateway.store.calls import RolloutRow, list_rollouts, rollout_calls
-from gateway.trajectories import Trajectory, assemble
+from store.calls import RolloutRow, list_rollouts, rollout_calls
+from store.trajectories import Trajectory, assemble
 
 
 class RolloutPage(msgspec.Struct, frozen=True):

@@ -1,10 +1,10 @@
-"""Alembic environment: runs on the connection the gateway hands over (see gateway/store/db.py)."""
+"""Alembic environment: runs on the connection the store hands over (see store/db.py)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from gateway.store.tables import metadata
+from store.tables import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:

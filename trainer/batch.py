@@ -87,7 +87,7 @@ def sequences_from_trajectory(
 ) -> list[TrainSequence]:
     """TrainSequences of one trajectory from objects with token_ids/sampled_mask/logprobs.
 
-    Takes gateway.trajectories.Sequence (or anything shaped like it). All sequences of a
+    Takes store.trajectories.Sequence (or anything shaped like it). All sequences of a
     split trajectory get the same index: the advantage (and grpo's per-trajectory mean)
     belongs to the trajectory, not to the pieces it was split into. The sampled tokens of
     `untrained_calls` (ids in `call_ids`, located by `sampled_spans`) become context.

@@ -6,7 +6,7 @@ the same order: claim → load trajectories → advantages → pack → forward/
 clip → optimizer step → checkpoint → commit through the gateway → log.
 
 Exactly once: a step counts only when the gateway has loaded its adapter and, in the same store
-transaction, marked its groups trained (see gateway/store/adapters.py). A trainer that dies before that
+transaction, marked its groups trained (see store/adapters.py). A trainer that dies before that
 leaves its groups' leases to expire; on restart it resumes from the newest *committed* checkpoint and
 deletes any newer, uncommitted one, so no group is trained twice or lost.
 """
@@ -35,9 +35,9 @@ from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.rollouts import RolloutService
-from gateway.store import create_engine
-from gateway.store.adapters import last_committed_step
-from gateway.store.groups import (
+from store import create_engine
+from store.adapters import last_committed_step
+from store.groups import (
     GroupRow,
     claim_groups,
     drop_groups,

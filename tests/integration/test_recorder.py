@@ -14,10 +14,10 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from gateway.recorder import Recorder
-from gateway.records import CallRecord, ChoiceRecord
-from gateway.store import create_engine, migrate
-from gateway.store.db import create_sync_sqlite_engine
-from gateway.store.tables import calls
+from store.records import CallRecord, ChoiceRecord
+from store import create_engine, migrate
+from store.db import create_sync_sqlite_engine
+from store.tables import calls
 
 
 def record(rollout: str) -> CallRecord:

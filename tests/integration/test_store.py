@@ -20,11 +20,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.records import CallRecord, ChoiceRecord
-from gateway.store import create_engine, downgrade, migrate
-from gateway.store.calls import count_calls, list_rollouts, rollout_calls, write_calls
-from gateway.store.db import alembic_config
-from gateway.store.tables import calls, metadata, rollouts
+from store.records import CallRecord, ChoiceRecord
+from store import create_engine, downgrade, migrate
+from store.calls import count_calls, list_rollouts, rollout_calls, write_calls
+from store.db import alembic_config
+from store.tables import calls, metadata, rollouts
 from tests.conftest import fresh_pg_database
 
 # --- databases ---------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.records import CallRecord, ChoiceRecord
-from gateway.trajectories import SPLIT_RERENDERED, assemble
+from store.records import CallRecord, ChoiceRecord
+from store.trajectories import SPLIT_RERENDERED, assemble
 from trainer import batch as batch_module
 from trainer.batch import PackedBatch, TrainSequence, pack_sequences, sequences_from_trajectory
 from trainer.loss import LossConfig, grpo_loss, token_logprobs

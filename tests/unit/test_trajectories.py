@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.records import CallRecord, ChoiceRecord
-from gateway.trajectories import (
+from store.records import CallRecord, ChoiceRecord
+from store.trajectories import (
     SPLIT_DROPPED_REASONING,
     SPLIT_EDITED,
     SPLIT_RERENDERED,

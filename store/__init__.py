@@ -1,5 +1,5 @@
 """The store: SQLAlchemy async over SQLite (default) or PostgreSQL; schema by Alembic only."""
 
-from gateway.store.db import create_engine, downgrade, migrate
+from store.db import create_engine, downgrade, migrate
 
 __all__ = ["create_engine", "downgrade", "migrate"]

@@ -10,7 +10,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from gateway.store.tables import group_members, groups, judge_cache
+from store.tables import group_members, groups, judge_cache
 
 
 class MemberRow(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.store.tables import adapters, groups
+from store.tables import adapters, groups
 
 
 class AdapterRow(msgspec.Struct, frozen=True):

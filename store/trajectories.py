@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.records import CallRecord, ChoiceRecord
+from store.records import CallRecord, ChoiceRecord
 
 SPLIT_RERENDERED = "template re-rendered earlier turns"
 SPLIT_DROPPED_REASONING = "dropped reasoning"

@@ -11,8 +11,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from gateway.records import CallRecord
-from gateway.store.tables import calls, rollouts
+from store.records import CallRecord
+from store.tables import calls, rollouts
 
 
 def _upsert(dialect: str):  # type: ignore[no-untyped-def]
