@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not run store migrations on start (env: ARTGW_NO_MIGRATE)",
     )
     _option(serve, "--admin-key", help="bearer key guarding /v1/art admin endpoints")
-    _option(serve, "--engine-port", default=8100, type=int, help="port of the supervised vLLM server")
+    _option(serve, "--engine-port", default=0, type=int, help="port of the supervised vLLM server (0: a free one)")
     _option(serve, "--engine-args", default="", help="extra arguments for vLLM, one shell-quoted string")
     _option(serve, "--max-lora-rank", default=16, type=int, help="vLLM's --max-lora-rank")
     _option(serve, "--max-model-len", default=4096, type=int, help="vLLM's --max-model-len")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
-from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, wait_until_ready
+from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, resolve_engine_port, wait_until_ready
 from gateway.errors import exception_handlers
 from gateway.groups import GroupService
 from gateway.metrics import GatewayMetrics
@@ -154,6 +155,9 @@ async def _discover_base_model(client: httpx.AsyncClient) -> str:
 def create_app(settings: Settings) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        nonlocal settings
+        if settings.base_model is not None:  # the supervised engine's port: a free one unless given
+            settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         store = create_engine(settings.db_url)
         if settings.migrate:

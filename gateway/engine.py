@@ -15,6 +15,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -97,6 +98,15 @@ class EngineConfig:
 
 class EngineFailed(RuntimeError):
     pass
+
+
+def resolve_engine_port(requested: int, host: str = "127.0.0.1") -> int:
+    """The port the supervised engine will listen on: `requested`, or a free one when it is 0."""
+    if requested:
+        return requested
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 async def wait_until_ready(url: str, within: float, alive: Callable[[], bool] = lambda: True) -> None:

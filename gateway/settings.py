@@ -23,7 +23,7 @@ class Settings:
     db: str | None = None  # SQLAlchemy URL; None = SQLite under data_dir
     migrate: bool = True  # run Alembic migrations on start
     admin_key: str | None = None
-    engine_port: int = 8100
+    engine_port: int = 0  # 0: a free port chosen at start
     engine_args: tuple[str, ...] = ()
     max_lora_rank: int = 16
     max_model_len: int = 4096

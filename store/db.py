@@ -66,6 +66,15 @@ def alembic_config() -> Config:
     return config
 
 
+def head_revision() -> str:
+    """The newest schema revision the migrations define."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
 def _run(connection: Connection, action: str, revision: str) -> None:
     config = alembic_config()
     config.attributes["connection"] = connection

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from store.tables import group_members, groups, judge_cache
+from store.tables import group_members, groups
 
 
 class MemberRow(msgspec.Struct, frozen=True):
@@ -131,24 +131,6 @@ async def scoring_group_ids(conn: AsyncConnection) -> list[str]:
 async def count_by_state(conn: AsyncConnection) -> dict[tuple[str, str], int]:
     query = sa.select(groups.c.model, groups.c.state, sa.func.count()).group_by(groups.c.model, groups.c.state)
     return {(model, state): n for model, state, n in await conn.execute(query)}
-
-
-class StoreJudgeCache:
-    """RULER's `JudgeCache` in the store, shared by every gateway replica."""
-
-    def __init__(self, store: AsyncEngine) -> None:
-        self.store = store
-
-    async def get(self, key: str) -> str | None:
-        async with self.store.connect() as conn:
-            query = sa.select(judge_cache.c.value).where(judge_cache.c.key == key)
-            return (await conn.execute(query)).scalar_one_or_none()
-
-    async def put(self, key: str, value: str) -> None:
-        async with self.store.begin() as conn:
-            exists = (await conn.execute(sa.select(judge_cache.c.key).where(judge_cache.c.key == key))).first()
-            if exists is None:
-                await conn.execute(sa.insert(judge_cache), [{"key": key, "value": value, "created_at": time.time()}])
 
 
 # ---------------------------------------------------------------- the trainer's claims (leases)

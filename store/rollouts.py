@@ -1,0 +1,81 @@
+"""Reading rollouts back: one rollout assembled, pages of rollouts, an export of them all.
+
+Used by the gateway's `/v1/art/rollouts`, `artgw export` and the trainer. Knows nothing of HTTP: an
+unknown rollout is `NotFound`, a bad cursor or limit `Invalid`.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store.calls import RolloutRow, list_rollouts, rollout_calls
+from store.errors import Invalid, NotFound
+from store.trajectories import Trajectory, assemble
+
+MAX_PAGE = 1000
+
+
+class RolloutPage(msgspec.Struct, frozen=True):
+    data: list[RolloutRow]
+    next_cursor: str | None  # pass as `cursor` for the next page; None: this was the last
+    object: str = "list"
+
+
+def encode_cursor_pair(at: float, key: str) -> str:
+    """A keyset cursor: the (time, id) of the last row of a page, opaque to clients."""
+    return base64.urlsafe_b64encode(msgspec.json.encode([at, key])).decode()
+
+
+def decode_cursor_pair(cursor: str) -> tuple[float, str]:
+    try:
+        at, key = msgspec.json.decode(base64.urlsafe_b64decode(cursor.encode()))
+        return float(at), str(key)
+    except (ValueError, TypeError, msgspec.DecodeError):
+        raise Invalid("Invalid cursor: pass `next_cursor` from the previous page.", param="cursor") from None
+
+
+def check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise Invalid(f"'limit' must be between 1 and {MAX_PAGE}.", param="limit")
+
+
+class RolloutReader:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def find(self, rollout_id: str, *, choice: int | None = None) -> Trajectory | None:
+        """The assembled rollout (`choice`: that choice of its n > 1 calls), or None if never recorded."""
+        async with self.engine.connect() as conn:
+            calls = await rollout_calls(conn, rollout_id)
+        if calls is None:
+            return None
+        return assemble(rollout_id, calls, choice)
+
+    async def get(self, rollout_id: str, *, choice: int | None = None) -> Trajectory:
+        trajectory = await self.find(rollout_id, choice=choice)
+        if trajectory is None:
+            raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
+        return trajectory
+
+    async def page(self, *, model: str | None, since: float | None, limit: int, cursor: str | None) -> RolloutPage:
+        check_limit(limit)
+        after = decode_cursor_pair(cursor) if cursor else None
+        async with self.engine.connect() as conn:
+            rows = await list_rollouts(conn, model=model, since=since, limit=limit, after=after)
+        last = rows[-1] if len(rows) == limit else None
+        return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
+
+    async def export(self, *, model: str | None, since: float | None) -> AsyncIterator[Trajectory]:
+        """Every rollout of `model` since `since`, assembled, page by page."""
+        cursor = None
+        while True:
+            page = await self.page(model=model, since=since, limit=200, cursor=cursor)
+            for row in page.data:
+                yield await self.get(row.id)
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor

@@ -1,0 +1,39 @@
+"""Small typed values that cross process boundaries: the trainer's step metrics, the states of things.
+
+A `StepMetrics` is made by the trainer, posted with the adapter-load request, kept in the store with
+the step, exported on `/metrics` and printed by `artgw status`: one struct for all four.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
+GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
+AdapterStatus = Literal["loaded", "unloaded", "failed"]
+EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
+
+
+class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """One training step, as the trainer measured it. Every field has a default: older rows lack some."""
+
+    loss: float = 0.0
+    policy_loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    grad_norm: float = 0.0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    groups: int = 0
+    zero_signal_group_fraction: float = 0.0
+    zero_advantage_trajectories: int = 0
+    trainable_tokens: int = 0
+    padding_tokens: int = 0
+    rows: int = 0
+    trainable_tokens_per_second: float = 0.0
+    step_seconds: float = 0.0
+    staleness: int = 0
+    peak_memory_mb: float = 0.0
+    group_ids: list[str] = []
