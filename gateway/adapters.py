@@ -22,14 +22,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from store.adapters import (
     AdapterRow,
-    LeaseLost,
     adapter_history,
     commit_step,
     loaded_adapters,
     record_failure,
     set_status,
 )
-from store.groups import count_by_state
+from store.groups import LeaseLost, count_by_state
+from store.types import GroupState, StepMetrics
 
 log = logging.getLogger("artgw.adapters")
 
@@ -84,6 +84,17 @@ class AdapterRegistry:
         upstream = self.base_model if step == 0 else adapter_name(model.name, step)
         return Route(upstream, model.name, step)
 
+    def served_steps(self) -> dict[str, int]:
+        return {name: model.served_step for name, model in self.models.items()}
+
+    def model_list(self) -> dict[str, Any]:
+        """The body of `GET /v1/models`."""
+        data = [
+            {"id": model_id, "object": "model", "created": 0, "owned_by": "artgw", "root": root}
+            for model_id, root in self.model_ids()
+        ]
+        return {"object": "list", "data": data}
+
     def model_ids(self) -> list[tuple[str, str]]:
         """(id, root) pairs for `GET /v1/models`: trainable names, their loaded steps, the base."""
         if self.base_model is None:
@@ -106,7 +117,7 @@ class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str  # directory with adapter_config.json + weights, readable by the engine
     group_ids: list[str] = []  # the groups this step trained: marked trained once the adapter serves
     lease_owner: str = ""
-    metrics: dict[str, Any] | None = None
+    metrics: StepMetrics | None = None
 
 
 class ModelStatus(msgspec.Struct, frozen=True):
@@ -114,7 +125,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     base_model: str | None
     served_step: int
     loaded_steps: list[int]
-    groups: dict[str, int]  # state -> count
+    groups: dict[GroupState, int]  # state -> count
     steps: list[AdapterRow]  # newest first
     object: str = "art.model"
 

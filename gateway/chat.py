@@ -23,8 +23,8 @@ from gateway.adapters import AdapterRegistry, Route
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
-from store.records import CallRecord, CallStatus, ChoiceRecord
 from gateway.responses import EventStream, JSONBody
+from store.records import CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")

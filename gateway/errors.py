@@ -14,6 +14,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from store.errors import Conflict, Invalid, NotFound, StoreError, StoreMissing
+
 log = logging.getLogger("artgw.gateway")
 T = TypeVar("T")
 
@@ -86,6 +88,24 @@ def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:
     return exc.to_response()
 
 
+_STATUS_BY_STORE_ERROR: tuple[tuple[type[StoreError], int], ...] = (
+    (NotFound, 404),
+    (Invalid, 400),
+    (Conflict, 409),
+    (StoreMissing, 503),
+)
+
+
+def from_store_error(exc: StoreError) -> OpenAIError:
+    """The store's domain error as the wire error the client sees."""
+    status = next((code for kind, code in _STATUS_BY_STORE_ERROR if isinstance(exc, kind)), 500)
+    return OpenAIError(status, exc.message, param=exc.param, code=exc.code)
+
+
+def handle_store_error(_: Request, exc: StoreError) -> Response[bytes]:
+    return from_store_error(exc).to_response()
+
+
 def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
     """Litestar's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
     status = exc.status_code
@@ -103,6 +123,7 @@ def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
 
 exception_handlers = {
     OpenAIError: handle_openai_error,
+    StoreError: handle_store_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

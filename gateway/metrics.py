@@ -11,15 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import sqlalchemy as sa
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.records import CallRecord
+from store.adapters import TrainerSummary, trainer_summaries
 from store.groups import count_by_state
-from store.tables import adapters
+from store.records import CallRecord
+from store.types import GroupState
 
 # LLM latencies run from milliseconds (a cached short answer) to minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -27,45 +28,51 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 JUDGE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
+class StoreSnapshot(msgspec.Struct, frozen=True):
+    """What `/metrics` shows from the store and the recorder, read at scrape time."""
+
+    groups: dict[tuple[str, GroupState], int] = {}
+    trainer: dict[str, TrainerSummary] = {}
+    recorder: tuple[int, int, int, int] = (0, 0, 0, 0)  # queue depth, written, retries, spilled
+
+
+# The trainer gauges: metric name suffix, help, the StepMetrics field it shows.
+_TRAINER_GAUGES = (
+    ("loss", "Loss of the last committed training step.", "loss"),
+    ("reward_mean", "Mean reward of the groups in the last committed step.", "reward_mean"),
+    ("step_seconds", "Seconds the last committed step took.", "step_seconds"),
+    ("tokens_per_second", "Trainable tokens per second of the last committed step.", "trainable_tokens_per_second"),
+)
+
+
 class _StoreCollector(Collector):
     """Families read from the store at scrape time (refreshed by `GatewayMetrics.refresh`)."""
 
-    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, source: Callable[[], StoreSnapshot]) -> None:
         self.source = source
 
     def collect(self) -> Iterator[Any]:
         snapshot = self.source()
-        depth, written, retries, spilled = snapshot.get("recorder", (0, 0, 0, 0))
+        depth, written, retries, spilled = snapshot.recorder
         yield GaugeMetricFamily("artgw_recorder_queue_depth", "Records waiting for the store.", value=depth)
         yield CounterMetricFamily("artgw_records_written", "Records committed to the store.", value=written)
         yield CounterMetricFamily("artgw_record_write_retries", "Failed store writes, retried.", value=retries)
         yield CounterMetricFamily("artgw_records_spilled", "Records spilled to disk at shutdown.", value=spilled)
         groups = GaugeMetricFamily("artgw_groups", "Groups by trainable model and state.", labels=["model", "state"])
-        for (model, state), n in sorted(snapshot.get("groups", {}).items()):
+        for (model, state), n in sorted(snapshot.groups.items()):
             groups.add_metric([model, state], n)
         yield groups
         steps = CounterMetricFamily("artgw_trainer_steps", "Committed training steps.", labels=["model"])
-        gauges = {
-            name: GaugeMetricFamily(f"artgw_trainer_{name}", help_text, labels=["model"])
-            for name, help_text in (
-                ("loss", "Loss of the last committed training step."),
-                ("reward_mean", "Mean reward of the groups in the last committed step."),
-                ("step_seconds", "Seconds the last committed step took."),
-                ("tokens_per_second", "Trainable tokens per second of the last committed step."),
-            )
-        }
-        for model, (count, metrics) in sorted(snapshot.get("trainer", {}).items()):
-            steps.add_metric([model], count)
-            for name, key in (
-                ("loss", "loss"),
-                ("reward_mean", "reward_mean"),
-                ("step_seconds", "step_seconds"),
-                ("tokens_per_second", "trainable_tokens_per_second"),
-            ):
-                if isinstance(metrics.get(key), int | float):
-                    gauges[name].add_metric([model], float(metrics[key]))
+        gauges = [
+            (GaugeMetricFamily(f"artgw_trainer_{name}", help_text, labels=["model"]), field)
+            for name, help_text, field in _TRAINER_GAUGES
+        ]
+        for model, summary in sorted(snapshot.trainer.items()):
+            steps.add_metric([model], summary.committed_steps)
+            for gauge, field in gauges:
+                gauge.add_metric([model], float(getattr(summary.last, field)))
         yield steps
-        yield from gauges.values()
+        yield from (gauge for gauge, _ in gauges)
 
 
 class GatewayMetrics:
@@ -103,7 +110,7 @@ class GatewayMetrics:
         self.adapter_step = Gauge(
             "artgw_adapter_step", "Adapter step each model serves (0: base).", ["model"], registry=r
         )
-        self._snapshot: dict[str, Any] = {}
+        self._snapshot = StoreSnapshot()
         r.register(_StoreCollector(lambda: self._snapshot))
 
     # -- live updates
@@ -128,36 +135,20 @@ class GatewayMetrics:
 
     # -- at scrape time
 
-    async def refresh(self, store: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> None:
+    async def refresh(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> None:
         for model, step in served_steps.items():
             self.adapter_step.labels(model).set(step)
-        async with store.connect() as conn:
+        async with engine.connect() as conn:
             groups = await count_by_state(conn)
-            committed = adapters.c.status.in_(("loaded", "unloaded"))
-            counts = dict(
-                (
-                    await conn.execute(
-                        sa.select(adapters.c.model, sa.func.count()).where(committed).group_by(adapters.c.model)
-                    )
-                ).all()
-            )
-            newest = (
-                sa.select(adapters.c.model, sa.func.max(adapters.c.step).label("step"))
-                .where(committed)
-                .group_by(adapters.c.model)
-                .subquery()
-            )
-            rows = await conn.execute(
-                sa.select(adapters.c.model, adapters.c.metrics).join(
-                    newest, (adapters.c.model == newest.c.model) & (adapters.c.step == newest.c.step)
-                )
-            )
-            trainer = {model: (counts.get(model, 0), metrics or {}) for model, metrics in rows}
-        self._snapshot = {
-            "groups": groups,
-            "trainer": trainer,
-            "recorder": (recorder.depth(), recorder.written, recorder.retries, recorder.spilled),
-        }
+            trainer = await trainer_summaries(conn)
+        self._snapshot = StoreSnapshot(
+            groups, trainer, (recorder.depth(), recorder.written, recorder.retries, recorder.spilled)
+        )
+
+    async def scrape(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> bytes:
+        """The Prometheus text of a scrape: store-backed families refreshed first."""
+        await self.refresh(engine, recorder, served_steps)
+        return self.render()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

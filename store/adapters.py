@@ -8,25 +8,26 @@ from typing import Any
 
 import msgspec
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from store.tables import adapters, groups
+from store.groups import mark_trained
+from store.tables import adapters
+from store.types import AdapterStatus, StepMetrics
+
+_COMMITTED: tuple[AdapterStatus, ...] = ("loaded", "unloaded")  # steps that served
 
 
 class AdapterRow(msgspec.Struct, frozen=True):
     model: str
     step: int
     path: str
-    status: str
-    metrics: dict[str, Any] | None
+    status: AdapterStatus
+    metrics: StepMetrics | None
     error: str | None
     group_count: int
     created_at: float
     served_at: float | None
-
-
-class LeaseLost(Exception):
-    """The groups of a step are no longer claimed by the trainer that trained them."""
 
 
 def _row(row: sa.Row[Any]) -> AdapterRow:
@@ -34,10 +35,15 @@ def _row(row: sa.Row[Any]) -> AdapterRow:
 
 
 async def _upsert(conn: AsyncConnection, values: dict[str, Any]) -> None:
-    key = (adapters.c.model == values["model"]) & (adapters.c.step == values["step"])
-    updated = await conn.execute(sa.update(adapters).where(key).values(**values))
-    if updated.rowcount == 0:
-        await conn.execute(sa.insert(adapters), [values])
+    # ON CONFLICT: two replicas recording the same step at once must not fail on the primary key.
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    stmt = insert(adapters).values(**values)
+    update = {k: stmt.excluded[k] for k in values if k not in ("model", "step")}
+    await conn.execute(stmt.on_conflict_do_update(index_elements=["model", "step"], set_=update))
+
+
+def _metrics(metrics: StepMetrics | None) -> dict[str, Any] | None:
+    return msgspec.to_builtins(metrics) if metrics is not None else None
 
 
 async def commit_step(
@@ -46,24 +52,18 @@ async def commit_step(
     model: str,
     step: int,
     path: str,
-    metrics: dict[str, Any] | None,
+    metrics: StepMetrics | None,
     group_ids: Sequence[str],
     lease_owner: str,
 ) -> None:
     """Record the step as serving and its groups as trained, atomically; LeaseLost if a group is not ours.
 
-    This is the one place a group becomes `trained`: a trainer that dies before it leaves the groups
-    claimable again, and the checkpoint it wrote is not a step (resume starts from the last committed one).
+    This is the one place a group becomes `trained` by a step: a trainer that dies before it leaves the
+    groups claimable again, and the checkpoint it wrote is not a step (resume starts from the last
+    committed one).
     """
     now = time.time()
-    if group_ids:
-        result = await conn.execute(
-            sa.update(groups)
-            .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == lease_owner)
-            .values(state="trained", trained_step=step, lease_owner=None, lease_expires_at=None, updated_at=now)
-        )
-        if result.rowcount != len(group_ids):
-            raise LeaseLost(f"{len(group_ids) - result.rowcount} of {len(group_ids)} groups are no longer claimed")
+    await mark_trained(conn, group_ids, lease_owner, step)
     await _upsert(
         conn,
         {
@@ -71,7 +71,7 @@ async def commit_step(
             "step": step,
             "path": path,
             "status": "loaded",
-            "metrics": metrics,
+            "metrics": _metrics(metrics),
             "error": None,
             "group_count": len(group_ids),
             "created_at": now,
@@ -81,7 +81,7 @@ async def commit_step(
 
 
 async def record_failure(
-    conn: AsyncConnection, *, model: str, step: int, path: str, metrics: dict[str, Any] | None, error: str
+    conn: AsyncConnection, *, model: str, step: int, path: str, metrics: StepMetrics | None, error: str
 ) -> None:
     await _upsert(
         conn,
@@ -90,7 +90,7 @@ async def record_failure(
             "step": step,
             "path": path,
             "status": "failed",
-            "metrics": metrics,
+            "metrics": _metrics(metrics),
             "error": error,
             "group_count": 0,
             "created_at": time.time(),
@@ -99,7 +99,7 @@ async def record_failure(
     )
 
 
-async def set_status(conn: AsyncConnection, model: str, steps: Sequence[int], status: str) -> None:
+async def set_status(conn: AsyncConnection, model: str, steps: Sequence[int], status: AdapterStatus) -> None:
     if steps:
         await conn.execute(
             sa.update(adapters).where(adapters.c.model == model, adapters.c.step.in_(steps)).values(status=status)
@@ -121,9 +121,41 @@ async def last_committed_step(conn: AsyncConnection, model: str) -> AdapterRow |
     """The newest step that served (loaded or since unloaded): where a restarted trainer resumes."""
     query = (
         sa.select(adapters)
-        .where(adapters.c.model == model, adapters.c.status.in_(("loaded", "unloaded")))
+        .where(adapters.c.model == model, adapters.c.status.in_(_COMMITTED))
         .order_by(adapters.c.step.desc())
         .limit(1)
     )
     row = (await conn.execute(query)).first()
     return _row(row) if row is not None else None
+
+
+class TrainerSummary(msgspec.Struct, frozen=True):
+    """What `/metrics` shows of a model's training: committed steps and the newest one's metrics."""
+
+    committed_steps: int
+    last: StepMetrics
+
+
+async def trainer_summaries(conn: AsyncConnection) -> dict[str, TrainerSummary]:
+    """Per model: how many steps served, and the metrics of the newest."""
+    committed = adapters.c.status.in_(_COMMITTED)
+    counts = dict(
+        (await conn.execute(sa.select(adapters.c.model, sa.func.count()).where(committed).group_by(adapters.c.model)))
+        .tuples()
+        .all()
+    )
+    newest = (
+        sa.select(adapters.c.model, sa.func.max(adapters.c.step).label("step"))
+        .where(committed)
+        .group_by(adapters.c.model)
+        .subquery()
+    )
+    rows = await conn.execute(
+        sa.select(adapters.c.model, adapters.c.metrics).join(
+            newest, (adapters.c.model == newest.c.model) & (adapters.c.step == newest.c.step)
+        )
+    )
+    return {
+        model: TrainerSummary(counts.get(model, 0), msgspec.convert(metrics or {}, StepMetrics))
+        for model, metrics in rows
+    }

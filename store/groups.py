@@ -1,4 +1,17 @@
-"""Writing and reading groups, their members and the judge cache."""
+"""Groups and their life cycle: one state machine, every transition in this module.
+
+A group is several recorded attempts at one task with their rewards: the unit GRPO compares.
+
+    scoring ──scored──▶ ready ──claim──▶ training ──mark_trained / finish_without_update──▶ trained
+       │                  ▲                 │  │
+       └──scoring_failed──┼──▶ failed ◀─drop┘  │ (a lease that runs out: claimable again)
+                          └────release─────────┘
+
+`scoring`: RULER is judging it (the gateway's scorer); `ready`: every reward known; `training`: claimed
+by a trainer under a lease; `trained`: a committed adapter step learned from it (or it had no signal);
+`failed`: with the reason. Each transition is one guarded UPDATE (`WHERE state IN <allowed sources>`,
+and the lease owner where a trainer holds it), so a group is trained at most once and never lost.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +23,32 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.errors import Conflict
 from store.tables import group_members, groups
+from store.types import GroupState
+
+# Which states each state may be entered from: the whole life cycle in one table.
+TRANSITIONS: dict[GroupState, tuple[GroupState, ...]] = {
+    "scoring": (),  # only by creation
+    "ready": ("scoring", "training"),  # scored; released by a trainer whose step failed
+    "training": ("ready", "training"),  # claimed; re-claimed once the previous claim's lease ran out
+    "trained": ("training",),
+    "failed": ("scoring", "training"),  # the judge failed; the trainer dropped it (too stale)
+}
+
+
+class LeaseLost(Conflict):
+    """The groups of a step are no longer claimed by the trainer that trained them."""
+
+    code = "lease_lost"
 
 
 class MemberRow(msgspec.Struct, frozen=True):
     position: int
-    rollout_ref: str
+    rollout_ref: str  # "rid" or "rid/<choice>"
     rollout_id: str
     choice: int | None
-    reward: float | None
+    reward: float | None  # what GRPO uses; None while scoring
     caller_reward: float | None
     ruler_score: float | None
     ruler_explanation: str | None
@@ -28,11 +58,11 @@ class MemberRow(msgspec.Struct, frozen=True):
 class GroupRow(msgspec.Struct, frozen=True):
     id: str
     model: str
-    state: str
+    state: GroupState
     failure_reason: str | None
     request_hash: str
     metadata: dict[str, Any] | None
-    ruler: dict[str, Any] | None
+    ruler: dict[str, Any] | None  # judge model, rubric, non-secret litellm params
     judge_usage: dict[str, Any] | None
     no_signal: bool | None
     created_at: float
@@ -43,13 +73,42 @@ class GroupRow(msgspec.Struct, frozen=True):
     members: list[MemberRow] = []
 
 
+class NewMember(msgspec.Struct, frozen=True):
+    position: int
+    rollout_ref: str
+    rollout_id: str
+    choice: int | None
+    reward: float | None
+    caller_reward: float | None
+    metrics: dict[str, float] | None
+
+
+class NewGroup(msgspec.Struct, frozen=True):
+    id: str
+    model: str
+    state: GroupState  # `scoring` (RULER will judge it) or `ready` (caller rewards)
+    request_hash: str  # same id + other content = a conflict
+    metadata: dict[str, Any] | None
+    ruler: dict[str, Any] | None
+    no_signal: bool | None
+    members: list[NewMember]
+
+
 def _plain(row: sa.Row[Any]) -> dict[str, Any]:
     return {str(k): v for k, v in row._asdict().items()}
 
 
-async def insert_group(conn: AsyncConnection, group: dict[str, Any], members: Sequence[dict[str, Any]]) -> None:
-    await conn.execute(sa.insert(groups), [group])
-    await conn.execute(sa.insert(group_members), [{**m, "group_id": group["id"]} for m in members])
+# ---------------------------------------------------------------- creating and reading
+
+
+async def insert_group(conn: AsyncConnection, group: NewGroup) -> None:
+    """Create a group; IntegrityError if its id or one of its rollout refs is taken."""
+    assert group.state in ("scoring", "ready"), "a group is born scoring or ready"
+    now = time.time()
+    row = msgspec.to_builtins(group)
+    members = row.pop("members")
+    await conn.execute(sa.insert(groups), [{**row, "created_at": now, "updated_at": now}])
+    await conn.execute(sa.insert(group_members), [{**m, "group_id": group.id} for m in members])
 
 
 async def load_groups(conn: AsyncConnection, group_ids: Sequence[str]) -> list[GroupRow]:
@@ -81,7 +140,7 @@ async def list_group_ids(
     conn: AsyncConnection,
     *,
     model: str | None,
-    state: str | None,
+    state: GroupState | None,
     limit: int,
     after: tuple[float, str] | None,
 ) -> list[tuple[float, str]]:
@@ -95,45 +154,67 @@ async def list_group_ids(
     return [(row.created_at, row.id) for row in await conn.execute(query)]
 
 
-async def set_scores(
+async def scoring_group_ids(conn: AsyncConnection) -> list[str]:
+    return list((await conn.execute(sa.select(groups.c.id).where(groups.c.state == "scoring"))).scalars())
+
+
+async def count_by_state(conn: AsyncConnection) -> dict[tuple[str, GroupState], int]:
+    query = sa.select(groups.c.model, groups.c.state, sa.func.count()).group_by(groups.c.model, groups.c.state)
+    return {(model, state): n for model, state, n in await conn.execute(query)}
+
+
+# ---------------------------------------------------------------- transitions
+
+
+async def _move(
+    conn: AsyncConnection,
+    group_ids: Sequence[str],
+    to: GroupState,
+    *,
+    source: Sequence[GroupState] | None = None,
+    owner: str | None = None,
+    where: sa.ColumnElement[bool] | None = None,
+    **values: Any,
+) -> list[str]:
+    """The one guarded UPDATE behind every transition; returns the ids that moved.
+
+    `source` narrows the states allowed by TRANSITIONS; `owner` requires the trainer's lease.
+    """
+    allowed = [s for s in TRANSITIONS[to] if source is None or s in source]
+    assert allowed, f"no transition to {to} from {source}"
+    if not group_ids:
+        return []
+    condition = sa.and_(groups.c.id.in_(group_ids), groups.c.state.in_(allowed))
+    if owner is not None:
+        condition = sa.and_(condition, groups.c.lease_owner == owner)
+    if where is not None:
+        condition = sa.and_(condition, where)
+    result = await conn.execute(
+        sa.update(groups).where(condition).values(state=to, updated_at=time.time(), **values).returning(groups.c.id)
+    )
+    return list(result.scalars())
+
+
+async def scored(
     conn: AsyncConnection,
     group_id: str,
     scores: Sequence[tuple[int, float, str]],
     judge_usage: dict[str, Any],
     no_signal: bool,
 ) -> None:
-    """RULER's scores become the rewards; the group turns `ready`."""
+    """scoring → ready: RULER's scores (position, score, explanation) become the rewards."""
     for position, score, explanation in scores:
         await conn.execute(
             sa.update(group_members)
             .where(group_members.c.group_id == group_id, group_members.c.position == position)
             .values(reward=score, ruler_score=score, ruler_explanation=explanation)
         )
-    await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id == group_id, groups.c.state == "scoring")
-        .values(state="ready", judge_usage=judge_usage, no_signal=no_signal, updated_at=time.time())
-    )
+    await _move(conn, [group_id], "ready", source=("scoring",), judge_usage=judge_usage, no_signal=no_signal)
 
 
-async def fail_group(conn: AsyncConnection, group_id: str, reason: str, judge_usage: dict[str, Any] | None) -> None:
-    await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id == group_id, groups.c.state == "scoring")
-        .values(state="failed", failure_reason=reason, judge_usage=judge_usage, updated_at=time.time())
-    )
-
-
-async def scoring_group_ids(conn: AsyncConnection) -> list[str]:
-    return list((await conn.execute(sa.select(groups.c.id).where(groups.c.state == "scoring"))).scalars())
-
-
-async def count_by_state(conn: AsyncConnection) -> dict[tuple[str, str], int]:
-    query = sa.select(groups.c.model, groups.c.state, sa.func.count()).group_by(groups.c.model, groups.c.state)
-    return {(model, state): n for model, state, n in await conn.execute(query)}
-
-
-# ---------------------------------------------------------------- the trainer's claims (leases)
+async def scoring_failed(conn: AsyncConnection, group_id: str, reason: str, judge_usage: dict[str, Any] | None) -> None:
+    """scoring → failed, with the reason."""
+    await _move(conn, [group_id], "failed", source=("scoring",), failure_reason=reason, judge_usage=judge_usage)
 
 
 def _claimable(now: float) -> sa.ColumnElement[bool]:
@@ -142,7 +223,7 @@ def _claimable(now: float) -> sa.ColumnElement[bool]:
 
 
 async def claim_groups(conn: AsyncConnection, *, model: str, owner: str, lease_seconds: float, limit: int) -> list[str]:
-    """Claim up to `limit` groups for training, oldest first, in one transaction.
+    """ready (or training with an expired lease) → training: claim up to `limit` groups, oldest first.
 
     On PostgreSQL the candidates are locked with `FOR UPDATE SKIP LOCKED`, so concurrent trainers
     never wait on or double-claim a group; on SQLite the single writer serializes claims, and the
@@ -158,19 +239,16 @@ async def claim_groups(conn: AsyncConnection, *, model: str, owner: str, lease_s
     if conn.dialect.name == "postgresql":
         candidates = candidates.with_for_update(skip_locked=True)
     ids = list((await conn.execute(candidates)).scalars())
-    if not ids:
-        return []
-    claimed = await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id.in_(ids), _claimable(now))
-        .values(state="training", lease_owner=owner, lease_expires_at=now + lease_seconds, updated_at=now)
-        .returning(groups.c.id)
+    taken = set(
+        await _move(
+            conn, ids, "training", where=_claimable(now), lease_owner=owner, lease_expires_at=now + lease_seconds
+        )
     )
-    taken = set(claimed.scalars())
     return [gid for gid in ids if gid in taken]
 
 
 async def renew_lease(conn: AsyncConnection, group_ids: Sequence[str], owner: str, lease_seconds: float) -> int:
+    """Keep a claim alive (no state change)."""
     result = await conn.execute(
         sa.update(groups)
         .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
@@ -179,29 +257,29 @@ async def renew_lease(conn: AsyncConnection, group_ids: Sequence[str], owner: st
     return result.rowcount
 
 
+_NO_LEASE = {"lease_owner": None, "lease_expires_at": None}
+
+
 async def release_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str) -> None:
-    """A failed step gives its groups back: ready for the next claim."""
-    await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
-        .values(state="ready", lease_owner=None, lease_expires_at=None, updated_at=time.time())
-    )
+    """training → ready: a failed step gives its groups back for the next claim."""
+    await _move(conn, group_ids, "ready", source=("training",), owner=owner, **_NO_LEASE)
 
 
 async def drop_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str, reason: str) -> None:
-    """Claimed groups the trainer will not train (too stale): `failed`, with the reason."""
-    await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
-        .values(state="failed", failure_reason=reason, lease_owner=None, lease_expires_at=None, updated_at=time.time())
-    )
+    """training → failed: claimed groups the trainer will not train (too stale), with the reason."""
+    await _move(conn, group_ids, "failed", source=("training",), owner=owner, failure_reason=reason, **_NO_LEASE)
 
 
 async def finish_without_update(conn: AsyncConnection, group_ids: Sequence[str], owner: str, step: int) -> int:
-    """Claimed groups with no learning signal (every advantage 0): consumed, trained at the served step."""
-    result = await conn.execute(
-        sa.update(groups)
-        .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
-        .values(state="trained", trained_step=step, lease_owner=None, lease_expires_at=None, updated_at=time.time())
-    )
-    return result.rowcount
+    """training → trained without a new adapter: no learning signal (every advantage 0)."""
+    return len(await _move(conn, group_ids, "trained", owner=owner, trained_step=step, **_NO_LEASE))
+
+
+async def mark_trained(conn: AsyncConnection, group_ids: Sequence[str], owner: str, step: int) -> None:
+    """training → trained by the step that serves now; LeaseLost unless every group is still ours.
+
+    Called only inside the adapter commit (store/adapters.py::commit_step), in its transaction.
+    """
+    moved = await _move(conn, group_ids, "trained", owner=owner, trained_step=step, **_NO_LEASE)
+    if len(moved) != len(group_ids):
+        raise LeaseLost(f"{len(group_ids) - len(moved)} of {len(group_ids)} groups are no longer claimed")

@@ -49,10 +49,9 @@ async def check_migrated(engine: AsyncEngine, url: str) -> None:
             raise StoreMissing(f"cannot open the store at {_where(url)}: {exc.orig or exc}") from None
     if version is None:
         raise StoreMissing(f"the store at {_where(url)} has no schema: run `artgw migrate` (or start `artgw serve`)")
-    if version != head_revision():
-        raise StoreMissing(
-            f"the store at {_where(url)} is at schema {version}, not the newest ({head_revision()}): run `artgw migrate`"
-        )
+    head = head_revision()
+    if version != head:
+        raise StoreMissing(f"the store at {_where(url)} is at schema {version}, not {head}: run `artgw migrate`")
 
 
 @asynccontextmanager
@@ -61,7 +60,7 @@ async def open_store(url: str, *, migrate_schema: bool = False) -> AsyncIterator
     exist at the newest schema (StoreMissing otherwise, and nothing is created: no empty SQLite file)."""
     if not migrate_schema and url.startswith("sqlite"):
         path = Path(_where(url))
-        if not path.is_file():
+        if not path.is_file():  # noqa: ASYNC240 - one stat, before anything else runs
             raise StoreMissing(
                 f"no store at {path}: point --data-dir (ARTGW_DATA_DIR) or --db (ARTGW_DB) at the gateway's store"
             )

@@ -13,7 +13,6 @@ import msgspec
 GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
 AdapterStatus = Literal["loaded", "unloaded", "failed"]
-EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):

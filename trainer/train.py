@@ -26,17 +26,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
+import msgspec
 import torch
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.rollouts import RolloutService
-from store import create_engine
-from store.adapters import last_committed_step
+from store.adapters import AdapterRow, last_committed_step
+from store.errors import NotFound
 from store.groups import (
     GroupRow,
     claim_groups,
@@ -46,6 +45,9 @@ from store.groups import (
     release_groups,
     renew_lease,
 )
+from store.provide import open_store
+from store.rollouts import RolloutReader
+from store.types import StepMetrics
 from trainer.batch import TrainSequence, pack_sequences, sequences_from_trajectory
 from trainer.config import TrainConfig
 from trainer.loss import compute_advantages, grpo_loss, token_logprobs
@@ -70,17 +72,21 @@ class StepData:
 
 
 async def load_step_data(
-    rollouts: RolloutService, groups: list[GroupRow], config: TrainConfig, current_step: int
-) -> tuple[StepData, list[str]]:
-    """The claimed groups as training sequences; returns (data, ids of groups too stale to train)."""
+    rollouts: RolloutReader, groups: list[GroupRow], config: TrainConfig, current_step: int
+) -> tuple[StepData, dict[str, str]]:
+    """The claimed groups as training sequences; returns (data, {group id: why it is dropped untrained})."""
     all_rewards, group_index, trajectories, steps_seen = [], [], [], []
-    stale: list[str] = []
+    dropped: dict[str, str] = {}
     kept: list[GroupRow] = []
     for group in groups:
-        loaded = [await rollouts.get(m.rollout_id, choice=m.choice, settle_seconds=0) for m in group.members]
+        try:
+            loaded = [await rollouts.get(m.rollout_id, choice=m.choice) for m in group.members]
+        except NotFound as exc:  # checked when the group was made; only a store edited by hand gets here
+            dropped[group.id] = f"unreadable: {exc}"
+            continue
         steps = [s for t in loaded for seq in t.sequences for s in seq.steps if s is not None]
         if steps and current_step - min(steps) >= config.max_staleness > 0:
-            stale.append(group.id)
+            dropped[group.id] = f"stale: sampled {config.max_staleness} or more steps ago"
             continue
         kept.append(group)
         steps_seen += steps
@@ -120,7 +126,7 @@ async def load_step_data(
         zero_advantage_trajectories=zero,
         staleness=current_step - 1 - min(steps_seen) if steps_seen else 0,
     )
-    return data, stale
+    return data, dropped
 
 
 # -----------------------------------------------------------------------------
@@ -169,13 +175,15 @@ def checkpoint_dir(config: TrainConfig, step: int) -> Path:
     return config.checkpoints / config.model / str(step)
 
 
-def save_checkpoint(model, optimizer, config: TrainConfig, step: int, metrics: dict[str, Any]) -> Path:
+def save_checkpoint(model, optimizer, config: TrainConfig, step: int, metrics: StepMetrics) -> Path:
     out = checkpoint_dir(config, step)
     tmp = out.with_name(f".{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors: what vLLM loads
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "step.json").write_text(json.dumps({"step": step, "metrics": metrics, "config": config.to_json()}, indent=2))
+    (tmp / "step.json").write_text(
+        json.dumps({"step": step, "metrics": msgspec.to_builtins(metrics), "config": config.to_json()}, indent=2)
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a checkpoint dir is complete or absent
     return out
@@ -203,7 +211,7 @@ def peak_memory_mb(device: torch.device) -> float:
 # one optimizer step
 
 
-def train_step(model, optimizer, data: StepData, config: TrainConfig, device: torch.device, pad_id: int) -> dict:
+def train_step(model, optimizer, data: StepData, config: TrainConfig, device: torch.device, pad_id: int) -> StepMetrics:
     """Forward/backward over the packed batch in micro-batches, clip, step. Returns the step's metrics."""
     loss_config = config.loss()
     started = time.monotonic()
@@ -256,21 +264,23 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     seconds = time.monotonic() - started
-    return {
+    return StepMetrics(
         **sums,
-        "grad_norm": float(grad_norm),
-        "reward_mean": statistics.fmean(data.rewards) if data.rewards else 0.0,
-        "reward_std": statistics.pstdev(data.rewards) if data.rewards else 0.0,
-        "groups": len(data.group_ids),
-        "zero_signal_group_fraction": data.zero_signal_groups / max(len(data.group_ids), 1),
-        "zero_advantage_trajectories": data.zero_advantage_trajectories,
-        "trainable_tokens": batch.trainable_tokens,
-        "padding_tokens": batch.padding_tokens,
-        "rows": rows,
-        "trainable_tokens_per_second": batch.trainable_tokens / seconds if seconds > 0 else 0.0,
-        "step_seconds": seconds,
-        "staleness": data.staleness,
-    }
+        grad_norm=float(grad_norm),
+        reward_mean=statistics.fmean(data.rewards) if data.rewards else 0.0,
+        reward_std=statistics.pstdev(data.rewards) if data.rewards else 0.0,
+        groups=len(data.group_ids),
+        zero_signal_group_fraction=data.zero_signal_groups / max(len(data.group_ids), 1),
+        zero_advantage_trajectories=data.zero_advantage_trajectories,
+        trainable_tokens=batch.trainable_tokens,
+        padding_tokens=batch.padding_tokens,
+        rows=rows,
+        trainable_tokens_per_second=batch.trainable_tokens / seconds if seconds > 0 else 0.0,
+        step_seconds=seconds,
+        staleness=data.staleness,
+        peak_memory_mb=peak_memory_mb(device),
+        group_ids=data.group_ids,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -278,7 +288,7 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
 
 
 def commit_through_gateway(
-    config: TrainConfig, step: int, path: Path, group_ids: list[str], owner: str, metrics: dict[str, Any]
+    config: TrainConfig, step: int, path: Path, group_ids: list[str], owner: str, metrics: StepMetrics
 ) -> None:
     """Ask the gateway to serve the adapter; it marks the groups trained in the same transaction."""
     headers = {"Authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
@@ -289,7 +299,7 @@ def commit_through_gateway(
             "path": str(path.resolve()),
             "group_ids": group_ids,
             "lease_owner": owner,
-            "metrics": metrics,
+            "metrics": msgspec.to_builtins(metrics),
         },
         headers=headers,
         timeout=300,
@@ -330,33 +340,34 @@ async def wait_for_groups(store: AsyncEngine, config: TrainConfig, owner: str, s
     return claimed
 
 
-def _metrics_table(step: int, metrics: dict[str, Any]) -> Table:
+def _metrics_table(step: int, metrics: StepMetrics) -> Table:
     table = Table(title=f"step {step}", show_header=False, box=None)
     for key in ("loss", "reward_mean", "reward_std", "zero_signal_group_fraction", "kl", "grad_norm"):
-        table.add_row(key, f"{metrics[key]:.4f}")
+        table.add_row(key, f"{getattr(metrics, key):.4f}")
     for key in ("groups", "trainable_tokens", "staleness"):
-        table.add_row(key, str(metrics[key]))
-    table.add_row("tokens/s", f"{metrics['trainable_tokens_per_second']:.0f}")
-    table.add_row("step seconds", f"{metrics['step_seconds']:.2f}")
+        table.add_row(key, str(getattr(metrics, key)))
+    table.add_row("tokens/s", f"{metrics.trainable_tokens_per_second:.0f}")
+    table.add_row("step seconds", f"{metrics.step_seconds:.2f}")
     return table
 
 
 async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
     """Train until stopped (or max_steps); returns the number of committed steps."""
-    stop = stop or asyncio.Event()
+    async with open_store(config.db) as store:  # StoreMissing if the gateway has not made it yet
+        return await train(config, store.engine, RolloutReader(store.engine), stop or asyncio.Event())
+
+
+async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader, stop: asyncio.Event) -> int:
     torch.manual_seed(config.seed)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     device = pick_device(config)
 
-    # ---- store and resume: from the newest committed step, never from an uncommitted checkpoint
-    store = create_engine(config.db)
-    rollouts = RolloutService(store)
-    async with store.connect() as conn:
-        committed = await last_committed_step(conn, config.model)
+    # ---- resume: from the newest committed step, never from an uncommitted checkpoint
+    committed = await _committed(store, config)
     step = committed.step if committed is not None else 0
-    dropped = discard_uncommitted(config, step)
-    if dropped:
-        console.print(f"[yellow]discarded uncommitted checkpoints {dropped}[/yellow]")
+    discarded = discard_uncommitted(config, step)
+    if discarded:
+        console.print(f"[yellow]discarded uncommitted checkpoints {discarded}[/yellow]")
 
     def restore():
         adapter = Path(committed.path) if committed is not None else None
@@ -380,55 +391,50 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
 
     # ---- the loop
     done = 0
-    try:
-        while not stop.is_set() and (config.max_steps is None or done < config.max_steps):
-            group_ids = await wait_for_groups(store, config, owner, stop)
-            if not group_ids:
-                break
-            async with store.connect() as conn:
-                groups = await load_groups(conn, group_ids)
-            data, stale = await load_step_data(rollouts, groups, config, step + 1)
-            if stale:
-                async with store.begin() as conn:
-                    await drop_groups(conn, stale, owner, f"stale: sampled more than {config.max_staleness} steps ago")
-                console.print(f"[yellow]dropped {len(stale)} stale groups[/yellow]")
-            if not data.group_ids:
-                continue
-            if not data.sequences:  # every advantage was 0 (or no token trainable): no new adapter
-                async with store.begin() as conn:
-                    await finish_without_update(conn, data.group_ids, owner, step)
-                console.print(f"[yellow]{len(data.group_ids)} groups without learning signal: no step[/yellow]")
-                continue
-            step += 1
-            metrics = train_step(model, optimizer, data, config, device, pad_id)
-            metrics["peak_memory_mb"] = peak_memory_mb(device)
-            metrics["group_ids"] = data.group_ids
-            path = save_checkpoint(model, optimizer, config, step, metrics)
-            if config.pause_before_commit:
-                await asyncio.sleep(config.pause_before_commit)
-            async with store.begin() as conn:  # a long step must not lose its claim just before the commit
-                await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
-            failure = await commit_step(store, config, step, path, data.group_ids, owner, metrics)
-            if failure is not None:
-                # The previous adapter keeps serving; the groups go back to `ready` and the model and
-                # optimizer back to the last committed step, so nothing of this step survives.
-                console.print(f"[red]step {step} failed: {failure}[/red]")
-                async with store.begin() as conn:
-                    await release_groups(conn, data.group_ids, owner)
-                shutil.rmtree(path, ignore_errors=True)
-                step -= 1
-                model, optimizer = restore()
-                await asyncio.sleep(2.0)
-                continue
-            committed = await _committed(store, config)
-            done += 1
-            console.print(_metrics_table(step, metrics))
-    finally:
-        await store.dispose()
+    while not stop.is_set() and (config.max_steps is None or done < config.max_steps):
+        group_ids = await wait_for_groups(store, config, owner, stop)
+        if not group_ids:
+            break
+        async with store.connect() as conn:
+            groups = await load_groups(conn, group_ids)
+        data, dropped = await load_step_data(rollouts, groups, config, step + 1)
+        for group_id, reason in dropped.items():
+            async with store.begin() as conn:
+                await drop_groups(conn, [group_id], owner, reason)
+            console.print(f"[yellow]dropped group {group_id}: {reason}[/yellow]")
+        if not data.group_ids:
+            continue
+        if not data.sequences:  # every advantage was 0 (or no token trainable): no new adapter
+            async with store.begin() as conn:
+                await finish_without_update(conn, data.group_ids, owner, step)
+            console.print(f"[yellow]{len(data.group_ids)} groups without learning signal: no step[/yellow]")
+            continue
+        step += 1
+        metrics = train_step(model, optimizer, data, config, device, pad_id)
+        path = save_checkpoint(model, optimizer, config, step, metrics)
+        if config.pause_before_commit:
+            await asyncio.sleep(config.pause_before_commit)
+        async with store.begin() as conn:  # a long step must not lose its claim just before the commit
+            await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
+        failure = await commit_step(store, config, step, path, data.group_ids, owner, metrics)
+        if failure is not None:
+            # The previous adapter keeps serving; the groups go back to `ready` and the model and
+            # optimizer back to the last committed step, so nothing of this step survives.
+            console.print(f"[red]step {step} failed: {failure}[/red]")
+            async with store.begin() as conn:
+                await release_groups(conn, data.group_ids, owner)
+            shutil.rmtree(path, ignore_errors=True)
+            step -= 1
+            model, optimizer = restore()
+            await asyncio.sleep(2.0)
+            continue
+        committed = await _committed(store, config)
+        done += 1
+        console.print(_metrics_table(step, metrics))
     return done
 
 
-async def _committed(store: AsyncEngine, config: TrainConfig) -> Any:
+async def _committed(store: AsyncEngine, config: TrainConfig) -> AdapterRow | None:
     async with store.connect() as conn:
         return await last_committed_step(conn, config.model)
 
@@ -440,7 +446,7 @@ async def commit_step(
     path: Path,
     group_ids: list[str],
     owner: str,
-    metrics: dict[str, Any],
+    metrics: StepMetrics,
 ) -> str | None:
     """Commit through the gateway; None on success, else why not. A lost answer is checked in the store."""
     try:

@@ -1,0 +1,108 @@
+"""RULER in the background: groups created with a `ruler` request are judged here, a bounded number at
+a time, and move `scoring` → `ready` (scores become rewards) or `failed` (with the reason).
+
+Judge keys are passed through from the request and never stored; groups left `scoring` by a previous
+run are judged again on start, with keys from the environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import ruler
+from gateway.groups.schemas import RulerIn
+from gateway.metrics import GatewayMetrics
+from store.groups import load_groups, scored, scoring_failed, scoring_group_ids
+from store.judge_cache import StoreJudgeCache
+from store.rollouts import RolloutReader
+
+log = logging.getLogger("artgw.groups")
+
+
+def no_signal(rewards: list[float]) -> bool:
+    """Every reward equal: GRPO has nothing to learn from the group."""
+    return max(rewards) - min(rewards) <= 1e-12
+
+
+class Scorer:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        reader: RolloutReader,
+        judge_cache: StoreJudgeCache,
+        metrics: GatewayMetrics,
+        *,
+        max_concurrent_judges: int = 4,
+    ) -> None:
+        self.engine = engine
+        self.reader = reader
+        self.judge_cache = judge_cache
+        self.metrics = metrics
+        self.judge_slots = asyncio.Semaphore(max_concurrent_judges)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, group_id: str, spec: RulerIn) -> None:
+        task = asyncio.create_task(self._score(group_id, spec), name=f"ruler-{group_id}")
+        self._tasks[group_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(group_id, None))
+
+    async def resume(self) -> int:
+        """Judge again the groups a previous run left `scoring`."""
+        async with self.engine.connect() as conn:
+            pending = await load_groups(conn, await scoring_group_ids(conn))
+        for row in pending:
+            if row.ruler is not None:
+                self.start(row.id, msgspec.convert(row.ruler, RulerIn))
+        return len(pending)
+
+    async def _score(self, group_id: str, spec: RulerIn) -> None:
+        async with self.engine.connect() as conn:
+            rows = await load_groups(conn, [group_id])
+        if not rows:
+            return
+        row = rows[0]
+        usage: dict[str, Any] | None = None
+        try:
+            trajectories = []
+            for member in row.members:
+                t = await self.reader.get(member.rollout_id, choice=member.choice)
+                trajectories.append(ruler.Trajectory(messages=t.messages, tools=t.tools))
+            async with self.judge_slots:
+                started = time.monotonic()
+                result = await ruler.score_group(
+                    trajectories,
+                    judge_model=spec.judge_model,
+                    rubric=spec.rubric or ruler.DEFAULT_RUBRIC,
+                    litellm_params=spec.litellm_params,
+                    cache=self.judge_cache,
+                )
+            self.metrics.judged(
+                row.model,
+                time.monotonic() - started,
+                result.usage.judge_calls,
+                result.usage.prompt_tokens,
+                result.usage.completion_tokens,
+            )
+            usage = msgspec.to_builtins(result.usage)
+            scores = [(m.position, s.score, s.explanation) for m, s in zip(row.members, result.scores, strict=True)]
+            async with self.engine.begin() as conn:
+                await scored(conn, group_id, scores, usage, no_signal([s for _, s, _ in scores]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # whatever the judge or litellm raised: the group fails with the reason
+            self.metrics.judge_errors.labels(row.model).inc()
+            reason = f"RULER failed: {exc}" if isinstance(exc, ruler.RulerError) else f"RULER failed: {exc!r}"
+            log.warning("group %s: %s", group_id, reason)
+            async with self.engine.begin() as conn:
+                await scoring_failed(conn, group_id, reason[:2000], usage)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -1,0 +1,275 @@
+"""Creating and reading groups: validation, idempotency (group_id / Idempotency-Key), the checks on each
+rollout, and handing RULER groups to the scorer. The life cycle itself is the store's (store/groups.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import uuid
+from typing import Any, cast
+
+import msgspec
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import ruler
+from gateway.adapters import AdapterRegistry
+from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
+from gateway.groups.scorer import Scorer, no_signal
+from gateway.rollouts import RolloutService
+from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
+from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
+from store.types import GROUP_STATES, GroupState
+
+_GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+_SECRET_PARAMS = {"api_key", "aws_secret_access_key", "aws_session_token", "azure_ad_token", "vertex_credentials"}
+
+
+def split_ref(ref: str) -> tuple[str, int | None]:
+    """`"rid"` → (rid, None); `"rid/3"` → (rid, 3)."""
+    rollout_id, _, choice = ref.partition("/")
+    if not choice:
+        return rollout_id, None
+    if not choice.isdigit():
+        raise ValueError(ref)
+    return rollout_id, int(choice)
+
+
+def _overlaps(taken_ref: str, rollout_id: str, choice: int | None) -> bool:
+    """Whether a member already in a group covers (part of) this rollout reference."""
+    taken_id, taken_choice = split_ref(taken_ref)
+    return taken_id == rollout_id and (choice is None or taken_choice is None or taken_choice == choice)
+
+
+def public_ruler(spec: RulerIn) -> dict[str, Any]:
+    """What is stored and shown of a RULER request: never a secret."""
+    params = {k: v for k, v in spec.litellm_params.items() if k not in _SECRET_PARAMS}
+    return {"judge_model": spec.judge_model, "rubric": spec.rubric or ruler.DEFAULT_RUBRIC, "litellm_params": params}
+
+
+def request_hash(spec: GroupCreate) -> str:
+    """What makes two requests "the same group": everything but the id, secrets left out."""
+    data = msgspec.to_builtins(spec)
+    if spec.ruler is not None:
+        data["ruler"] = public_ruler(spec.ruler)
+    data.pop("group_id", None)
+    return hashlib.sha256(msgspec.json.encode(data, order="sorted")).hexdigest()
+
+
+def _check_judge(spec: RulerIn) -> None:
+    try:
+        ruler.check_judge_model(spec.judge_model, spec.litellm_params)
+    except ruler.RulerError:
+        raise invalid_request(
+            f"Unknown judge model `{spec.judge_model}`: name it as litellm does, e.g. `openai/gpt-4o-mini` "
+            "or `hosted_vllm/<served name>` with litellm_params.api_base.",
+            param="ruler.judge_model",
+            code="unknown_judge",
+        ) from None
+
+
+class GroupService:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        rollouts: RolloutService,
+        registry: AdapterRegistry,
+        scorer: Scorer,
+        *,
+        settle_seconds: float = 2.0,
+    ) -> None:
+        self.engine = engine
+        self.rollouts = rollouts
+        self.registry = registry
+        self.scorer = scorer
+        self.settle_seconds = settle_seconds  # how long a new group waits for its rollouts' last calls
+
+    # ------------------------------------------------------------ create
+
+    async def create(self, spec: GroupCreate, idempotency_key: str | None = None) -> tuple[GroupOut, bool]:
+        """Create a group (or return the one this same request created before). Returns (group, created)."""
+        self._validate(spec)
+        group_id = spec.group_id or idempotency_key or f"g-{uuid.uuid4().hex}"
+        if not _GROUP_ID.match(group_id):
+            raise invalid_request("Invalid group_id: 1 to 128 characters from letters, digits and `._:-`.", "group_id")
+        digest = request_hash(spec)
+        existing = await self._row(group_id)
+        if existing is not None:
+            return self._replay(existing, digest), False
+
+        await self._check_rollouts(spec)
+        members = []
+        for position, item in enumerate(spec.rollouts):
+            rollout_id, choice = split_ref(item.rollout_id)
+            members.append(
+                NewMember(
+                    position=position,
+                    rollout_ref=item.rollout_id,
+                    rollout_id=rollout_id,
+                    choice=choice,
+                    reward=item.reward if spec.ruler is None else None,
+                    caller_reward=item.reward,
+                    metrics=item.metrics,
+                )
+            )
+        rewards = [r.reward for r in spec.rollouts if r.reward is not None]
+        group = NewGroup(
+            id=group_id,
+            model=spec.model,
+            state="scoring" if spec.ruler is not None else "ready",
+            request_hash=digest,
+            metadata=spec.metadata,
+            ruler=public_ruler(spec.ruler) if spec.ruler is not None else None,
+            no_signal=None if spec.ruler is not None else no_signal(rewards),
+            members=members,
+        )
+        try:
+            async with self.engine.begin() as conn:
+                await insert_group(conn, group)
+        except IntegrityError:
+            # A concurrent request took the id or one of the rollouts first.
+            existing = await self._row(group_id)
+            if existing is not None:
+                return self._replay(existing, digest), False
+            raise OpenAIError(
+                409, "A rollout of this group was just put in another group.", code="rollout_in_group"
+            ) from None
+        if spec.ruler is not None:
+            self.scorer.start(group_id, spec.ruler)
+        return await self.get(group_id), True
+
+    def _validate(self, spec: GroupCreate) -> None:
+        if spec.model not in self.registry.models:
+            raise model_not_found(spec.model)
+        if len(spec.rollouts) < 2:
+            raise invalid_request(
+                "A group needs at least 2 rollouts: GRPO compares attempts at the same task.",
+                param="rollouts",
+                code="too_few_rollouts",
+            )
+        seen: set[str] = set()
+        for i, item in enumerate(spec.rollouts):
+            try:
+                split_ref(item.rollout_id)
+            except ValueError:
+                raise invalid_request(
+                    f"`{item.rollout_id}` is not a rollout id or `<rollout id>/<choice index>`.",
+                    param=f"rollouts[{i}].rollout_id",
+                ) from None
+            if item.rollout_id in seen:
+                raise invalid_request(
+                    f"Rollout `{item.rollout_id}` appears twice in the group.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="duplicate_rollout",
+                )
+            seen.add(item.rollout_id)
+            if item.reward is not None and not math.isfinite(item.reward):
+                raise invalid_request(
+                    f"Reward of `{item.rollout_id}` is not a finite number.",
+                    param=f"rollouts[{i}].reward",
+                    code="invalid_reward",
+                )
+            if spec.ruler is None and item.reward is None:
+                raise invalid_request(
+                    f"Rollout `{item.rollout_id}` has no reward: give every rollout a `reward`, or ask RULER "
+                    "to score the group with `ruler`.",
+                    param=f"rollouts[{i}].reward",
+                    code="missing_reward",
+                )
+            for name, value in (item.metrics or {}).items():
+                if not math.isfinite(value):
+                    raise invalid_request(
+                        f"Metric `{name}` of `{item.rollout_id}` is not finite.", param=f"rollouts[{i}].metrics"
+                    )
+        if spec.ruler is not None:
+            _check_judge(spec.ruler)
+
+    async def _check_rollouts(self, spec: GroupCreate) -> None:
+        refs = [r.rollout_id for r in spec.rollouts]
+        rollout_ids = sorted({split_ref(r)[0] for r in refs})
+        await self.rollouts.settle(rollout_ids, self.settle_seconds)
+        busy = [r for r in rollout_ids if self.rollouts.recorder.in_flight(r)]
+        if busy:
+            raise OpenAIError(
+                409,
+                f"Rollout `{busy[0]}` has a call still in flight: create the group once its calls have returned.",
+                code="rollout_in_flight",
+            )
+        for i, ref in enumerate(refs):
+            rollout_id, choice = split_ref(ref)
+            trajectory = await self.rollouts.reader.find(rollout_id, choice=choice)
+            if trajectory is None:
+                raise invalid_request(
+                    f"Unknown rollout `{rollout_id}`: no call with this rollout id has been recorded.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="unknown_rollout",
+                )
+            if trajectory.model != spec.model:
+                raise invalid_request(
+                    f"Rollout `{rollout_id}` was served by model `{trajectory.model}`, not `{spec.model}`: "
+                    "a group's rollouts must all belong to its trainable model.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="model_mismatch",
+                )
+            if not trajectory.sequences:
+                raise invalid_request(
+                    f"Rollout `{rollout_id}` has no successful call to train on.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="empty_rollout",
+                )
+            if choice is not None and not any(c.n > choice for c in trajectory.calls if c.status == "ok"):
+                raise invalid_request(
+                    f"Rollout `{rollout_id}` has no call with a choice {choice} (use n > {choice}).",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="unknown_choice",
+                )
+        async with self.engine.connect() as conn:
+            taken = await taken_refs(conn, rollout_ids)
+        for i, ref in enumerate(refs):
+            rollout_id, choice = split_ref(ref)
+            # A whole rollout and one of its choices overlap, as do a rollout used twice.
+            clash = [(other, gid) for other, gid in taken.items() if _overlaps(other, rollout_id, choice)]
+            if clash:
+                raise OpenAIError(
+                    409,
+                    f"Rollout `{ref}` is already in group `{clash[0][1]}`: a rollout trains at most once.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="rollout_in_group",
+                )
+
+    def _replay(self, existing: GroupRow, digest: str) -> GroupOut:
+        if existing.request_hash != digest:
+            raise OpenAIError(
+                409,
+                f"Group `{existing.id}` exists with other content: use a new group_id / Idempotency-Key.",
+                param="group_id",
+                code="group_id_conflict",
+            )
+        return group_out(existing)
+
+    # ------------------------------------------------------------ read
+
+    async def _row(self, group_id: str) -> GroupRow | None:
+        async with self.engine.connect() as conn:
+            rows = await load_groups(conn, [group_id])
+        return rows[0] if rows else None
+
+    async def get(self, group_id: str) -> GroupOut:
+        row = await self._row(group_id)
+        if row is None:
+            raise OpenAIError(404, f"No group `{group_id}`.", code="group_not_found")
+        return group_out(row)
+
+    async def page(self, *, model: str | None, state: str | None, limit: int, cursor: str | None) -> GroupPage:
+        if state is not None and state not in GROUP_STATES:
+            raise invalid_request(f"'state' must be one of {', '.join(GROUP_STATES)}.", param="state")
+        check_limit(limit)
+        after = decode_cursor_pair(cursor) if cursor else None
+        group_state = cast(GroupState | None, state)  # checked just above
+        async with self.engine.connect() as conn:
+            keys = await list_group_ids(conn, model=model, state=group_state, limit=limit, after=after)
+            rows = await load_groups(conn, [gid for _, gid in keys])
+        next_cursor = encode_cursor_pair(*keys[-1]) if len(keys) == limit else None
+        return GroupPage([group_out(r) for r in rows], next_cursor)

@@ -1,0 +1,214 @@
+"""The gateway's services, built once: `provide_services(settings)` is the app's lifespan.
+
+Everything is built here, in dependency order, over one store opened through the store's own
+provider (`store.provide.open_store`, which the CLI and the trainer use too); handlers get these
+services injected (gateway/app.py) and never build anything themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import httpx
+
+from gateway.adapters import AdapterRegistry, AdapterService
+from gateway.chat import ChatService
+from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, resolve_engine_port, wait_until_ready
+from gateway.groups import GroupService, Scorer
+from gateway.metrics import GatewayMetrics
+from gateway.recorder import Recorder
+from gateway.rollouts import RolloutService
+from gateway.settings import Settings, served_base_name
+from store.db import create_sync_sqlite_engine
+from store.provide import Store, open_store
+
+log = logging.getLogger("artgw.gateway")
+
+
+class UpstreamEngine:
+    """A vLLM server the gateway does not own (`--upstream`): wait for it, learn its base model."""
+
+    def __init__(self, url: str, startup_timeout: float, client: httpx.AsyncClient, adapters: AdapterService) -> None:
+        self.url = url
+        self.startup_timeout = startup_timeout
+        self.client = client
+        self.adapters = adapters
+        self.state = "starting"
+        self.ready_seconds: float | None = None
+
+    async def start(self) -> None:
+        await wait_until_ready(self.url, self.startup_timeout)
+        self.adapters.registry.base_model = await self._base_model()
+        await self.adapters.sync_engine()
+        self.state = "ready"
+
+    async def _base_model(self) -> str:
+        """The model entry that is not a LoRA adapter."""
+        answer = await self.client.get("/v1/models", timeout=10.0)
+        answer.raise_for_status()
+        for entry in answer.json()["data"]:
+            if not entry.get("parent"):
+                return str(entry["id"])
+        raise EngineFailed("the upstream engine serves no base model")
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+
+
+class Services:
+    """Every service of one gateway process. A plain class, not a dataclass: Litestar validates an injected
+    dataclass field by field on every request, while a plain class is only an isinstance check."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: Store,
+        registry: AdapterRegistry,
+        recorder: Recorder,
+        chat: ChatService,
+        rollouts: RolloutService,
+        groups: GroupService,
+        scorer: Scorer,
+        adapters: AdapterService,
+        metrics: GatewayMetrics,
+        engine: EngineSupervisor | UpstreamEngine,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.registry = registry
+        self.recorder = recorder
+        self.chat = chat
+        self.rollouts = rollouts
+        self.groups = groups
+        self.scorer = scorer
+        self.adapters = adapters
+        self.metrics = metrics
+        self.engine = engine
+        self.client = client  # the engine's control API (health, models, LoRA loading)
+        self.fatal: list[str] = []  # why the gateway gave up, if it did
+
+    def fail(self, reason: str) -> None:
+        """Fail loudly: say why, then stop the server (the CLI exits non-zero)."""
+        log.critical(reason)
+        print(f"artgw: fatal: {reason}", file=sys.stderr, flush=True)
+        self.fatal.append(reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """Ready when the engine is started (base model known, adapters synced) and answers its /health."""
+        ready = self.engine.state == "ready"
+        if ready:
+            try:
+                ready = (await self.client.get("/health", timeout=2.0)).status_code == 200
+            except httpx.TransportError:
+                ready = False
+        return ready, {"status": "ready" if ready else "not ready", "engine": self.engine.state}
+
+    async def bring_up_engine(self) -> None:
+        try:
+            await self.engine.start()
+        except EngineFailed as exc:
+            self.fail(f"the inference engine did not start: {exc}")
+            return
+        log.info("engine ready in %.1fs", self.engine.ready_seconds or 0)
+        s = self.settings
+        print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  model={s.model_name}", flush=True)
+
+
+@asynccontextmanager
+async def provide_services(settings: Settings) -> AsyncIterator[Services]:
+    """Build every service, start the background work, and stop it all on exit."""
+    if settings.base_model is not None:  # the supervised engine's port: a free one unless given
+        settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    async with (
+        open_store(settings.db_url, migrate_schema=settings.migrate) as store,
+        httpx.AsyncClient(
+            base_url=settings.upstream_url,
+            timeout=httpx.Timeout(settings.request_timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        ) as client,
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
+        ) as session,
+    ):
+        # With --upstream the base model's name is asked of the engine once it answers.
+        base_name = served_base_name(settings.base_model) if settings.base_model is not None else None
+        registry = AdapterRegistry(base_name, [settings.model_name])
+        metrics = GatewayMetrics()
+        recorder = Recorder(
+            store.engine,
+            sync_engine=create_sync_sqlite_engine(settings.db_url),
+            spill_dir=settings.data_dir / "spill",
+            queue_size=settings.recorder_queue_size,
+            batch_size=settings.recorder_batch_size,
+        )
+        adapters = AdapterService(registry, client, store.engine)
+        rollouts = RolloutService(store.rollouts, recorder)
+        scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics)
+        engine: EngineSupervisor | UpstreamEngine
+        if settings.base_model is not None:
+            assert base_name is not None
+            engine = EngineSupervisor(
+                EngineConfig(
+                    base_model=settings.base_model,
+                    served_name=base_name,
+                    port=settings.engine_port,
+                    max_lora_rank=settings.max_lora_rank,
+                    max_model_len=settings.max_model_len,
+                    extra_args=settings.engine_args,
+                    log_path=settings.data_dir / "engine.log",
+                    startup_timeout=settings.engine_startup_timeout,
+                    env=settings.extra_env,
+                ),
+                on_fatal=lambda reason: services.fail(reason),
+                on_ready=adapters.sync_engine,
+            )
+        else:
+            engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters)
+        services = Services(
+            settings=settings,
+            store=store,
+            registry=registry,
+            recorder=recorder,
+            chat=ChatService(
+                session=session,
+                upstream_url=settings.upstream_url,
+                request_timeout=settings.request_timeout,
+                registry=registry,
+                recorder=recorder,
+                engine_state=lambda: engine.state,
+                metrics=metrics,
+            ),
+            rollouts=rollouts,
+            groups=GroupService(store.engine, rollouts, registry, scorer),
+            scorer=scorer,
+            adapters=adapters,
+            metrics=metrics,
+            engine=engine,
+            client=client,
+        )
+        await recorder.start()
+        await scorer.resume()
+        background = [
+            asyncio.create_task(services.bring_up_engine(), name="engine-bring-up"),
+            asyncio.create_task(adapters.follow_store(), name="adapters-follow-store"),
+        ]
+        try:
+            yield services
+        finally:
+            for task in background:
+                task.cancel()
+            await scorer.close()
+            await recorder.close()
+            await engine.stop()
