@@ -13,14 +13,14 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import anyio
 import msgspec
 
 from gateway.adapters import AdapterRegistry, Route
-from gateway.errors import OpenAIError, invalid_request
+from gateway.errors import OpenAIError, decode_body, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.responses import EventStream, JSONBody
@@ -54,40 +54,27 @@ def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
     return RolloutKey(given, explicit=True)
 
 
-def parse_chat_request(body: bytes) -> dict[str, Any]:
-    """Check what the gateway itself relies on; vLLM validates the rest and its 400s pass through."""
-    try:
-        request = _decode(body)
-    except msgspec.DecodeError as exc:
-        raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(request, dict):
-        raise invalid_request("Request body must be a JSON object.", code="invalid_json")
-    model = request.get("model")
-    if model is None:
-        raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise invalid_request("'model' must be a non-empty string.", param="model", code="invalid_type")
-    messages = request.get("messages")
-    if messages is None:
-        raise invalid_request(
-            "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter"
-        )
-    if not isinstance(messages, list) or not messages:
-        raise invalid_request("'messages' must be a non-empty array.", param="messages", code="invalid_type")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid_request(
-                f"'messages[{i}]' must be an object with a string 'role'.",
-                param=f"messages[{i}]",
-                code="invalid_type",
-            )
-    stream = request.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise invalid_request("'stream' must be a boolean.", param="stream", code="invalid_type")
-    n = request.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise invalid_request("'n' must be an integer >= 1.", param="n", code="invalid_value")
-    return request
+class ChatMessageHead(msgspec.Struct, frozen=True):
+    role: str
+
+
+class ChatRequestHead(msgspec.Struct, frozen=True):
+    """The fields of a chat request the gateway itself relies on. The rest goes to vLLM as sent (unknown
+    fields are kept, not dropped): vLLM validates them and its 400s pass through."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    messages: Annotated[list[ChatMessageHead], msgspec.Meta(min_length=1)]
+    stream: bool | None = False
+    n: Annotated[int, msgspec.Meta(ge=1)] | None = 1
+
+
+_head_decoder = msgspec.json.Decoder(ChatRequestHead)
+
+
+def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
+    """The typed head (400 naming the param if it is wrong) and the whole request as sent."""
+    head = decode_body(body, ChatRequestHead, _head_decoder)
+    return head, _decode(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +215,10 @@ class ChatService:
         self.engine_state = engine_state
 
     async def complete(self, body: bytes, key: RolloutKey) -> JSONBody | EventStream:
-        request = parse_chat_request(body)
-        route = self.registry.resolve(request["model"])
+        head, request = parse_chat_request(body)
+        route = self.registry.resolve(head.model)
         upstream_body, asked = _upstream_body(request, route)
-        stream = bool(request.get("stream"))
+        stream = bool(head.stream)
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, key, route, request, stream, time.time())
         self.recorder.begin(key.rollout_id)
@@ -258,7 +245,7 @@ class ChatService:
             await call.finish("upstream_error", error.status, error.message)
             raise error
         if stream:
-            relay = call.relay(upstream, asked, request["model"])
+            relay = call.relay(upstream, asked, head.model)
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event) and records the call
@@ -268,7 +255,7 @@ class ChatService:
             payload = _decode(await upstream.read())
             choices = [_choice_record(c) for c in payload.get("choices") or ()]
             prompt_ids = payload.get("prompt_token_ids") or []
-            _hide_unasked(payload, asked, request["model"])
+            _hide_unasked(payload, asked, head.model)
         except Exception as exc:
             await call.finish("upstream_error", 502, f"unreadable engine answer: {exc}")
             raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None

@@ -73,13 +73,34 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def decode_body(body: bytes, kind: type[T]) -> T:
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+
+def validation_error(exc: msgspec.ValidationError) -> OpenAIError:
+    """msgspec's validation error as a 400 naming the `param`, with OpenAI's codes."""
+    text = str(exc)
+    at = _AT.search(text)
+    path = at["path"] if at else ""
+    message = text[: at.start()] if at else text
+    if missing := _MISSING.match(message):
+        param = f"{path}.{missing['field']}" if path else missing["field"]
+        message = f"Missing required parameter: '{param}'."
+        return invalid_request(message, param=param, code="missing_required_parameter")
+    if not path and message.startswith("Expected `object`"):
+        return invalid_request("Request body must be a JSON object.", code="invalid_json")
+    # `Expected int >= 1`: a value out of range; `Expected str, got int` or an array too short: the wrong kind.
+    code = "invalid_value" if re.search(r"[<>]=? ?-?\d", message) and "of length" not in message else "invalid_type"
+    where = f" (at '{path}')" if path else ""
+    return invalid_request(f"Invalid request: {message}{where}.", param=path or None, code=code)
+
+
+def decode_body(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | None = None) -> T:
     """Decode a JSON body into a struct; anything wrong is a 400 naming the field."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decoder.decode(body) if decoder is not None else msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        where = re.search(r"at `\$\.?(.*)`", str(exc))
-        raise invalid_request(f"Invalid request: {exc}", param=where[1] if where else None) from None
+        raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
 
