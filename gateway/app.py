@@ -17,7 +17,7 @@ from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
 from gateway.errors import exception_handlers
-from gateway.groups import GroupService
+from gateway.groups.service import GroupService
 from gateway.provide import Services, provide_services
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings

@@ -7,7 +7,8 @@ from litestar.params import Parameter
 
 from gateway.adapters import AdapterLoad, AdapterService, ModelStatus
 from gateway.errors import decode_body
-from gateway.groups import GroupCreate, GroupOut, GroupPage, GroupService
+from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage
+from gateway.groups.service import GroupService
 from gateway.guards import admin_only
 from gateway.rollouts import RolloutService
 from store.rollouts import RolloutPage

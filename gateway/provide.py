@@ -22,7 +22,8 @@ import httpx
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ChatService
 from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, resolve_engine_port, wait_until_ready
-from gateway.groups import GroupService, Scorer
+from gateway.groups.scorer import Scorer
+from gateway.groups.service import GroupService
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService

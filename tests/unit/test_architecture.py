@@ -1,0 +1,118 @@
+"""The rooms of the house: which package may import which, and no import cycles.
+
+store/ (shared, no HTTP) ← gateway/ (HTTP) and trainer/ (torch); ruler/ stands alone; artgw/ (the CLI)
+sits on top. Checked on the source (every import statement, module level or not) and on what a real
+`import trainer.train` loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("artgw", "gateway", "store", "trainer", "ruler", "migrations")
+
+# What each package may import of the others (beside itself).
+ALLOWED = {
+    "store": set(),
+    "ruler": set(),
+    "trainer": {"store"},
+    "gateway": {"store", "ruler"},
+    "migrations": {"store"},
+    "artgw": {"gateway", "store", "trainer", "ruler"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(path): path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if "versions" not in path.parts  # migration scripts are loaded by Alembic, not imported
+    }
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports (a package's `__init__` counts for every module under it)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        for target in targets:
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b too
+                candidate = ".".join(parts[:i])
+                if candidate in known and candidate != name:
+                    found.add(candidate)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_each_package_imports_only_the_rooms_below_it() -> None:
+    wrong = sorted(
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        for target in targets
+        if (a := name.split(".")[0]) != (b := target.split(".")[0]) and b not in ALLOWED[a]
+    )
+    assert wrong == []
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    # A package importing its own submodules from its __init__ is not a cycle of concern: drop those edges.
+    for name, targets in graph.items():
+        graph[name] = {t for t in targets if not t.startswith(name + ".")}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("trainer.train", {"gateway", "litestar", "artgw"}),
+        ("store.provide", {"gateway", "litestar", "trainer", "torch", "artgw"}),
+        ("ruler", {"gateway", "store", "trainer", "litestar"}),
+    ],
+)
+def test_importing_a_room_loads_nothing_above_it(module: str, forbidden: set[str]) -> None:
+    code = f"import {module}, sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(forbidden)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
