@@ -1,114 +1,179 @@
 """`artgw`: the command line of ART Gateway.
 
-Every option also reads from an environment variable, named in its help
-(`ARTGW_<OPTION>`); the command line wins over the environment.
+Options are declared once, on the settings dataclasses (gateway/settings.py::Settings,
+trainer/config.py::TrainConfig, and the small ones below for what only one command needs); the generic
+builder in artgw/options.py makes each field a `--flag` that also reads `ARTGW_<FIELD>` (the command
+line wins). Every command shares the declarations it needs: `--data-dir`/`--db` and `--host`/`--port`
+mean the same to serve, migrate, export, train and status.
+
+Errors a user makes (a bad value, no store, no gateway, a missing file) end the command with one line
+on stderr, `artgw <command>: <message>`, and a non-zero exit; ARTGW_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
-import shlex
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import msgspec
+
+from artgw import options
+from artgw.demo import DemoConfig
+from artgw.tiny_model import TinyModelSpec
+from gateway.settings import Settings
+from trainer.config import TrainConfig
+
+T = TypeVar("T")
+
+EPILOG = (
+    "Every option can also be set by the environment variable named in its help (ARTGW_<OPTION>); the command "
+    "line wins, an empty variable counts as unset. Errors are one line on stderr and a non-zero exit; set "
+    "ARTGW_DEBUG=1 to get the traceback instead."
+)
+STATUS_TIMEOUT = 10.0  # seconds; the status endpoint reads a few rows
 
 
-def _env_default(name: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
-    value = os.environ.get(f"ARTGW_{name}")
-    return cast(value) if value is not None else default
+class CommandError(Exception):
+    """An error the user can fix: printed as one line, `artgw <command>: <message>`, exit `code`."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _flag(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+# -----------------------------------------------------------------------------
+# options only one command has (the shared ones live on Settings and TrainConfig)
 
 
-def _option(
-    parser: argparse.ArgumentParser,
-    flag: str,
-    *,
-    default: Any = None,
-    type: Any = str,
-    help: str,
-    choices: Sequence[str] | None = None,
-) -> None:
-    env = flag.lstrip("-").upper().replace("-", "_")
-    parser.add_argument(
-        flag,
-        default=_env_default(env, default, type),
-        type=type,
-        choices=choices,
-        help=f"{help} (env: ARTGW_{env}" + ("" if default is None else f"; default: {default}") + ")",
+@dataclass(frozen=True)
+class MigrateOptions:
+    revision: str = field(default="head", metadata={"help": "schema revision to upgrade to"})
+    downgrade: str | None = field(
+        default=None, metadata={"help": "downgrade to this revision instead ('base': an empty store)"}
     )
 
 
-def _add_db(parser: argparse.ArgumentParser) -> None:
-    _option(
-        parser,
-        "--data-dir",
-        default=Path("data"),
-        type=Path,
-        help="where the SQLite store, logs and spill files live",
+@dataclass(frozen=True)
+class ExportOptions:
+    model: str | None = field(default=None, metadata={"help": "only rollouts of this trainable model (none: all)"})
+    since: float | None = field(
+        default=None, metadata={"help": "only rollouts with a call at or after this unix time (none: all)"}
     )
-    _option(
-        parser,
-        "--db",
-        help="SQLAlchemy URL of the store, e.g. postgresql+asyncpg://user:pw@host/db "
-        "(default: SQLite under --data-dir)",
+
+
+@dataclass(frozen=True)
+class RulerScoreOptions:
+    judge: str = field(metadata={"help": "litellm model name of the judge, e.g. openai/gpt-4o-mini"})
+    rubric: Path | None = field(default=None, metadata={"help": "file with the rubric (none: RULER's default)"})
+    group_size: int | None = field(
+        default=None, metadata={"help": "trajectories per group when lines carry no `group` (none: one group)"}
     )
+    litellm_params: str | None = field(
+        default=None, metadata={"help": 'JSON object passed to litellm, e.g. \'{"api_base": "http://..."}\''}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.judge:
+            raise ValueError("--judge must name a litellm model")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
+        if self.litellm_params is not None:
+            try:
+                params = json.loads(self.litellm_params)
+            except ValueError as exc:
+                raise ValueError(f"--litellm-params is not JSON: {exc}") from None
+            if not isinstance(params, dict):
+                raise ValueError("--litellm-params must be a JSON object")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    quick: bool = field(default=False, metadata={"help": "fewer steps and scenarios (CI: a few minutes)"})
+
+
+# DemoConfig (artgw/demo.py) carries no help metadata of its own: its user-facing fields get theirs here.
+DEMO_HELP = {
+    "out": "where the table, results.json and the PNG go",
+    "data_dir": "the tiny model, and one run directory (store, checkpoints, logs) per run",
+    "steps": "GRPO steps (--quick: 8)",
+    "groups_per_step": "scenarios per step",
+    "attempts": "attempts per scenario: the group GRPO compares",
+    "eval_scenarios": "held-out scenarios (--quick: 32)",
+    "learning_rate": "the trainer's LoRA learning rate",
+    "seed": "seed of the scenarios and the trainer",
+    "port": "the gateway's port (0: a free one)",
+    "trainer_args": "more `artgw train` options, one shell-quoted string",
+}
+
+STORE_FIELDS = ("data_dir", "db")  # where the store is: the same for serve, migrate, export and train
+GATEWAY_FIELDS = ("host", "port")  # where the gateway listens: status and train reach it there
+
+
+def _build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
+    """The settings dataclass from the options; its ValueError (a bad value) becomes a usage error."""
+    try:
+        return options.build(cls, args, **computed)
+    except ValueError as exc:
+        raise CommandError(str(exc), code=2) from None
+
+
+def _store_url(args: argparse.Namespace) -> str:
+    from store.provide import store_url
+
+    return store_url(args.data_dir, args.db)
+
+
+def gateway_url(args: argparse.Namespace) -> str:
+    """--gateway when given, else http://HOST:PORT from the options `serve` listens on."""
+    if args.gateway is not None:
+        if not args.gateway.startswith(("http://", "https://")):
+            raise CommandError(f"--gateway must be an http:// or https:// URL, got {args.gateway!r}", code=2)
+        return str(args.gateway).rstrip("/")
+    if not 1 <= args.port <= 65535:
+        raise CommandError(f"--port must be the port the gateway listens on (1-65535), got {args.port}", code=2)
+    host = args.host
+    if host in ("0.0.0.0", "::", ""):  # listening on every interface: reach it on loopback
+        host = "127.0.0.1" if host != "::" else "::1"
+    if ":" in host and not host.startswith("["):  # an IPv6 literal needs brackets in a URL
+        host = f"[{host}]"
+    return f"http://{host}:{args.port}"
+
+
+# -----------------------------------------------------------------------------
+# commands
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from artgw.tiny_model import TinyModelSpec, build_tiny_model, fingerprint
+    from artgw.tiny_model import build_tiny_model, fingerprint
 
-    out = build_tiny_model(args.out_dir, TinyModelSpec(seed=args.seed))
+    out = build_tiny_model(args.out_dir, _build(TinyModelSpec, args))
     print(f"tiny model written to {out} (sha256 {fingerprint(out)[:16]})")
     return 0
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from gateway.settings import Settings
-
-    return Settings(
-        model_name=args.model_name,
-        base_model=args.base_model,
-        upstream=args.upstream,
-        host=args.host,
-        port=args.port,
-        data_dir=args.data_dir,
-        db=args.db,
-        migrate=not args.no_migrate,
-        admin_key=args.admin_key,
-        engine_port=args.engine_port,
-        engine_args=tuple(shlex.split(args.engine_args or "")),
-        max_lora_rank=args.max_lora_rank,
-        max_model_len=args.max_model_len,
-        engine_startup_timeout=args.engine_startup_timeout,
-        request_timeout=args.request_timeout,
-        max_body_bytes=args.max_body_bytes,
-    )
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
+    settings = _build(Settings, args)
+
     import uvicorn
 
     from gateway.app import create_app
 
-    try:
-        settings = _settings(args)
-    except ValueError as exc:
-        print(f"artgw serve: {exc}", file=sys.stderr)
-        return 2
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level=args.log_level,
+        log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,
         lifespan="on",
@@ -119,52 +184,53 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    state = getattr(app.state, "gateway", None)
+    state = getattr(app.state, "services", None)
     if state is not None and state.fatal:
         return 1
     return 0 if server.started else 1
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
+    from alembic.util.exc import CommandError as AlembicError
+
     from store import create_engine, downgrade, migrate
 
+    chosen = _build(MigrateOptions, args)
     url = _store_url(args)
 
     async def run() -> None:
-        engine = create_engine(url)
+        engine = create_engine(url)  # creates the SQLite file (and its directory): making the store is the point
         try:
-            if args.downgrade:
-                await downgrade(engine, args.downgrade)
+            if chosen.downgrade:
+                await downgrade(engine, chosen.downgrade)
             else:
-                await migrate(engine, args.revision)
+                await migrate(engine, chosen.revision)
         finally:
             await engine.dispose()
 
-    asyncio.run(run())
-    print(f"store at {url.split('@')[-1]} migrated to {args.downgrade or args.revision}")
+    try:
+        asyncio.run(run())
+    except AlembicError as exc:  # e.g. an unknown revision
+        raise CommandError(str(exc)) from None
+    print(f"store at {url.split('@')[-1]} migrated to {chosen.downgrade or chosen.revision}")
     return 0
-
-
-def _store_url(args: argparse.Namespace) -> str:
-    return args.db or f"sqlite+aiosqlite:///{(args.data_dir / 'artgw.sqlite').resolve()}"
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
-    from gateway.rollouts import RolloutService
-    from store import create_engine
+    from store.provide import open_store
+
+    chosen = _build(ExportOptions, args)
 
     async def run() -> int:
-        engine = create_engine(_store_url(args))
         encoder = msgspec.json.Encoder()
         count = 0
-        try:
-            async for trajectory in RolloutService(engine).export(model=args.model, since=args.since):
+        # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
+        async with open_store(_store_url(args)) as store:
+            async for trajectory in store.rollouts.export(model=chosen.model, since=chosen.since):
                 sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
                 count += 1
-        finally:
-            await engine.dispose()
         sys.stdout.flush()
         print(f"exported {count} trajectories", file=sys.stderr)
         return 0
@@ -172,46 +238,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from trainer.config import TrainConfig
-    from trainer.train import run
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """`artgw train`'s config: its options, plus the store, gateway and checkpoints found like `serve`'s."""
+    return _build(
+        TrainConfig,
+        args,
+        db=_store_url(args),
+        gateway=gateway_url(args),
+        checkpoints=args.checkpoints if args.checkpoints is not None else args.data_dir / "checkpoints",
+    )
 
-    if not args.base_model:
-        print("artgw train: --base-model is required (the same weights vLLM serves)", file=sys.stderr)
-        return 2
-    try:
-        config = TrainConfig(
-            model=args.model,
-            base_model=args.base_model,
-            db=_store_url(args),
-            gateway=args.gateway,
-            admin_key=args.admin_key,
-            checkpoints=args.checkpoints or args.data_dir / "checkpoints",
-            groups_per_step=args.groups_per_step,
-            min_groups_per_step=min(args.min_groups_per_step, args.groups_per_step),
-            max_wait_seconds=args.max_wait,
-            max_staleness=args.max_staleness,
-            lease_seconds=args.lease_seconds,
-            max_steps=args.max_steps,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            learning_rate=args.learning_rate,
-            grad_clip=args.grad_clip,
-            gradient_checkpointing=args.gradient_checkpointing,
-            scale_rewards=args.scale_rewards,
-            normalization=args.normalization,
-            epsilon_low=args.epsilon_low,
-            epsilon_high=args.epsilon_high,
-            tis_cap=args.tis_cap if args.tis_cap > 0 else None,
-            beta=args.beta,
-            mask_truncated=args.mask_truncated,
-            train_constrained=args.train_constrained,
-            seed=args.seed,
-            pause_before_commit=args.pause_before_commit,
-        )
-    except ValueError as exc:
-        print(f"artgw train: {exc}", file=sys.stderr)
-        return 2
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    config = train_config(args)
+    from trainer.train import run  # torch and the model stack: only once the config is good
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -224,60 +264,107 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+class _Step(msgspec.Struct, kw_only=True):
+    """A step as GET /v1/art/models/NAME lists it; only what `artgw status` shows."""
+
+    step: int
+    status: str
+    group_count: int = 0
+    metrics: dict[str, Any] | None = None  # decoded into store.types.StepMetrics where it is shown
+    error: str | None = None
+
+
+class _ModelStatus(msgspec.Struct, kw_only=True):
+    name: str
+    base_model: str | None = None
+    served_step: int
+    loaded_steps: list[int] = []
+    groups: dict[str, int] = {}
+    steps: list[_Step] = []
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     import httpx
     from rich.console import Console
     from rich.table import Table
 
-    answer = httpx.get(f"{args.gateway.rstrip('/')}/v1/art/models/{args.model}", timeout=10)
+    from store.types import StepMetrics
+
+    gateway = gateway_url(args)
+    try:
+        answer = httpx.get(f"{gateway}/v1/art/models/{quote(args.model, safe='')}", timeout=STATUS_TIMEOUT)
+    except httpx.TimeoutException:
+        raise CommandError(f"the gateway at {gateway} did not answer within {STATUS_TIMEOUT:.0f} s") from None
+    except httpx.TransportError:
+        raise CommandError(
+            f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
+        ) from None
     if answer.status_code != 200:
-        print(f"artgw status: {answer.status_code} {answer.text}", file=sys.stderr)
-        return 1
-    status = answer.json()
+        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}")
+    try:
+        status = msgspec.json.decode(answer.content, type=_ModelStatus)
+        metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
+    except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
+        raise CommandError(f"{gateway} did not answer like an ART gateway: {exc}") from None
     console = Console()
     console.print(
-        f"[bold]{status['name']}[/bold] serves step [bold]{status['served_step']}[/bold] "
-        f"(base {status['base_model']}; loaded steps {status['loaded_steps']})"
+        f"[bold]{status.name}[/bold] serves step [bold]{status.served_step}[/bold] "
+        f"(base {status.base_model}; loaded steps {status.loaded_steps})"
     )
-    console.print("groups: " + ", ".join(f"{k}={v}" for k, v in sorted(status["groups"].items())) or "groups: none")
+    console.print("groups: " + (", ".join(f"{k}={v}" for k, v in sorted(status.groups.items())) or "none"))
     table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
-    for row in status["steps"]:
-        m = row.get("metrics") or {}
+    for row, m in zip(status.steps, metrics, strict=True):
         table.add_row(
-            str(row["step"]),
-            row["status"],
-            str(row["group_count"]),
-            f"{m.get('loss', float('nan')):.4f}",
-            f"{m.get('reward_mean', float('nan')):.3f}",
-            f"{m.get('trainable_tokens_per_second', 0):.0f}",
-            f"{m.get('step_seconds', 0):.2f}",
-            (row.get("error") or "")[:60],
+            str(row.step),
+            row.status,
+            str(row.group_count),
+            f"{m.loss:.4f}" if m else "-",
+            f"{m.reward_mean:.3f}" if m else "-",
+            f"{m.trainable_tokens_per_second:.0f}" if m else "-",
+            f"{m.step_seconds:.2f}" if m else "-",
+            (row.error or "")[:60],
         )
     console.print(table)
     return 0
 
 
-def _cmd_ruler_score(args: argparse.Namespace) -> int:
-    import json
+def _error_message(answer: Any) -> str:
+    """The message of an OpenAI-shaped error body, else the start of the body."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.text[:200] or answer.reason_phrase
 
+
+def _cmd_ruler_score(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     import ruler
 
-    lines = [json.loads(line) for line in args.file.read_text().splitlines() if line.strip()]
+    chosen = _build(RulerScoreOptions, args)
+    lines: list[dict[str, Any]] = []
+    for number, text in enumerate(args.file.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except ValueError as exc:
+            raise CommandError(f"{args.file}:{number} is not JSON: {exc}") from None
+        if not isinstance(line, dict) or not isinstance(line.get("messages"), list):
+            raise CommandError(f"{args.file}:{number} has no `messages` list (is it from `artgw export`?)")
+        lines.append(line)
     if not lines:
-        print(f"artgw ruler score: {args.file} has no trajectories", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.file} has no trajectories", code=2)
     # Groups: a `group` field when the lines carry one, else runs of --group-size lines (default: one group).
-    groups: dict[str, list[dict]] = {}
-    size = args.group_size or len(lines)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    size = chosen.group_size or len(lines)
     for i, line in enumerate(lines):
         groups.setdefault(str(line.get("group", i // size)), []).append(line)
-    rubric = args.rubric.read_text() if args.rubric else ruler.DEFAULT_RUBRIC
-    params = json.loads(args.litellm_params) if args.litellm_params else {}
+    rubric = chosen.rubric.read_text() if chosen.rubric else ruler.DEFAULT_RUBRIC
+    params = json.loads(chosen.litellm_params) if chosen.litellm_params else {}
     console = Console()
-    table = Table("group", "rollout", "score", "explanation", title=f"RULER scores by {args.judge}")
+    table = Table("group", "rollout", "score", "explanation", title=f"RULER scores by {chosen.judge}")
 
     async def run() -> int:
         failed = 0
@@ -285,7 +372,7 @@ def _cmd_ruler_score(args: argparse.Namespace) -> int:
             trajectories = [ruler.Trajectory(messages=m["messages"], tools=m.get("tools")) for m in members]
             try:
                 result = await ruler.score_group(
-                    trajectories, judge_model=args.judge, rubric=rubric, litellm_params=params
+                    trajectories, judge_model=chosen.judge, rubric=rubric, litellm_params=params
                 )
             except ruler.RulerError as exc:
                 failed += 1
@@ -304,159 +391,118 @@ def _cmd_ruler_score(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from artgw.demo import DemoConfig, run
+    from artgw.demo import run
 
-    overrides = {
-        name: value
-        for name, value in (
-            ("steps", args.steps),
-            ("groups_per_step", args.groups_per_step),
-            ("attempts", args.attempts),
-            ("eval_scenarios", args.eval_scenarios),
-            ("learning_rate", args.learning_rate),
-        )
-        if value is not None
-    }
-    common = {
-        "out": args.out,
-        "data_dir": args.data_dir,
-        "seed": args.seed,
-        "port": args.port,
-        "trainer_args": tuple(shlex.split(args.trainer_args or "")),
-    }
-    config = DemoConfig.quick(**common, **overrides) if args.quick else DemoConfig(**common, **overrides)
+    chosen = options.given(args, DemoConfig)  # only what was set: DemoConfig (or --quick) decides the rest
+    config = DemoConfig.quick(**chosen) if _build(DemoOptions, args).quick else DemoConfig(**chosen)
     return run(config)
 
 
+# -----------------------------------------------------------------------------
+# the parser
+
+
+def _command(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, help: str, description: str
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description, epilog=EPILOG)
+    parser.set_defaults(func=func, prog=parser.prog)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = options.ArgumentParser(
         prog="artgw",
         description="ART Gateway: an OpenAI-compatible gateway that records every call as token-exact "
         "trajectories and trains the model behind it with GRPO while it serves.",
+        epilog=EPILOG,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    tiny = sub.add_parser(
+    tiny = _command(
+        sub,
         "tiny-model",
+        _cmd_tiny_model,
         help="build a tiny random-weight Qwen2 chat model locally (for tests and demos; no hub needed)",
         description="Build a tiny Qwen2-architecture chat model with random weights, a byte-level BPE "
         "tokenizer trained locally, and a chat template with Hermes/Qwen <tool_call> tools. "
         "Deterministic per seed.",
     )
     tiny.add_argument("out_dir", type=Path, help="directory to write the model to")
-    _option(tiny, "--seed", default=0, type=int, help="random seed for weights and tokenizer corpus")
-    tiny.set_defaults(func=_cmd_tiny_model)
+    options.add_options(
+        tiny, TinyModelSpec, only=("seed",), help={"seed": "random seed for the weights and the tokenizer corpus"}
+    )
 
-    serve = sub.add_parser(
+    serve = _command(
+        sub,
         "serve",
+        _cmd_serve,
         help="run the gateway (and, with --base-model, the vLLM engine it supervises)",
         description="Serve the OpenAI-compatible API. With --base-model the gateway starts vLLM's OpenAI "
         "server as a child process (LoRA runtime loading on), restarts it if it dies and stops it on exit; "
         "with --upstream it uses a vLLM server that is already running. Prints the base_url once ready.",
     )
-    _option(serve, "--base-model", help="model path or hub id; the gateway starts and supervises vLLM with it")
-    _option(serve, "--upstream", help="URL of a running vLLM OpenAI server (instead of --base-model)")
-    _option(serve, "--model-name", default="my-agent", help="the trainable model name clients put in 'model'")
-    _option(serve, "--host", default="127.0.0.1", help="address to listen on")
-    _option(serve, "--port", default=8000, type=int, help="port to listen on")
-    _add_db(serve)
-    serve.add_argument(
-        "--no-migrate",
-        action="store_true",
-        default=_env_default("NO_MIGRATE", False, _flag),
-        help="do not run store migrations on start (env: ARTGW_NO_MIGRATE)",
-    )
-    _option(serve, "--admin-key", help="bearer key guarding /v1/art admin endpoints")
-    _option(serve, "--engine-port", default=0, type=int, help="port of the supervised vLLM server (0: a free one)")
-    _option(serve, "--engine-args", default="", help="extra arguments for vLLM, one shell-quoted string")
-    _option(serve, "--max-lora-rank", default=16, type=int, help="vLLM's --max-lora-rank")
-    _option(serve, "--max-model-len", default=4096, type=int, help="vLLM's --max-model-len")
-    _option(serve, "--engine-startup-timeout", default=600.0, type=float, help="seconds to wait for vLLM")
-    _option(serve, "--request-timeout", default=600.0, type=float, help="seconds to wait for an engine answer")
-    _option(serve, "--max-body-bytes", default=16 * 1024 * 1024, type=int, help="largest request body accepted")
-    _option(serve, "--log-level", default="info", help="log level: debug, info, warning, error")
-    serve.set_defaults(func=_cmd_serve)
+    options.add_options(serve, Settings)
 
-    mig = sub.add_parser(
+    mig = _command(
+        sub,
         "migrate",
+        _cmd_migrate,
         help="create or upgrade the store schema (Alembic)",
-        description="Upgrade the store to the newest schema (or --revision), or --downgrade to a revision.",
+        description="Upgrade the store to the newest schema (or --revision), or --downgrade to a revision. "
+        "Creates the store if there is none.",
     )
-    _add_db(mig)
-    mig.add_argument("--revision", default="head", help="revision to upgrade to (default: head)")
-    mig.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION instead ('base' = empty)")
-    mig.set_defaults(func=_cmd_migrate)
+    options.add_options(mig, Settings, only=STORE_FIELDS)
+    options.add_options(mig, MigrateOptions)
 
-    export = sub.add_parser(
+    export = _command(
+        sub,
         "export",
+        _cmd_export,
         help="write recorded trajectories as JSON lines to stdout",
         description="Export assembled rollouts (messages, tools, token-level sequences with sampled masks and "
-        "logprobs, per-call status) as one JSON object per line, e.g. `artgw export --model my-agent > t.jsonl`.",
+        "logprobs, per-call status) as one JSON object per line, e.g. `artgw export --model my-agent > t.jsonl`. "
+        "The store must exist and be migrated (the one `artgw serve` uses: same --data-dir/--db).",
     )
-    _add_db(export)
-    export.add_argument("--model", help="only rollouts of this trainable model (default: all)")
-    export.add_argument("--since", type=float, help="only rollouts with a call at or after this unix time")
-    export.set_defaults(func=_cmd_export)
+    options.add_options(export, Settings, only=STORE_FIELDS)
+    options.add_options(export, ExportOptions)
 
-    train = sub.add_parser(
+    train = _command(
+        sub,
         "train",
+        _cmd_train,
         help="run the GRPO trainer sidecar for one trainable model",
         description="Claim ready groups from the store (leases: a dead trainer's groups return), train a LoRA "
         "step with GRPO on the recorded token ids, write CHECKPOINTS/NAME/<step>/, and have the gateway load "
         "it as NAME@<step> and point NAME at it. Groups count as trained only once the adapter serves. "
-        "Restarts resume from the newest committed checkpoint with its optimizer state.",
+        "Restarts resume from the newest committed checkpoint with its optimizer state. The store and the "
+        "gateway are found as `artgw serve` sets them up (--data-dir/--db, --host/--port), or by --gateway.",
     )
-    _option(train, "--model", default="my-agent", help="trainable model name (the gateway's --model-name)")
-    _option(train, "--base-model", help="path or hub id of the base weights (the same vLLM serves)")
-    _add_db(train)
-    _option(train, "--gateway", default="http://127.0.0.1:8000", help="gateway URL to post adapters to")
-    _option(train, "--admin-key", help="the gateway's admin key")
-    _option(train, "--checkpoints", type=Path, help="checkpoint root (default: DATA_DIR/checkpoints)")
-    _option(train, "--groups-per-step", default=4, type=int, help="groups per optimizer step")
-    _option(train, "--min-groups-per-step", default=1, type=int, help="fewest groups to train after --max-wait")
-    _option(train, "--max-wait", default=30.0, type=float, help="seconds to wait for --groups-per-step groups")
-    _option(train, "--max-staleness", default=8, type=int, help="drop groups sampled >= this many steps ago; 0 off")
-    _option(train, "--lease-seconds", default=600.0, type=float, help="claim lease; an expired claim returns")
-    _option(train, "--max-steps", type=int, help="stop after this many committed steps")
-    _option(train, "--lora-rank", default=8, type=int, help="LoRA rank (<= the engine's --max-lora-rank)")
-    _option(train, "--lora-alpha", default=16, type=int, help="LoRA alpha")
-    _option(train, "--learning-rate", default=1e-4, type=float, help="AdamW learning rate")
-    _option(train, "--grad-clip", default=1.0, type=float, help="max gradient norm (0: off)")
-    train.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
-    _option(train, "--scale-rewards", default="group", help="advantage std scaling", choices=("group", "batch", "none"))
-    _option(train, "--normalization", default="grpo", help="loss normalization", choices=("grpo", "dr_grpo", "dapo"))
-    _option(train, "--epsilon-low", default=0.2, type=float, help="PPO clip: ratio >= 1 - epsilon_low")
-    _option(train, "--epsilon-high", default=0.28, type=float, help="PPO clip: ratio <= 1 + epsilon_high")
-    _option(train, "--tis-cap", default=2.0, type=float, help="truncated importance-sampling cap (0: off)")
-    _option(train, "--beta", default=0.0, type=float, help="KL-to-base weight (k3); 0: off")
-    train.add_argument("--mask-truncated", action="store_true", help="no loss on completions cut by max_tokens")
-    train.add_argument(
-        "--train-constrained",
-        action="store_true",
-        help="also train tokens sampled under a grammar (named/required tool_choice, JSON response_format, guided "
-        "decoding); off by default because vLLM reports their logprobs after the grammar's mask",
+    options.add_options(
+        train, TrainConfig, computed={"gateway": "http://HOST:PORT", "checkpoints": "DATA_DIR/checkpoints"}
     )
-    _option(train, "--seed", default=0, type=int, help="random seed")
-    _option(train, "--pause-before-commit", default=0.0, type=float, help="sleep before commit (crash tests)")
-    train.set_defaults(func=_cmd_train)
+    options.add_options(train, Settings, only=(*STORE_FIELDS, *GATEWAY_FIELDS))
 
-    ruler_cmd = sub.add_parser("ruler", help="RULER, the LLM judge, offline", description="RULER commands.")
+    ruler_cmd = sub.add_parser(
+        "ruler", help="RULER, the LLM judge, offline", description="RULER commands.", epilog=EPILOG
+    )
+    ruler_cmd.set_defaults(prog=ruler_cmd.prog)
     ruler_sub = ruler_cmd.add_subparsers(dest="ruler_command", required=True, metavar="COMMAND")
-    score = ruler_sub.add_parser(
+    score = _command(
+        ruler_sub,
         "score",
+        _cmd_ruler_score,
         help="score groups of exported trajectories with an LLM judge and print a table",
         description="Score trajectories from `artgw export` (JSON lines) with RULER. Lines are grouped by their "
         "`group` field if they have one, else in runs of --group-size (default: all lines are one group).",
     )
     score.add_argument("file", type=Path, help="JSON lines with `messages` (and `tools`), e.g. from artgw export")
-    score.add_argument("--judge", required=True, help="litellm model name, e.g. openai/gpt-4o-mini")
-    score.add_argument("--rubric", type=Path, help="file with the rubric (default: RULER's)")
-    score.add_argument("--group-size", type=int, help="trajectories per group when lines carry no `group`")
-    score.add_argument("--litellm-params", help='JSON passed to litellm, e.g. \'{"api_base": "http://..."}\'')
-    score.set_defaults(func=_cmd_ruler_score)
+    options.add_options(score, RulerScoreOptions)
 
-    demo = sub.add_parser(
+    demo = _command(
+        sub,
         "demo",
+        _cmd_demo,
         help="the whole loop end to end: tiny model, gateway + vLLM, trainer, an agent learning a task by RL",
         description="Build the tiny model, start the gateway (supervising vLLM) and the trainer, run an agent "
         "over the unmodified OpenAI SDK (it calls a tool that "
@@ -464,39 +510,75 @@ def build_parser() -> argparse.ArgumentParser:
         "train GRPO steps that the gateway hot-loads, and evaluate held-out scenarios before and after. Writes a "
         "table, results.json and a reward-curve PNG to --out; stops everything it started on exit or Ctrl-C.",
     )
-    _option(demo, "--out", default=Path("demo-out"), type=Path, help="where the table and the PNG go")
-    _option(demo, "--data-dir", default=Path("data/demo"), type=Path, help="models, store, checkpoints and logs")
-    demo.add_argument("--quick", action="store_true", help="fewer steps and scenarios (CI: a few minutes)")
-    _option(demo, "--steps", type=int, help="GRPO steps (default: 16; with --quick: 8)")
-    _option(demo, "--groups-per-step", type=int, help="scenarios per step (default: 8)")
-    _option(demo, "--attempts", type=int, help="attempts per scenario: the group GRPO compares (default: 8)")
-    _option(demo, "--eval-scenarios", type=int, help="held-out scenarios (default: 64; with --quick: 32)")
-    _option(demo, "--learning-rate", type=float, help="the trainer's LoRA learning rate (default: 5e-3)")
-    _option(demo, "--seed", default=0, type=int, help="seed of the scenarios and the trainer")
-    _option(demo, "--port", default=0, type=int, help="the gateway's port (0: a free one)")
-    _option(demo, "--trainer-args", default="", help="more `artgw train` options, one shell-quoted string")
-    demo.set_defaults(func=_cmd_demo)
+    options.add_options(demo, DemoOptions)
+    options.add_options(demo, DemoConfig, only=tuple(DEMO_HELP), help=DEMO_HELP)
 
-    status = sub.add_parser(
+    status = _command(
+        sub,
         "status",
+        _cmd_status,
         help="show a trainable model's served step, groups and last training steps",
-        description="Print what GET /v1/art/models/NAME says: served step, group counts by state, step metrics.",
+        description="Print what GET /v1/art/models/NAME says: served step, group counts by state, step metrics. "
+        "The gateway is found as `artgw serve` listens (--host/--port), or by --gateway.",
     )
-    _option(status, "--model", default="my-agent", help="trainable model name")
-    _option(status, "--gateway", default="http://127.0.0.1:8000", help="gateway URL")
-    status.set_defaults(func=_cmd_status)
+    options.add_options(status, TrainConfig, only=("model", "gateway"), computed={"gateway": "http://HOST:PORT"})
+    options.add_options(status, Settings, only=GATEWAY_FIELDS)
     return parser
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _user_error(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for an error the user can fix; None for a bug (its traceback is what helps)."""
+    if isinstance(exc, CommandError):
+        return exc.code, str(exc)
+    if isinstance(exc, options.OptionError):
+        return 2, str(exc)
+    store_errors = sys.modules.get("store.errors")  # if the store was never imported, this is no store error
+    if store_errors is not None and isinstance(exc, store_errors.StoreError):
+        return 1, exc.message
+    httpx = sys.modules.get("httpx")
+    if httpx is not None and isinstance(exc, httpx.TransportError):
+        try:
+            where = f" {exc.request.url}"
+        except RuntimeError:  # no request attached
+            where = ""
+        return 1, f"cannot reach{where}: {exc or type(exc).__name__}"
+    if isinstance(exc, OSError):
+        if exc.filename is not None:
+            return 1, f"{exc.strerror or exc}: {exc.filename}"
+        return 1, str(exc) or type(exc).__name__
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("httpx", "alembic"):  # one line per upstream request / migration step otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    return int(args.func(args) or 0)
+    prog = getattr(args, "prog", "artgw")
+    debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE
+    try:
+        options.resolve(args)
+        logging.basicConfig(
+            level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        for noisy in ("httpx", "alembic"):  # one line per upstream request / migration step otherwise
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        error = None if debug else _user_error(exc)
+        if error is None:
+            raise
+        code, message = error
+        print(f"{prog}: {_one_line(message)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -1,76 +1,182 @@
-"""The trainer's configuration: flat, every knob with a one-line comment, saved into every checkpoint."""
+"""The trainer's configuration: flat, every knob declared once with its help, saved into every checkpoint.
+
+Each field's `metadata["help"]` is its `artgw train --help` line; artgw/options.py derives the flag
+(`--field-name`) and the variable (`ARTGW_FIELD_NAME`) from the name. `__post_init__` rejects bad
+values with a message naming the option; nothing is clamped.
+
+This module imports no torch (trainer/loss.py is imported only when the loss config is built), so the
+CLI can read these declarations for `--help` and `artgw status` without loading torch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from trainer.loss import AdvantageScale, LossConfig, Normalization
+if TYPE_CHECKING:
+    from trainer.loss import LossConfig
+
+# The same values as trainer/loss.py's AdvantageScale and Normalization (tests/unit/test_options.py
+# checks it); spelled out here so reading the config does not import torch.
+ScaleRewards = Literal["group", "batch", "none"]
+NormalizationName = Literal["grpo", "dr_grpo", "dapo"]
+Device = Literal["auto", "cpu", "cuda"]
 
 
-@dataclass(frozen=True)
+def _number(value: float) -> bool:
+    return math.isfinite(value)
+
+
+# kw_only: `model` has a default (the CLI's "my-agent") while `base_model` and `db` stay required.
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     # -- what to train, where things are
-    model: str  # the trainable model name the gateway serves (groups are claimed for it)
-    base_model: str  # path or hub id of the base weights (the same vLLM serves)
-    db: str  # SQLAlchemy URL of the gateway's store
-    gateway: str = "http://127.0.0.1:8000"  # where to post new adapters
-    admin_key: str | None = None  # the gateway's admin key (None: gateway on this machine, no key)
-    checkpoints: Path = Path("data/checkpoints")  # CHECKPOINTS/<model>/<step>/
+    model: str = field(
+        default="my-agent",
+        metadata={"help": "the trainable model name (the gateway's --model-name); groups are claimed for it"},
+    )
+    base_model: str = field(metadata={"help": "path or hub id of the base weights (the same vLLM serves)"})
+    # The CLI builds it from --data-dir/--db, declared once on the gateway's Settings.
+    db: str = field(metadata={"option": False})
+    gateway: str = field(
+        default="http://127.0.0.1:8000", metadata={"help": "URL of the gateway that loads the new adapters"}
+    )
+    admin_key: str | None = field(
+        default=None, metadata={"help": "the gateway's --admin-key (none: a gateway on this machine, no key)"}
+    )
+    checkpoints: Path = field(
+        default=Path("data/checkpoints"), metadata={"help": "checkpoint root: CHECKPOINTS/<model>/<step>/"}
+    )
     # -- batching policy
-    groups_per_step: int = 4  # groups per optimizer step
-    min_groups_per_step: int = 1  # after max_wait_seconds, train with this many if that is all there is
-    max_wait_seconds: float = 30.0  # how long to wait for groups_per_step groups
-    max_staleness: int = 8  # drop groups sampled this many adapter steps ago or more; 0 = keep all
-    lease_seconds: float = 600.0  # a claim returns to `ready` if not committed within this long
-    max_steps: int | None = None  # stop after this many committed steps (None: run until stopped)
+    groups_per_step: int = field(default=4, metadata={"help": "groups per optimizer step"})
+    min_groups_per_step: int = field(
+        default=1,
+        metadata={"help": "after --max-wait-seconds, train with this many groups if that is all there is"},
+    )
+    max_wait_seconds: float = field(
+        default=30.0,
+        metadata={"help": "how long to wait for --groups-per-step groups", "aliases": ("--max-wait",)},
+    )
+    max_staleness: int = field(
+        default=8, metadata={"help": "drop groups sampled this many adapter steps ago or more (0: keep all)"}
+    )
+    lease_seconds: float = field(
+        default=600.0, metadata={"help": "a claim returns to `ready` if not committed within this long"}
+    )
+    max_steps: int | None = field(
+        default=None, metadata={"help": "stop after this many committed steps (none: run until stopped)"}
+    )
     # -- LoRA (defaults vLLM loads: no DoRA, no modules_to_save, rank <= the engine's --max-lora-rank)
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank (<= the gateway's --max-lora-rank)"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout, in [0, 1)"})
+    target_modules: tuple[str, ...] = field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        metadata={"help": "modules that get a LoRA, one shell-quoted string"},
+    )
     # -- optimizer
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    gradient_checkpointing: bool = False
+    learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1, in [0, 1)"})
+    beta2: float = field(default=0.99, metadata={"help": "AdamW beta2, in [0, 1)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0: off)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory"})
     # -- GRPO
-    scale_rewards: AdvantageScale = "group"  # advantages divided by the std of: group | batch | none
-    normalization: Normalization = "grpo"  # grpo (per trajectory) | dr_grpo | dapo (per token)
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    tis_cap: float | None = 2.0  # truncated importance-sampling cap; None = off
-    beta: float = 0.0  # KL to the base model (adapter disabled), k3 estimator; 0 = off
-    mask_truncated: bool = False  # no loss on completions the length limit cut (finish_reason "length")
+    scale_rewards: ScaleRewards = field(
+        default="group", metadata={"help": "advantages divided by the reward std of the group, the batch, or none"}
+    )
+    normalization: NormalizationName = field(
+        default="grpo", metadata={"help": "loss normalization: grpo (per trajectory), dr_grpo or dapo (per token)"}
+    )
+    epsilon_low: float = field(default=0.2, metadata={"help": "PPO clip: ratio >= 1 - epsilon_low"})
+    epsilon_high: float = field(default=0.28, metadata={"help": "PPO clip: ratio <= 1 + epsilon_high"})
+    tis_cap: float | None = field(
+        default=2.0,
+        metadata={"help": "truncated importance-sampling cap, >= 1 + epsilon_high (none: off)"},
+    )
+    beta: float = field(default=0.0, metadata={"help": "KL-to-base weight, k3 estimator (0: off)"})
+    mask_truncated: bool = field(
+        default=False, metadata={"help": "no loss on completions the length limit cut (finish_reason 'length')"}
+    )
     # Tokens sampled under a grammar (named/required tool_choice, JSON response_format, guided decoding) are
     # context unless this is set: vLLM reports their logprobs after the grammar's mask, so their importance
     # ratio against the unmasked policy is off by the mask's renormalization (often 100x and more).
-    train_constrained: bool = False
+    train_constrained: bool = field(
+        default=False,
+        metadata={
+            "help": "also train tokens sampled under a grammar (named/required tool_choice, JSON response_format, "
+            "guided decoding); off by default because vLLM reports their logprobs after the grammar's mask"
+        },
+    )
     # -- batch layout
     # Packing width. Attention inside a packed row costs (row tokens)^2 under the block mask, so rows stay
     # narrow; a sequence longer than this gets a row of its own (never truncated).
-    pack_tokens_per_row: int = 512
-    rows_per_micro_batch: int = 8  # gradient accumulation unit
+    pack_tokens_per_row: int = field(
+        default=512, metadata={"help": "tokens per packed row (a longer sequence gets a row of its own)"}
+    )
+    rows_per_micro_batch: int = field(default=8, metadata={"help": "packed rows per forward/backward pass"})
     # -- misc
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    pause_before_commit: float = 0.0  # seconds to sleep between checkpoint and commit (crash tests)
-    extra: dict[str, Any] = field(default_factory=dict)
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    device: Device = field(default="auto", metadata={"help": "where to train (auto: cuda when there is one)"})
+    pause_before_commit: float = field(
+        default=0.0, metadata={"help": "seconds to sleep between checkpoint and commit (crash tests)"}
+    )
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"option": False})
 
     def __post_init__(self) -> None:
-        if self.groups_per_step < 1 or not 1 <= self.min_groups_per_step <= self.groups_per_step:
-            raise ValueError("need 1 <= min_groups_per_step <= groups_per_step")
-        if self.lora_rank < 1 or self.learning_rate <= 0:
-            raise ValueError("lora_rank must be >= 1 and learning_rate > 0")
-        if self.max_staleness < 0 or self.lease_seconds <= 0:
-            raise ValueError("max_staleness must be >= 0 and lease_seconds > 0")
-        self.loss()  # validates the GRPO knobs
+        if self.groups_per_step < 1:
+            raise ValueError(f"--groups-per-step must be >= 1, got {self.groups_per_step}")
+        if not 1 <= self.min_groups_per_step <= self.groups_per_step:
+            raise ValueError(
+                f"--min-groups-per-step must be between 1 and --groups-per-step ({self.groups_per_step}), "
+                f"got {self.min_groups_per_step}"
+            )
+        if not self.gateway.startswith(("http://", "https://")):
+            raise ValueError(f"--gateway must be an http:// or https:// URL, got {self.gateway!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1 (none: no limit), got {self.max_steps}")
+        if self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0 (0: off), got {self.max_staleness}")
+        # `not x >= 0` rather than `x < 0` so NaN is rejected too.
+        for flag, value, low in (
+            ("--max-wait-seconds", self.max_wait_seconds, 0.0),
+            ("--grad-clip", self.grad_clip, 0.0),
+            ("--weight-decay", self.weight_decay, 0.0),
+            ("--pause-before-commit", self.pause_before_commit, 0.0),
+        ):
+            if not (_number(value) and value >= low):
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        for flag, value in (("--lease-seconds", self.lease_seconds), ("--learning-rate", self.learning_rate)):
+            if not (_number(value) and value > 0):
+                raise ValueError(f"{flag} must be > 0, got {value}")
+        for flag, value in (("--lora-dropout", self.lora_dropout), ("--beta1", self.beta1), ("--beta2", self.beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{flag} must be in [0, 1), got {value}")
+        for flag, count in (
+            ("--lora-rank", self.lora_rank),
+            ("--lora-alpha", self.lora_alpha),
+            ("--pack-tokens-per-row", self.pack_tokens_per_row),
+            ("--rows-per-micro-batch", self.rows_per_micro_batch),
+        ):
+            if count < 1:
+                raise ValueError(f"{flag} must be >= 1, got {count}")
+        if not self.target_modules:
+            raise ValueError("--target-modules must name at least one module")
+        for flag, value, choices in (
+            ("--scale-rewards", self.scale_rewards, get_args(ScaleRewards)),
+            ("--normalization", self.normalization, get_args(NormalizationName)),
+            ("--device", self.device, get_args(Device)),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        self.loss()  # validates the GRPO knobs (epsilons, tis_cap, beta)
 
     def loss(self) -> LossConfig:
+        from trainer.loss import LossConfig  # torch comes with it: only when a config is really built
+
         return LossConfig(
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,

@@ -1,0 +1,112 @@
+"""The errors a user makes end `artgw` with one line on stderr and a non-zero exit, never a traceback;
+and nothing is created on the way. Runs the real console script as a subprocess, with the shell's
+ARTGW_* variables removed so only what each test sets counts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ARTGW, ROOT, free_port, stop_group, wait_http
+
+
+@pytest.fixture
+def stub_url() -> Iterator[str]:
+    """A stand-in vLLM (tests/stub_engine.py): enough for a gateway to start and answer /v1/art."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "stub_engine.py"), str(port)], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 30, proc)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def artgw(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}
+    return subprocess.run(
+        [ARTGW, *args], cwd=cwd, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=120
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], prefix: str) -> str:
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"{prefix}: "), lines[0]
+    return lines[0]
+
+
+def test_status_without_a_gateway_says_where_it_looked(tmp_path: Path) -> None:
+    port = free_port()  # nobody listens there
+    result = artgw("status", "--model", "my-agent", cwd=tmp_path, env={"ARTGW_PORT": str(port)})
+    line = one_line_error(result, "artgw status")
+    assert f"http://127.0.0.1:{port}" in line and "ARTGW_GATEWAY" in line
+    assert result.returncode == 1
+
+
+def test_export_without_a_store_creates_nothing(tmp_path: Path) -> None:
+    result = artgw("export", "--model", "my-agent", cwd=tmp_path)
+    line = one_line_error(result, "artgw export")
+    assert "no store at" in line and "ARTGW_DATA_DIR" in line
+    assert list(tmp_path.iterdir()) == [], "export must not create a store, a data/ dir or anything else"
+
+
+def test_export_of_an_unmigrated_store_says_migrate(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "artgw.sqlite").touch()  # exists, but no schema
+    result = artgw("export", cwd=tmp_path)
+    line = one_line_error(result, "artgw export")
+    assert "artgw migrate" in line
+
+
+def test_train_with_a_bad_variable_names_it(tmp_path: Path) -> None:
+    result = artgw("train", "--base-model", "x", cwd=tmp_path, env={"ARTGW_LEARNING_RATE": "abc"})
+    line = one_line_error(result, "artgw train")
+    assert "ARTGW_LEARNING_RATE" in line
+    assert result.returncode == 2
+
+
+def test_train_rejects_min_groups_above_groups_per_step(tmp_path: Path) -> None:
+    result = artgw("train", "--base-model", "x", "--groups-per-step", "2", "--min-groups-per-step", "3", cwd=tmp_path)
+    assert "--min-groups-per-step" in one_line_error(result, "artgw train")
+    assert result.returncode == 2
+
+
+def test_train_with_a_bad_boolean_variable_names_it(tmp_path: Path) -> None:
+    result = artgw("train", "--base-model", "x", cwd=tmp_path, env={"ARTGW_MASK_TRUNCATED": "sometimes"})
+    assert "ARTGW_MASK_TRUNCATED" in one_line_error(result, "artgw train")
+
+
+def test_ruler_score_of_a_missing_file(tmp_path: Path) -> None:
+    result = artgw("ruler", "score", "nothere.jsonl", "--judge", "openai/gpt-4o-mini", cwd=tmp_path)
+    assert "nothere.jsonl" in one_line_error(result, "artgw ruler score")
+
+
+def test_debug_variable_gives_the_traceback(tmp_path: Path) -> None:
+    result = artgw("export", cwd=tmp_path, env={"ARTGW_DEBUG": "1"})
+    assert result.returncode != 0 and "Traceback" in result.stderr and "StoreMissing" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_status_and_export_find_the_gateway_and_store_like_serve(
+    stub_url: str, gateway_factory: object, tmp_path: Path
+) -> None:
+    gateway = gateway_factory("--upstream", stub_url)  # type: ignore[operator]
+    port = gateway.url.rsplit(":", 1)[1]
+    # the same variables serve reads: ARTGW_PORT for status, ARTGW_DATA_DIR for export
+    ok = artgw("status", cwd=tmp_path, env={"ARTGW_PORT": port})
+    assert ok.returncode == 0, ok.stderr
+    assert "my-agent" in ok.stdout and "serves step 0" in ok.stdout
+    unknown = artgw("status", "--model", "nope", cwd=tmp_path, env={"ARTGW_PORT": port})
+    assert "404" in one_line_error(unknown, "artgw status")
+    exported = artgw("export", cwd=tmp_path, env={"ARTGW_DATA_DIR": str(gateway.data_dir)})
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stderr.strip().startswith("exported ")

@@ -1,0 +1,344 @@
+"""Options are declared once, on the settings dataclasses, and artgw/options.py makes them flags and variables.
+
+Parsing goes through the real parser (`artgw.cli.build_parser`) and `options.resolve` with an explicit
+environment, so nothing here depends on the ARTGW_* variables of the shell running the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
+
+import pytest
+
+from artgw import cli, options
+from artgw.demo import DemoConfig
+from gateway.settings import Settings
+from trainer.config import TrainConfig
+
+
+def parse(*argv: str, env: dict[str, str] | None = None) -> argparse.Namespace:
+    args = cli.build_parser().parse_args(argv)
+    options.resolve(args, env or {})
+    return args
+
+
+def settings(*argv: str, env: dict[str, str] | None = None) -> Settings:
+    return options.build(Settings, parse("serve", *argv, env=env))
+
+
+def train(*argv: str, env: dict[str, str] | None = None) -> TrainConfig:
+    return cli.train_config(parse("train", "--base-model", "base", *argv, env=env))
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of the CLI, groups (`ruler`) and leaves (`ruler score`) alike."""
+    found = [path]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += commands(sub, (*path, name))
+    return found
+
+
+# -----------------------------------------------------------------------------
+# declarations
+
+
+@pytest.mark.parametrize("cls", [Settings, TrainConfig])
+def test_every_field_is_an_option_with_help_and_variable(cls: type) -> None:
+    declared = {o.name: o for o in options.options_of(cls)}
+    not_options = {f.name for f in dataclasses.fields(cls) if f.metadata.get("option", True) is False}
+    assert set(declared) | not_options == {f.name for f in dataclasses.fields(cls)}
+    assert not_options <= {"extra_env", "extra", "db"}, "only code-set fields may stay off the command line"
+    for name, option in declared.items():
+        assert option.flag == "--" + name.replace("_", "-")
+        assert option.env == "ARTGW_" + name.upper()
+        assert len(option.help) > 5
+        assert option.env in option.help_text()
+
+
+def test_undeclared_help_or_unsupported_type_is_a_programming_error() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class NoHelp:
+        x: int = 1
+
+    @dataclasses.dataclass(frozen=True)
+    class Mapping:
+        x: dict[str, str] = dataclasses.field(default_factory=dict, metadata={"help": "a mapping"})
+
+    with pytest.raises(TypeError, match="no help"):
+        options.options_of(NoHelp)
+    with pytest.raises(TypeError, match="cannot be an option"):
+        options.options_of(Mapping)
+
+
+def test_trainer_choices_match_the_loss() -> None:
+    from trainer.loss import AdvantageScale, Normalization
+
+    hints = get_type_hints(TrainConfig)
+    assert get_args(hints["scale_rewards"]) == get_args(AdvantageScale)
+    assert get_args(hints["normalization"]) == get_args(Normalization)
+
+
+def test_help_of_every_command_works_and_names_its_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    paths = commands(cli.build_parser())
+    assert {("serve",), ("train",), ("status",), ("export",), ("migrate",), ("demo",), ("ruler", "score")} <= set(paths)
+    for path in paths:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*path, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert "ARTGW_DEBUG" in text, path
+        args_parser = cli.build_parser()
+        for name in path:
+            args_parser = next(a for a in args_parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+                name
+            ]
+        for option in args_parser.get_default("_artgw_options") or []:
+            assert option.env in text, (path, option.env)
+            assert option.flag in text, (path, option.flag)
+
+
+def test_shared_options_are_the_same_declaration() -> None:
+    # --data-dir/--db and --host/--port: one field each, on Settings, for every command that has them.
+    needs = {"serve": ("--upstream", "http://x"), "train": ("--base-model", "b")}
+    for command in ("serve", "migrate", "export", "train"):
+        args = parse(command, *needs.get(command, ()), "--data-dir", "/s")
+        owners = {o.name: o.owner for o in args._artgw_options}
+        assert owners["data_dir"] is owners["db"] is Settings
+        assert args.data_dir == Path("/s")
+    for argv in (("status",), ("train", "--base-model", "b")):
+        owners = {o.name: o.owner for o in parse(*argv)._artgw_options}
+        assert owners["host"] is owners["port"] is Settings
+        assert owners["gateway"] is TrainConfig
+
+
+# -----------------------------------------------------------------------------
+# the environment
+
+
+def test_environment_is_read_for_every_type() -> None:
+    s = settings(
+        env={
+            "ARTGW_UPSTREAM": "http://vllm:8000",
+            "ARTGW_PORT": "9001",  # int
+            "ARTGW_REQUEST_TIMEOUT": "5.5",  # float
+            "ARTGW_MIGRATE": "off",  # bool
+            "ARTGW_DATA_DIR": "/srv/artgw",  # Path
+            "ARTGW_LOG_LEVEL": "debug",  # Literal
+            "ARTGW_ENGINE_ARGS": "--enforce-eager --chat-template '/a b.jinja'",  # tuple: one shell-quoted string
+            "ARTGW_ADMIN_KEY": "k",  # str | None
+        }
+    )
+    assert (s.upstream, s.port, s.request_timeout, s.migrate) == ("http://vllm:8000", 9001, 5.5, False)
+    assert (s.data_dir, s.log_level, s.admin_key) == (Path("/srv/artgw"), "debug", "k")
+    assert s.engine_args == ("--enforce-eager", "--chat-template", "/a b.jinja")
+
+
+def test_trainer_booleans_choices_and_optionals_read_the_environment() -> None:
+    config = train(
+        env={
+            "ARTGW_GRADIENT_CHECKPOINTING": "1",
+            "ARTGW_MASK_TRUNCATED": "yes",
+            "ARTGW_TRAIN_CONSTRAINED": "TRUE",
+            "ARTGW_NORMALIZATION": "dapo",
+            "ARTGW_TIS_CAP": "none",
+            "ARTGW_MAX_STEPS": "3",
+            "ARTGW_LEARNING_RATE": "3e-5",
+            "ARTGW_CHECKPOINTS": "/ckpt",
+        }
+    )
+    assert config.gradient_checkpointing and config.mask_truncated and config.train_constrained
+    assert (config.normalization, config.tis_cap, config.max_steps) == ("dapo", None, 3)
+    assert math.isclose(config.learning_rate, 3e-5)
+    assert config.checkpoints == Path("/ckpt")
+
+
+def test_defaults_are_the_dataclass_defaults() -> None:
+    s = settings("--upstream", "http://x")
+    assert dataclasses.replace(s, upstream=None, base_model="b") == Settings(base_model="b")
+    config = train()
+    assert config == TrainConfig(
+        base_model="base",
+        db=config.db,
+        gateway="http://127.0.0.1:8000",
+        checkpoints=Path("data") / "checkpoints",
+    )
+
+
+def test_empty_variable_counts_as_unset() -> None:
+    s = settings("--upstream", "http://x", env={"ARTGW_PORT": "", "ARTGW_ADMIN_KEY": ""})
+    assert (s.port, s.admin_key) == (8000, None)
+
+
+def test_no_migrate_variable_still_works() -> None:
+    assert settings("--upstream", "http://x", env={"ARTGW_NO_MIGRATE": "1"}).migrate is False
+    assert settings("--upstream", "http://x", env={"ARTGW_NO_MIGRATE": "0"}).migrate is True
+    assert settings("--upstream", "http://x", env={"ARTGW_NO_MIGRATE": "1", "ARTGW_MIGRATE": "1"}).migrate is True
+    assert settings("--upstream", "http://x", "--migrate", env={"ARTGW_NO_MIGRATE": "1"}).migrate is True
+
+
+def test_command_line_beats_environment() -> None:
+    env = {"ARTGW_PORT": "9001", "ARTGW_MIGRATE": "1", "ARTGW_LOG_LEVEL": "debug", "ARTGW_UPSTREAM": "http://env"}
+    s = settings("--port", "7000", "--no-migrate", "--log-level", "error", "--upstream", "http://cli", env=env)
+    assert (s.port, s.migrate, s.log_level, s.upstream) == (7000, False, "error", "http://cli")
+    config = train("--mask-truncated", "--no-train-constrained", env={"ARTGW_TRAIN_CONSTRAINED": "on"})
+    assert config.mask_truncated and not config.train_constrained
+
+
+def test_old_flag_alias_still_parses() -> None:
+    assert train("--max-wait", "600").max_wait_seconds == 600.0
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("ARTGW_LEARNING_RATE", "abc", "expected a number"),
+        ("ARTGW_LEARNING_RATE", "nan", "finite"),
+        ("ARTGW_GROUPS_PER_STEP", "2.5", "expected an integer"),
+        ("ARTGW_MASK_TRUNCATED", "maybe", "1/true/yes/on"),
+        ("ARTGW_NORMALIZATION", "ppo", "grpo, dr_grpo, dapo"),
+        ("ARTGW_TARGET_MODULES", "q_proj 'k_proj", "shell-quoted"),
+    ],
+)
+def test_bad_variable_is_one_error_naming_it(variable: str, value: str, says: str) -> None:
+    with pytest.raises(options.OptionError) as error:
+        train(env={variable: value})
+    assert str(error.value).startswith(f"{variable}: ") and says in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_flag_value_is_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--base-model", "b", "--lora-rank", "eight"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("artgw train: argument --lora-rank: expected an integer")
+
+
+def test_required_option_names_flag_and_variable() -> None:
+    with pytest.raises(options.OptionError, match=r"--base-model is required \(or set ARTGW_BASE_MODEL\)"):
+        parse("train")
+    assert parse("train", env={"ARTGW_BASE_MODEL": "b"}).base_model == "b"
+
+
+# -----------------------------------------------------------------------------
+# values: rejected with a message, never clamped
+
+
+def test_min_groups_above_groups_per_step_is_rejected_not_clamped() -> None:
+    with pytest.raises(ValueError, match="--min-groups-per-step must be between 1 and --groups-per-step"):
+        TrainConfig(base_model="b", db="x", groups_per_step=2, min_groups_per_step=3)
+    with pytest.raises(cli.CommandError) as error:
+        train("--groups-per-step", "2", "--min-groups-per-step", "3")
+    assert error.value.code == 2
+
+
+def test_main_prints_one_line_and_exits_2_for_a_bad_value(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ARTGW_MIN_GROUPS_PER_STEP", "9")
+    assert cli.main(["train", "--base-model", "b"]) == 2
+    err = capsys.readouterr().err
+    assert err == "artgw train: --min-groups-per-step must be between 1 and --groups-per-step (4), got 9\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--port", "70000"), "--port must be a port number"),
+        (("--request-timeout", "0"), "--request-timeout must be a number of seconds > 0"),
+        (("--max-body-bytes", "0"), "--max-body-bytes must be >= 1"),
+        (("--model-name", "a/b"), "invalid --model-name"),
+        (("--upstream", "vllm:8000"), "--upstream must be an http"),
+    ],
+)
+def test_bad_gateway_values_are_rejected(argv: tuple[str, ...], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        settings(*argv, env={"ARTGW_UPSTREAM": "http://x"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--lora-rank", "0"), "--lora-rank must be >= 1"),
+        (("--learning-rate", "0"), "--learning-rate must be > 0"),
+        (("--beta2", "1"), "--beta2 must be in"),
+        (("--max-steps", "0"), "--max-steps must be >= 1"),
+        (("--tis-cap", "0"), "tis_cap must be None"),
+        (("--gateway", "gateway:8000"), "--gateway must be an http"),
+    ],
+)
+def test_bad_trainer_values_are_rejected(argv: tuple[str, ...], says: str) -> None:
+    with pytest.raises(cli.CommandError, match=says):
+        train(*argv)
+
+
+# -----------------------------------------------------------------------------
+# what commands compute from the shared options
+
+
+def test_train_finds_gateway_store_and_checkpoints_like_serve() -> None:
+    config = train("--port", "9100", "--data-dir", "/d")
+    assert config.gateway == "http://127.0.0.1:9100"
+    assert config.db == f"sqlite+aiosqlite:///{Path('/d/artgw.sqlite').resolve()}"
+    assert config.checkpoints == Path("/d/checkpoints")
+    assert train(env={"ARTGW_HOST": "0.0.0.0", "ARTGW_PORT": "81"}).gateway == "http://127.0.0.1:81"
+    assert train("--host", "::1").gateway == "http://[::1]:8000"
+    assert train("--port", "9100", env={"ARTGW_GATEWAY": "http://gw:8000/"}).gateway == "http://gw:8000"
+    assert train("--db", "postgresql+asyncpg://u@h/d").db == "postgresql+asyncpg://u@h/d"
+
+
+def test_status_finds_the_gateway_like_train() -> None:
+    assert cli.gateway_url(parse("status", env={"ARTGW_PORT": "8123"})) == "http://127.0.0.1:8123"
+    assert cli.gateway_url(parse("status", "--gateway", "https://g.example")) == "https://g.example"
+    with pytest.raises(cli.CommandError, match="--port must be the port the gateway listens on"):
+        cli.gateway_url(parse("status", "--port", "0"))
+
+
+def test_demo_passes_only_what_was_set() -> None:
+    args = parse("demo", "--steps", "3", env={"ARTGW_TRAINER_ARGS": "--beta 0.05"})
+    chosen: dict[str, Any] = options.given(args, DemoConfig)
+    assert chosen == {"steps": 3, "trainer_args": ("--beta", "0.05")}
+    assert DemoConfig.quick(**chosen).eval_scenarios == DemoConfig.quick().eval_scenarios
+    assert parse("demo", env={"ARTGW_QUICK": "on"}).quick is True
+
+
+def test_status_decodes_typed_step_metrics(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import httpx
+
+    body = {
+        "name": "my-agent",
+        "base_model": "tiny",
+        "served_step": 2,
+        "loaded_steps": [1, 2],
+        "groups": {"trained": 3, "ready": 1},
+        "steps": [
+            {"step": 2, "status": "loaded", "group_count": 2, "metrics": {"loss": 0.25, "reward_mean": 0.5}},
+            {"step": 1, "status": "failed", "group_count": 1, "metrics": None, "error": "engine said no"},
+        ],
+    }
+    seen: list[str] = []
+
+    def get(url: str, **_: Any) -> httpx.Response:
+        seen.append(url)
+        return httpx.Response(200, json=body)
+
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table to the terminal otherwise
+    assert cli._cmd_status(parse("status", "--port", "8123", "--model", "my-agent")) == 0
+    out = capsys.readouterr().out
+    assert seen == ["http://127.0.0.1:8123/v1/art/models/my-agent"]
+    assert "serves step 2" in out and "ready=1, trained=3" in out
+    assert "0.2500" in out and "0.500" in out and "engine said no" in out
+
+    body["steps"] = [{"step": 3, "status": "loaded", "metrics": {"loss": "high"}}]  # not a StepMetrics
+    with pytest.raises(cli.CommandError, match="did not answer like an ART gateway"):
+        cli._cmd_status(parse("status"))
