@@ -19,10 +19,12 @@ import httpx
 import pytest
 
 from gateway.engine import EngineConfig
+from store.records import CallRecord, CallStatus, ChoiceRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
 BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
+QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
 
 # A tool with a tight schema: guided decoding then forces a complete call even from a random-weight model.
 WEATHER_TOOLS = [
@@ -275,3 +277,178 @@ def engine_gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     gateway = start_gateway(tmp_path_factory.mktemp("gateway"), "--upstream", vllm_url)
     yield gateway
     gateway.stop()
+
+
+def conversation(
+    rollout_id: str,
+    calls: int,
+    *,
+    seed: int = 0,
+    start: float = 1_000.0,
+    irregular: bool = False,
+    explicit: bool = True,
+) -> list[Any]:
+    """The CallRecords of a growing multi-turn, tool-using conversation (store tests): each call's prompt is the
+    previous prompt + the sampled completion + a new tool result, token for token, and its messages likewise.
+
+    `irregular` adds what real agents do now and then: an n = 2 call whose second choice the next call
+    continues, a call whose template re-rendered an earlier turn (its prompt does not extend), a failed call
+    with no choices, an identical retry, a request option that changes, and float64 logprobs.
+    """
+    import random
+    from array import array
+
+    import msgspec
+
+    from store.records import CallRecord, ChoiceRecord
+
+    rng = random.Random(f"{rollout_id}-{seed}")
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(151_936) for _ in range(n)]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(["ballot", "motion", "yes", "no", "tally", "naïve", "漢字"]) for _ in range(n))
+
+    tools = [{"type": "function", "function": {"name": "get_ballots", "parameters": {"type": "object"}}}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": text(40)},
+        {"role": "user", "content": text(12)},
+    ]
+    prompt = [151_644, *ids(90), 151_645, 151_644, *ids(20), 151_645, 151_644, 77091]
+    records: list[CallRecord] = []
+    at = start
+    for k in range(calls):
+        n = 2 if irregular and k % 5 == 1 else 1
+        choices = []
+        for index in range(n):
+            sampled = [*ids(rng.randrange(3, 40)), 151_645]
+            logprobs = [-rng.random() * 5 for _ in sampled]  # doubles, as another writer may give
+            if not (irregular and k % 4 == 3):
+                logprobs = array("f", logprobs).tolist()  # float32 values, as vLLM's are
+            tool_call = {
+                "id": f"call_{k}_{index}",
+                "type": "function",
+                "function": {"name": "get_ballots", "arguments": f'{{"q": "{text(2)}"}}'},
+            }
+            message = {"role": "assistant", "content": text(len(sampled) // 2), "tool_calls": [tool_call]}
+            choices.append(ChoiceRecord(index, message, "tool_calls", sampled, logprobs))
+        failed = irregular and k % 9 == 7
+        request = {"model": "agent", "messages": list(messages), "tools": tools, "temperature": 1.0}
+        if irregular and k >= calls // 2:
+            request["max_tokens"] = 256
+        records.append(
+            CallRecord(
+                call_id=f"{rollout_id}-c{k:04d}",
+                rollout_id=rollout_id,
+                rollout_explicit=explicit,
+                model="agent",
+                step=k // 3,
+                upstream_model=f"agent@{k // 3}",
+                request=request,
+                stream=k % 2 == 0,
+                status="upstream_error" if failed else "ok",
+                http_status=502 if failed else 200,
+                error="engine said no" if failed else None,
+                prompt_token_ids=list(prompt),
+                choices=[] if failed else choices,
+                usage=None if failed else {"prompt_tokens": len(prompt), "completion_tokens": 9, "total_tokens": 1},
+                started_at=at,
+                first_token_at=None if failed else at + 0.05,
+                ended_at=at + 0.5,
+            )
+        )
+        at += 1.0
+        if failed:
+            continue  # the agent retries the same request
+        if irregular and k % 6 == 4:
+            records.append(msgspec.structs.replace(records[-1], call_id=f"{rollout_id}-c{k:04d}-retry", started_at=at))
+            at += 1.0
+        picked = choices[-1]  # with n = 2 the agent went on with the second choice
+        prompt += [*picked.token_ids, 198, 151_644, *ids(8)]
+        messages.append(picked.message)
+        result = text(rng.randrange(20, 120))
+        messages.append({"role": "tool", "tool_call_id": picked.message["tool_calls"][0]["id"], "content": result})
+        prompt += [*ids(len(result) // 8), 151_645, 198, 151_644, 77091]
+        if irregular and k % 7 == 5:
+            prompt[3] = (prompt[3] + 1) % 151_936  # the template re-rendered an early turn: no extension
+            messages[1] = {**messages[1], "content": messages[1]["content"] + " (edited)"}
+    return records
+
+
+def start_stub(*args: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """The stand-in engine (tests/stub_engine.py: hangs, 5xx, dies mid-stream on cue) on a free port, answering
+    /health; returns its URL and process (its own session: `stop_group` ends it)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "stub_engine.py"), str(port), *args], start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 30, proc)
+    except Exception:
+        stop_group(proc)
+        raise
+    return url, proc
+
+
+_HTTP_STATUS = {"ok": 200, "cancelled": 499, "upstream_error": 502}
+
+
+def make_call(
+    call_id: str,
+    at: float = 0.0,
+    messages: list[dict[str, Any]] | None = None,
+    prompt: list[int] | None = None,
+    *choices: ChoiceRecord | tuple[Any, ...],
+    rollout_id: str = "r",
+    explicit: bool = True,
+    model: str | None = "my-agent",
+    step: int | None = 0,
+    upstream_model: str = "base",
+    status: CallStatus = "ok",
+    extra: dict[str, Any] | None = None,
+    **fields: Any,
+) -> CallRecord:
+    """A hand-built CallRecord (unit and store tests): started at `at`, first token then, ended 0.5 s later, with
+    the HTTP status its `status` gets (200, 499, 502); its request is {"model": model (else upstream_model),
+    "messages": messages (default: one user turn naming the call), **extra}; its prompt ids `prompt` ([1, 2, 3]).
+
+    Each of `choices` is a ChoiceRecord or, for choice number i finishing with "stop", a tuple
+    (message, token_ids) or (message, token_ids, logprobs) (logprobs default -0.5, -0.6, -0.7, ...). Given none,
+    an "ok" call gets one reply ({"role": "assistant", "content": "ok"}, [7, 8]) and a failed one none.
+    `fields` set any other CallRecord field as is: choices=[...], request=..., usage=..., ended_at=..."""
+    if not choices and status == "ok":
+        choices = (({"role": "assistant", "content": "ok"}, [7, 8]),)
+    built = []
+    for i, choice in enumerate(choices):
+        if isinstance(choice, ChoiceRecord):
+            built.append(choice)
+            continue
+        message, token_ids, *rest = choice
+        logprobs = rest[0] if rest else [-0.5 - 0.1 * j for j in range(len(token_ids))]
+        built.append(ChoiceRecord(i, message, "stop", list(token_ids), list(logprobs)))
+    if messages is None:
+        messages = [{"role": "user", "content": f"hi {call_id}"}]
+    values: dict[str, Any] = {
+        "call_id": call_id,
+        "rollout_id": rollout_id,
+        "rollout_explicit": explicit,
+        "model": model,
+        "step": step,
+        "upstream_model": upstream_model,
+        "request": {"model": model or upstream_model, "messages": messages, **(extra or {})},
+        "stream": False,
+        "status": status,
+        "http_status": _HTTP_STATUS[status],
+        "error": None,
+        "prompt_token_ids": [1, 2, 3] if prompt is None else list(prompt),
+        "choices": built,
+        "usage": None,
+        "started_at": at,
+        "first_token_at": at,
+        "ended_at": at + 0.5,
+    }
+    unknown = set(fields) - set(values)
+    assert not unknown, f"CallRecord has no field {sorted(unknown)}"
+    return CallRecord(**{**values, **fields})

@@ -7,16 +7,13 @@ exercise the groups API, not generation. RULER and n > 1 groups run against the 
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import httpx
 import pytest
 
-from tests.conftest import stop_group
-from tests.integration.test_errors import start_stub
+from tests.conftest import QUOTE_TOKEN, metric, poll, start_stub, stop_group
 
-QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -207,7 +204,8 @@ def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
             )
         )
         thread.start()
-        time.sleep(1.0)
+        # The engine holds the call for 6 s: while the gateway counts it in flight, its rollout cannot be grouped.
+        poll(lambda: metric(gateway.url, "artgw_requests_in_flight", model="my-agent") >= 1, 30, "the call in flight")
         err = error(
             post_group(
                 gateway,
@@ -284,12 +282,12 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     assert r.json()["state"] == "scoring"
     assert "sk-secret" not in r.text
     group_id = r.json()["id"]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def scored() -> dict | None:
         group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").json()
-        if group["state"] != "scoring":
-            break
-        time.sleep(0.5)
+        return None if group["state"] == "scoring" else group
+
+    group = poll(scored, 120, f"RULER to score group {group_id}", every=0.5)
     # A random judge may fail validation on every retry; then the group says so and why.
     assert group["state"] in ("ready", "failed"), group
     if group["state"] == "failed":

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import BASE_NAME, WEATHER_TOOLS, metric
+from tests.conftest import BASE_NAME, WEATHER_TOOLS, metric, poll
 
 pytestmark = pytest.mark.engine
 
@@ -180,10 +179,9 @@ def test_client_disconnect_mid_stream_is_recorded_cancelled_and_the_engine_stops
         for _ in range(6):
             next(lines)
         # hang up now
-    deadline = time.monotonic() + 60
-    while metric(vllm_url, "vllm:num_requests_running", exported=True) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert metric(vllm_url, "vllm:num_requests_running", exported=True) == 0
+    poll(
+        lambda: metric(vllm_url, "vllm:num_requests_running", exported=True) == 0, 60, "vLLM to have no request running"
+    )
     rollout = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rollout_id}", timeout=30).json()
     (call,) = rollout["calls"]
     if call["status"] == "ok":

@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import free_port, wait_http
+from tests.conftest import free_port, poll, wait_http
 
 pytestmark = pytest.mark.engine
 
@@ -60,14 +60,7 @@ def test_supervised_engine_lifecycle(tiny_model, gateway_factory) -> None:
 
     # The engine dies: the gateway answers 503 while it restarts it, then serves again.
     engine[0].send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    states = set()
-    while time.monotonic() < deadline:
-        states.add(httpx.get(f"{gateway.url}/readyz").json()["engine"])
-        if "restarting" in states:
-            break
-        time.sleep(0.2)
-    assert "restarting" in states
+    poll(lambda: httpx.get(f"{gateway.url}/readyz").json()["engine"] == "restarting", 20, "the engine to be restarting")
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
     assert (
         httpx.post(

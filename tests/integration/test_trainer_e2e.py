@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from artgw import demo_task
-from tests.conftest import GatewayProcess, start_gateway, start_trainer, stop_group
+from tests.conftest import GatewayProcess, poll, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -85,7 +85,7 @@ class Background:
                 except httpx.HTTPError as exc:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
                 self.calls += 1
-                time.sleep(0.2)
+                time.sleep(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
 
     def __enter__(self) -> Background:
         self._thread.start()
@@ -122,17 +122,22 @@ def held_out_reward(gateway: GatewayProcess, bias: dict[str, int], tag: str) -> 
 
 def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subprocess.Popen[bytes]) -> int:
     """Wait until the trainer consumed the groups and the gateway serves the step that trained them."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    states: list[str] = []
+
+    def trained_and_served() -> tuple[int] | None:
         assert trainer.poll() is None, "the trainer exited"
         groups = [httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10).json() for g in group_ids]
-        if all(g["state"] == "trained" for g in groups):
-            step = max(g["trained_step"] for g in groups)
-            served = model_status(gateway)["served_step"]
-            if served >= step:
-                return int(served)
-        time.sleep(0.3)
-    raise TimeoutError(f"groups not trained: {[g['state'] for g in groups]}")
+        states[:] = [g["state"] for g in groups]
+        if not all(state == "trained" for state in states):
+            return None
+        served = model_status(gateway)["served_step"]
+        return (int(served),) if served >= max(g["trained_step"] for g in groups) else None
+
+    try:
+        (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; group states {states}") from None
+    return served
 
 
 def test_grpo_steps_raise_held_out_reward_while_serving(

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from store.records import CallRecord, ChoiceRecord
 from store.trajectories import SPLIT_RERENDERED, assemble
+from tests.conftest import make_call
 from trainer import batch as batch_module
 from trainer.batch import PackedBatch, TrainSequence, pack_sequences, sequences_from_trajectory
 from trainer.loss import LossConfig, grpo_loss, token_logprobs
@@ -26,36 +26,6 @@ TOOL_CALL_REPLY = {
 }
 TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 ANSWER = {"role": "assistant", "content": "sunny"}
-
-
-def call(
-    call_id: str,
-    t: float,
-    messages: list[dict[str, Any]],
-    prompt: list[int],
-    reply: dict[str, Any],
-    completion: list[int],
-    logprobs: list[float],
-) -> CallRecord:
-    return CallRecord(
-        call_id=call_id,
-        rollout_id="r",
-        rollout_explicit=True,
-        model="my-agent",
-        step=0,
-        upstream_model="base",
-        request={"model": "my-agent", "messages": messages},
-        stream=False,
-        status="ok",
-        http_status=200,
-        error=None,
-        prompt_token_ids=prompt,
-        choices=[ChoiceRecord(0, reply, "stop", completion, logprobs)],
-        usage=None,
-        started_at=t,
-        first_token_at=t,
-        ended_at=t + 0.5,
-    )
 
 
 def seq(token_ids: list[int], sampled_mask: list[int], trajectory: int = 0) -> TrainSequence:
@@ -80,9 +50,9 @@ def test_public_api_is_pinned() -> None:
 def test_masks_sit_exactly_on_sampled_tokens_of_a_two_turn_tool_call() -> None:
     # Turn 1: prompt [1, 2, 3] -> sampled tool call [10, 11, 12].
     # Turn 2: + tool result [4, 5] as context -> sampled answer [13, 14].
-    turn1 = call("a", 1, [USER], [1, 2, 3], TOOL_CALL_REPLY, [10, 11, 12], [-0.1, -0.2, -0.3])
-    turn2 = call(
-        "b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 3, 10, 11, 12, 4, 5], ANSWER, [13, 14], [-0.4, -0.5]
+    turn1 = make_call("a", 1, [USER], [1, 2, 3], (TOOL_CALL_REPLY, [10, 11, 12], [-0.1, -0.2, -0.3]))
+    turn2 = make_call(
+        "b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 3, 10, 11, 12, 4, 5], (ANSWER, [13, 14], [-0.4, -0.5])
     )
     trajectory = assemble("r", [turn1, turn2])
     sequences = sequences_from_trajectory(3, trajectory.sequences)
@@ -156,9 +126,9 @@ def test_padding_is_accounted_for_and_attends_only_to_itself() -> None:
 
 
 def test_split_trajectory_maps_every_sequence_to_one_trajectory_index() -> None:
-    turn1 = call("a", 1, [USER], [1, 2], TOOL_CALL_REPLY, [10, 11], [-0.1, -0.2])
+    turn1 = make_call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11], [-0.1, -0.2]))
     # The template re-rendered the tool call with other tokens (20, 21): the gateway starts a second sequence.
-    turn2 = call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 20, 21, 4], ANSWER, [13], [-0.3])
+    turn2 = make_call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 20, 21, 4], (ANSWER, [13], [-0.3]))
     trajectory = assemble("r", [turn1, turn2])
     assert [s.split_reason for s in trajectory.sequences] == [None, SPLIT_RERENDERED]
 
@@ -185,10 +155,10 @@ def test_split_trajectory_maps_every_sequence_to_one_trajectory_index() -> None:
 
 def test_untrained_calls_become_context_in_every_sequence() -> None:
     """The tool call was sampled under a grammar (its logprobs are not the model's): only the answer trains."""
-    turn1 = call("a", 1, [USER], [1, 2], TOOL_CALL_REPLY, [10, 11], [-0.1, -0.2])
-    turn2 = call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], ANSWER, [13], [-0.3])
+    turn1 = make_call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11], [-0.1, -0.2]))
+    turn2 = make_call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], (ANSWER, [13], [-0.3]))
     again = [USER, TOOL_CALL_REPLY, TOOL_RESULT, ANSWER, {"role": "user", "content": "and Rome?"}]
-    turn3 = call("c", 3, again, [1, 2, 30, 4, 13, 6], ANSWER, [14, 15], [-0.4, -0.5])
+    turn3 = make_call("c", 3, again, [1, 2, 30, 4, 13, 6], (ANSWER, [14, 15], [-0.4, -0.5]))
     trajectory = assemble("r", [turn1, turn2, turn3])  # turn 3's prompt re-rendered turn 1: a second sequence
     assert [s.call_ids for s in trajectory.sequences] == [["a", "b"], ["c"]]
 

@@ -53,6 +53,6 @@ def test_every_token_decodes_to_text_and_encoding_roundtrips(tiny_model: Path) -
 
 
 def test_quote_token_id_used_by_the_ruler_judge_test(tiny_model: Path) -> None:
-    from tests.integration.test_groups import QUOTE_TOKEN
+    from tests.conftest import QUOTE_TOKEN
 
     assert AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids('"') == QUOTE_TOKEN

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from store.records import CallRecord, ChoiceRecord
 from store.trajectories import (
     SPLIT_DROPPED_REASONING,
     SPLIT_EDITED,
@@ -12,6 +9,7 @@ from store.trajectories import (
     assemble,
     sampled_under_grammar,
 )
+from tests.conftest import make_call
 
 SYSTEM = {"role": "system", "content": "be brief"}
 USER = {"role": "user", "content": "weather in Paris?"}
@@ -20,43 +18,9 @@ TOOL_CALL_REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
 TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 
 
-def call(
-    call_id: str,
-    t: float,
-    messages: list[dict[str, Any]],
-    prompt: list[int],
-    *choices: tuple[dict[str, Any], list[int]],
-    status: str = "ok",
-    step: int = 0,
-    extra: dict[str, Any] | None = None,
-) -> CallRecord:
-    return CallRecord(
-        call_id=call_id,
-        rollout_id="r",
-        rollout_explicit=True,
-        model="my-agent",
-        step=step,
-        upstream_model="base",
-        request={"model": "my-agent", "messages": messages, **(extra or {})},
-        stream=False,
-        status=status,  # type: ignore[arg-type]
-        http_status=200,
-        error=None,
-        prompt_token_ids=prompt,
-        choices=[
-            ChoiceRecord(i, message, "stop", ids, [-0.5 - 0.1 * j for j in range(len(ids))])
-            for i, (message, ids) in enumerate(choices)
-        ],
-        usage=None,
-        started_at=t,
-        first_token_at=t,
-        ended_at=t + 0.5,
-    )
-
-
 def test_three_turn_tool_rollout_that_extends_its_prefix_is_one_sequence() -> None:
-    c1 = call("a", 1, [SYSTEM, USER], [1, 2, 3], (TOOL_CALL_REPLY, [10, 11, 12]))
-    c2 = call(
+    c1 = make_call("a", 1, [SYSTEM, USER], [1, 2, 3], (TOOL_CALL_REPLY, [10, 11, 12]))
+    c2 = make_call(
         "b",
         2,
         [SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT],
@@ -79,9 +43,9 @@ def test_three_turn_tool_rollout_that_extends_its_prefix_is_one_sequence() -> No
 
 
 def test_rerendered_template_splits_with_reason() -> None:
-    c1 = call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]))
+    c1 = make_call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]))
     # Same messages, but the template rendered the earlier tool call with other tokens (20, 21).
-    c2 = call(
+    c2 = make_call(
         "b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 20, 21, 4], ({"role": "assistant", "content": "x"}, [9])
     )
     first, second = assemble("r", [c1, c2]).sequences
@@ -92,22 +56,24 @@ def test_rerendered_template_splits_with_reason() -> None:
 
 def test_edited_history_and_dropped_reasoning_are_told_apart() -> None:
     thinking = {"role": "assistant", "content": "sunny", "reasoning": "it is Paris"}
-    c1 = call("a", 1, [USER], [1, 2], (thinking, [10, 11]))
-    dropped = call(
+    c1 = make_call("a", 1, [USER], [1, 2], (thinking, [10, 11]))
+    dropped = make_call(
         "b",
         2,
         [USER, {"role": "assistant", "content": "sunny"}, USER],
         [1, 2, 11, 3],
         ({"role": "assistant", "content": "y"}, [8]),
     )
-    edited = call("c", 3, [{"role": "user", "content": "other"}], [7, 7], ({"role": "assistant", "content": "z"}, [6]))
+    edited = make_call(
+        "c", 3, [{"role": "user", "content": "other"}], [7, 7], ({"role": "assistant", "content": "z"}, [6])
+    )
     sequences = assemble("r", [c1, dropped, edited]).sequences
     assert [s.split_reason for s in sequences] == [None, SPLIT_DROPPED_REASONING, SPLIT_EDITED]
 
 
 def test_identical_retry_is_kept_marked_and_only_the_last_attempt_trains() -> None:
-    first = call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
-    retry = call("b", 2, [USER], [1, 2], ({"role": "assistant", "content": "q"}, [6]))
+    first = make_call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
+    retry = make_call("b", 2, [USER], [1, 2], ({"role": "assistant", "content": "q"}, [6]))
     trajectory = assemble("r", [first, retry])
     by_id = {c.id: c for c in trajectory.calls}
     assert by_id["a"].superseded and by_id["a"].retry_of is None
@@ -117,15 +83,15 @@ def test_identical_retry_is_kept_marked_and_only_the_last_attempt_trains() -> No
 
 
 def test_failed_calls_are_listed_but_not_trained() -> None:
-    ok = call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
-    failed = call("b", 2, [USER, {"role": "assistant", "content": "p"}, USER], [], status="upstream_error")
+    ok = make_call("a", 1, [USER], [1, 2], ({"role": "assistant", "content": "p"}, [5]))
+    failed = make_call("b", 2, [USER, {"role": "assistant", "content": "p"}, USER], [], status="upstream_error")
     trajectory = assemble("r", [ok, failed])
     assert [c.status for c in trajectory.calls] == ["ok", "upstream_error"]
     assert [s.call_ids for s in trajectory.sequences] == [["a"]]
 
 
 def test_n_greater_than_one_follows_the_choice_the_next_call_continued() -> None:
-    c1 = call(
+    c1 = make_call(
         "a",
         1,
         [USER],
@@ -133,7 +99,7 @@ def test_n_greater_than_one_follows_the_choice_the_next_call_continued() -> None
         ({"role": "assistant", "content": "p"}, [5]),
         ({"role": "assistant", "content": "q"}, [6]),
     )
-    c2 = call(
+    c2 = make_call(
         "b",
         2,
         [USER, {"role": "assistant", "content": "q"}, USER],
@@ -147,7 +113,7 @@ def test_n_greater_than_one_follows_the_choice_the_next_call_continued() -> None
 
 
 def test_empty_rollout_of_only_failures() -> None:
-    trajectory = assemble("r", [call("a", 1, [USER], [], status="cancelled")])
+    trajectory = assemble("r", [make_call("a", 1, [USER], [], status="cancelled")])
     assert trajectory.sequences == [] and trajectory.messages == [] and trajectory.trainable_tokens == 0
 
 
@@ -167,8 +133,8 @@ def test_calls_sampled_under_a_grammar_are_flagged() -> None:
     assert not sampled_under_grammar({"response_format": {"type": "text"}})
     assert not sampled_under_grammar({"logit_bias": {"5": 100}})
 
-    c1 = call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]), extra={"tools": tools, "tool_choice": named})
-    c2 = call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], ({"role": "assistant"}, [13]))
+    c1 = make_call("a", 1, [USER], [1, 2], (TOOL_CALL_REPLY, [10, 11]), extra={"tools": tools, "tool_choice": named})
+    c2 = make_call("b", 2, [USER, TOOL_CALL_REPLY, TOOL_RESULT], [1, 2, 10, 11, 4], ({"role": "assistant"}, [13]))
     trajectory = assemble("r", [c1, c2])
     assert [(c.id, c.constrained) for c in trajectory.calls] == [("a", True), ("b", False)]
     (seq,) = trajectory.sequences
