@@ -19,8 +19,9 @@ import msgspec
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.records import CallRecord
 from store.calls import write_calls, write_calls_sync
+from store.codec import CallCache
+from store.records import CallRecord
 
 log = logging.getLogger("artgw.recorder")
 
@@ -37,6 +38,7 @@ class Recorder:
         shutdown_timeout: float = 30.0,
         linger: float = 0.02,
         sync_engine: Engine | None = None,
+        cache_bytes: int = 64 << 20,
     ) -> None:
         self.engine = engine
         self.sync_engine = sync_engine  # SQLite: batches written from a worker thread, one hop each
@@ -53,6 +55,9 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._in_flight: dict[str, int] = {}  # rollout id -> calls accepted but not yet in the store
         self._committed = asyncio.Condition()
+        # The last recorded calls of active rollouts: the next call of a rollout is stored as what it adds to
+        # them (store/codec.py). Only the writer touches it, one batch at a time.
+        self.cache = CallCache(max_bytes=cache_bytes)
 
     def begin(self, rollout_id: str) -> None:
         """A call of this rollout was accepted; it counts as in flight until its record is committed."""
@@ -125,12 +130,14 @@ class Recorder:
             await asyncio.to_thread(self._write_sync, list(records))
         else:
             async with self.engine.begin() as conn:
-                await write_calls(conn, records)
+                await write_calls(conn, records, self.cache)
+            self.cache.committed()  # only now may later calls be stored against these
 
     def _write_sync(self, records: list[CallRecord]) -> None:
         assert self.sync_engine is not None
         with self.sync_engine.begin() as conn:
-            write_calls_sync(conn, records)
+            write_calls_sync(conn, records, self.cache)
+        self.cache.committed()
 
     async def close(self) -> None:
         """Flush: wait for the queue to drain; spill what the store will not take in time."""

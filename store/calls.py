@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.codec import CallCache, Head, compact, expand
 from store.records import CallRecord
 from store.tables import calls, rollouts
 
@@ -19,34 +20,56 @@ def _upsert(dialect: str):  # type: ignore[no-untyped-def]
     return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 
-async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord]) -> int:
+async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord], cache: CallCache | None = None) -> int:
     """`write_calls_sync` on an async connection."""
-    return await conn.run_sync(write_calls_sync, records)
+    return await conn.run_sync(write_calls_sync, records, cache)
 
 
-def write_calls_sync(conn: Connection, records: Sequence[CallRecord]) -> int:
+def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: CallCache | None = None) -> int:
     """Insert a batch of calls and bump their rollouts, in one transaction. Idempotent per call id.
 
-    Returns how many calls were new (a retried batch whose first attempt did commit inserts none).
+    With a `cache` (the recorder's), each call is stored against the best of its rollout's last calls in the
+    cache or earlier in this batch (store/codec.py); the batch's calls are staged in the cache and become
+    bases only when the caller calls `cache.committed()` after the transaction commits. Without one, every
+    call is stored whole. Returns how many calls were new (a retried batch whose first attempt did commit
+    inserts none).
     """
-    # One row per call id (a record queued twice counts once), sorted by it: concurrent writers of
-    # the same calls (a replayed spill racing a live recorder) take their locks in one order, no deadlock.
+    # One row per call id (a record queued twice counts once), in the order given: a rollout's calls are
+    # compacted against the ones recorded before them.
     unique: dict[str, CallRecord] = {}
     for record in records:
         unique.setdefault(record.call_id, record)
-    records = [unique[call_id] for call_id in sorted(unique)]
-    if not records:
+    if cache is not None:
+        cache.discard()  # whatever an earlier, failed, transaction staged
+    if not unique:
         return 0
-    rows = [msgspec.to_builtins(r) for r in records]
-    for row in rows:
-        row["id"] = row.pop("call_id")
-        row.pop("rollout_explicit")
+    heads: dict[str, list[Head]] = {}
+    rows = []
+    for record in unique.values():
+        if cache is None:
+            row, _ = compact(record, ())
+        else:
+            candidates = heads.get(record.rollout_id)
+            if candidates is None:
+                candidates = cache.heads(record.rollout_id)
+            row, head = compact(record, candidates)
+            # A made-up one-call rollout gets no next call: caching it would only push useful heads out.
+            if record.rollout_explicit:
+                heads[record.rollout_id] = [*candidates, head][-cache.per_rollout :]
+        rows.append(row)
+    # Sorted by call id: concurrent writers of the same calls (a replayed spill racing a live recorder) take
+    # their locks in one order, no deadlock. References need no order: they are resolved when read.
+    rows.sort(key=lambda row: row["id"])
+    records = sorted(unique.values(), key=lambda r: r.call_id)
     insert = _upsert(conn.dialect.name)
     result = conn.execute(
         insert(calls).on_conflict_do_nothing(index_elements=["id"]).returning(calls.c.id, calls.c.rollout_id),
         rows,
     )
     new_ids = {row.id for row in result}
+    if cache is not None:
+        # Calls already in the store (a retried batch) are bases too: a call id is one call, stored once.
+        cache.stage(heads)
     if not new_ids:
         return 0
     per_rollout: dict[str, dict[str, Any]] = {}
@@ -96,15 +119,8 @@ def _plain(row: sa.Row[Any]) -> dict[str, Any]:
     return {str(k): v for k, v in row._asdict().items()}
 
 
-def _to_record(row: sa.Row[Any], explicit: bool) -> CallRecord:
-    data = _plain(row)
-    data["call_id"] = data.pop("id")
-    data["rollout_explicit"] = explicit
-    return msgspec.convert(data, CallRecord)
-
-
 async def rollout_calls(conn: AsyncConnection, rollout_id: str) -> list[CallRecord] | None:
-    """Every recorded call of a rollout, or None if the rollout is unknown."""
+    """Every recorded call of a rollout, whole again (store/codec.py), or None if the rollout is unknown."""
     explicit = (
         await conn.execute(sa.select(rollouts.c.explicit).where(rollouts.c.id == rollout_id))
     ).scalar_one_or_none()
@@ -113,7 +129,7 @@ async def rollout_calls(conn: AsyncConnection, rollout_id: str) -> list[CallReco
     rows = await conn.execute(
         sa.select(calls).where(calls.c.rollout_id == rollout_id).order_by(calls.c.started_at, calls.c.id)
     )
-    return [_to_record(row, explicit) for row in rows]
+    return expand([_plain(row) for row in rows], explicit)
 
 
 class RolloutRow(msgspec.Struct, frozen=True):

@@ -25,7 +25,9 @@ rollouts = sa.Table(
     sa.Column("last_call_at", sa.Float, nullable=False, index=True),
 )
 
-# One row per call that reached the gateway, exactly once.
+# One row per call that reached the gateway, exactly once, in the compact form of store/codec.py: stored
+# against an earlier call of its rollout (`base_call_id`), a call keeps only what it adds to it, and token ids
+# and logprobs are binary. A rollout's storage grows linearly with its length.
 calls = sa.Table(
     "calls",
     metadata,
@@ -38,9 +40,23 @@ calls = sa.Table(
     sa.Column("status", sa.String(32), nullable=False),  # ok | cancelled | upstream_error
     sa.Column("http_status", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
-    sa.Column("request", sa.JSON, nullable=False),  # the client's request body
-    sa.Column("prompt_token_ids", sa.JSON, nullable=False),
-    sa.Column("choices", sa.JSON, nullable=False),  # list of ChoiceRecord (message, token ids, logprobs)
+    sa.Column("base_call_id", sa.String(64), nullable=True),  # an earlier call of the same rollout; NULL: whole
+    # The client's request body without its messages; NULL: the same as the base call's.
+    sa.Column("request", sa.JSON(none_as_null=True), nullable=True),
+    # The request's messages: the first `messages_prefix_len` of the base's messages followed by its choice
+    # `messages_base_choice`'s message (NULL: no choice), then `messages_suffix`. NULL: no messages list.
+    sa.Column("messages_base_choice", sa.Integer, nullable=True),
+    sa.Column("messages_prefix_len", sa.Integer, nullable=True),
+    sa.Column("messages_suffix", sa.JSON(none_as_null=True), nullable=True),
+    # The prompt token ids, the same way: a prefix of the base's prompt + sampled ids of `prompt_base_choice`.
+    sa.Column("prompt_base_choice", sa.Integer, nullable=True),
+    sa.Column("prompt_prefix_len", sa.Integer, nullable=False),
+    sa.Column("prompt_suffix", sa.LargeBinary, nullable=False),  # format byte + int32 little-endian ids
+    # Each choice's index, message, finish_reason and its counts of `tokens` and `logprobs`; the sampled ids
+    # and logprobs of all choices, concatenated, are in the two blobs.
+    sa.Column("choices", sa.JSON, nullable=False),
+    sa.Column("completion_ids", sa.LargeBinary, nullable=False),
+    sa.Column("completion_logprobs", sa.LargeBinary, nullable=False),  # format byte + float32 (or float64)
     sa.Column("usage", sa.JSON, nullable=True),
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("first_token_at", sa.Float, nullable=True),

@@ -58,7 +58,7 @@ def test_every_accepted_call_recorded_exactly_once(vllm_url, gateway_factory) ->
     assert gateway.stop() == 0
     with sqlite3.connect(gateway.db_path) as db:
         rows = db.execute("SELECT rollout_id, status FROM calls").fetchall()
-        tokens = dict(db.execute("SELECT rollout_id, json_array_length(choices, '$[0].token_ids') FROM calls"))
+        tokens = dict(db.execute("SELECT rollout_id, json_extract(choices, '$[0].tokens') FROM calls"))
         rollouts = dict(db.execute("SELECT id, call_count FROM rollouts").fetchall())
     per_rollout = Counter(rollout_id for rollout_id, _ in rows)
     accepted = {f"c-{i}" for i in range(CALLS) if kind(i) != "invalid"}

@@ -14,9 +14,9 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from gateway.recorder import Recorder
-from store.records import CallRecord, ChoiceRecord
 from store import create_engine, migrate
 from store.db import create_sync_sqlite_engine
+from store.records import CallRecord, ChoiceRecord
 from store.tables import calls
 
 

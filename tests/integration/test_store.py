@@ -20,10 +20,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.records import CallRecord, ChoiceRecord
 from store import create_engine, downgrade, migrate
 from store.calls import count_calls, list_rollouts, rollout_calls, write_calls
+from store.codec import CallCache
 from store.db import alembic_config
+from store.records import CallRecord, ChoiceRecord
 from store.tables import calls, metadata, rollouts
 from tests.conftest import fresh_pg_database
 
@@ -95,9 +96,12 @@ def call(
     return CallRecord(**values)  # type: ignore[arg-type]
 
 
-async def write(engine: AsyncEngine, records: list[CallRecord]) -> int:
+async def write(engine: AsyncEngine, records: list[CallRecord], cache: CallCache | None = None) -> int:
     async with engine.begin() as conn:
-        return await write_calls(conn, records)
+        new = await write_calls(conn, records, cache)
+    if cache is not None:
+        cache.committed()
+    return new
 
 
 async def rollout_row(engine: AsyncEngine, rollout_id: str) -> sa.Row:
@@ -256,7 +260,8 @@ async def test_rollout_counters_across_batches(engine: AsyncEngine) -> None:
 # --- reading -----------------------------------------------------------------------------------------
 
 
-async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine) -> None:
+@pytest.mark.parametrize("cached", [False, True], ids=["whole", "compact"])
+async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine, cached: bool) -> None:
     tool_call = {
         "id": "call_0",
         "type": "function",
@@ -313,8 +318,10 @@ async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine) -> None:
         model=None,
     )
     implicit = call("c-solo", "gw-solo", 5.0, explicit=False, status="cancelled", http_status=499)
-    await write(engine, [plain, implicit, rich])
-    await write(engine, [failed])
+    # With the recorder's cache, calls are stored against earlier ones of their rollout (store/codec.py).
+    cache = CallCache() if cached else None
+    await write(engine, [plain, implicit, rich], cache)
+    await write(engine, [failed], cache)
 
     async with engine.connect() as conn:
         assert await rollout_calls(conn, "r-explicit") == [rich, failed, plain]
