@@ -153,6 +153,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             spill_dir=settings.data_dir / "spill",
             queue_size=settings.recorder_queue_size,
             batch_size=settings.recorder_batch_size,
+            cache_bytes=settings.recorder_cache_bytes,
         )
         adapters = AdapterService(registry, client, store.engine)
         rollouts = RolloutService(store.rollouts, recorder)

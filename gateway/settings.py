@@ -78,6 +78,10 @@ class Settings:
         default=10_000, metadata={"help": "calls waiting to be recorded before the gateway slows down"}
     )
     recorder_batch_size: int = field(default=256, metadata={"help": "most calls recorded in one store transaction"})
+    recorder_cache_bytes: int = field(
+        default=64 << 20,
+        metadata={"help": "bytes of memory (all rollouts together) for recent calls, against which a rollout's next call is stored compactly"},
+    )
     log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
     # Set by code (tests give the supervised engine extra variables), never by a user.
     extra_env: dict[str, str] = field(default_factory=dict, metadata={"option": False})
@@ -100,6 +104,7 @@ class Settings:
             ("--max-body-bytes", self.max_body_bytes),
             ("--recorder-queue-size", self.recorder_queue_size),
             ("--recorder-batch-size", self.recorder_batch_size),
+            ("--recorder-cache-bytes", self.recorder_cache_bytes),
         ):
             if count < 1:
                 raise ValueError(f"{flag} must be >= 1, got {count}")
