@@ -80,7 +80,10 @@ class Settings:
     recorder_batch_size: int = field(default=256, metadata={"help": "most calls recorded in one store transaction"})
     recorder_cache_bytes: int = field(
         default=64 << 20,
-        metadata={"help": "bytes of memory (all rollouts together) for recent calls, against which a rollout's next call is stored compactly"},
+        metadata={
+            "help": "bytes of memory (all rollouts together) for recent calls, against which a rollout's next "
+            "call is stored compactly"
+        },
     )
     log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
     # Set by code (tests give the supervised engine extra variables), never by a user.
