@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from gateway.adapters import AdapterRegistry, Route
+from gateway.engine import EngineState
 from gateway.errors import OpenAIError, decode_body, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
@@ -133,7 +134,7 @@ def _upstream_error_event(message: str) -> bytes:
 
 
 _JSON_HEADERS = {"content-type": "application/json"}
-EngineState = Callable[[], str]  # starting | ready | restarting | failed | stopped
+EngineStateOf = Callable[[], EngineState]
 
 
 @dataclass
@@ -201,7 +202,7 @@ class ChatService:
         request_timeout: float,
         registry: AdapterRegistry,
         recorder: Recorder,
-        engine_state: EngineState,
+        engine_state: EngineStateOf,
         metrics: GatewayMetrics,
     ) -> None:
         self.metrics = metrics

@@ -21,7 +21,14 @@ import httpx
 
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ChatService
-from gateway.engine import EngineConfig, EngineFailed, EngineSupervisor, resolve_engine_port, wait_until_ready
+from gateway.engine import (
+    EngineConfig,
+    EngineFailed,
+    EngineState,
+    EngineSupervisor,
+    resolve_engine_port,
+    wait_until_ready,
+)
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
 from gateway.metrics import GatewayMetrics
@@ -42,7 +49,7 @@ class UpstreamEngine:
         self.startup_timeout = startup_timeout
         self.client = client
         self.adapters = adapters
-        self.state = "starting"
+        self.state: EngineState = "starting"
         self.ready_seconds: float | None = None
 
     async def start(self) -> None:

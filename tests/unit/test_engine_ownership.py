@@ -1,0 +1,179 @@
+"""The engine supervisor's port checks, without vLLM: a stand-in engine (tests/stub_engine.py) plays the other
+process that holds, or answers on, the engine's port; plain sockets play the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gateway.engine import (
+    EngineConfig,
+    EngineConflict,
+    EngineFailed,
+    EngineSupervisor,
+    port_in_use,
+    port_owners,
+    wait_until_ready,
+)
+from tests.conftest import ROOT, free_port, stop_group, wait_http
+
+STUB = str(ROOT / "tests" / "stub_engine.py")  # serves one model, `stub`
+
+
+def start_stub(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, STUB, str(port)], start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
+    except Exception:
+        stop_group(proc)
+        raise
+    return proc
+
+
+@pytest.fixture
+def stranger() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A stand-in engine that is not the supervised child: another gateway's engine, as far as we can tell."""
+    port = free_port()
+    proc = start_stub(port)
+    yield port, proc
+    stop_group(proc)
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A supervised child that never listens (a vLLM still loading its weights)."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    yield proc
+    stop_group(proc)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeEngine(EngineConfig):
+    """The supervisor's config with another program in vLLM's place."""
+
+    argv: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        return list(self.argv)
+
+
+def test_port_in_use_tells_a_listener_from_harmless_leftovers() -> None:
+    port = free_port()
+    assert not port_in_use("127.0.0.1", port)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        # Bound with SO_REUSEADDR but not listening yet, as vLLM holds its port while it loads: taken.
+        assert port_in_use("127.0.0.1", port)
+        listener.listen()
+        assert port_in_use("127.0.0.1", port)
+        # A connection the server side closes first leaves a TIME_WAIT on the port, as a killed engine does.
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()
+        time.sleep(0.1)
+        client.close()
+    assert any(c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT for c in psutil.net_connections("tcp"))
+    assert not port_in_use("127.0.0.1", port)  # the restarted engine can bind it: no false clash
+
+
+async def test_an_engine_that_is_not_our_child_is_refused(stranger, sleeper) -> None:
+    port, proc = stranger
+    assert port_owners("127.0.0.1", port, sleeper.pid).others == [proc.pid]
+    with pytest.raises(EngineConflict) as failure:
+        await wait_until_ready(f"http://127.0.0.1:{port}", 10, child_pid=sleeper.pid, served_name="tiny-b")
+    message = str(failure.value)
+    assert f"the engine on port {port} serves `stub`, not `tiny-b`: another process answers on that port" in message
+    assert f"pid {proc.pid}: " in message and "stub_engine.py" in message
+    assert f"not the vLLM this gateway started (pid {sleeper.pid})" in message
+
+
+async def test_an_engine_that_is_not_our_child_is_refused_even_if_it_serves_our_model(stranger, sleeper) -> None:
+    port, proc = stranger
+    with pytest.raises(EngineConflict, match=f"another process answers on that port \\(pid {proc.pid}: "):
+        await wait_until_ready(f"http://127.0.0.1:{port}", 10, child_pid=sleeper.pid, served_name="stub")
+
+
+async def test_our_own_child_is_accepted_and_must_serve_the_expected_model(stranger) -> None:
+    port, proc = stranger  # here it is the child itself
+    await wait_until_ready(f"http://127.0.0.1:{port}", 10, child_pid=proc.pid, served_name="stub")
+    with pytest.raises(EngineFailed, match=f"the engine on port {port} serves `stub`, not `tiny`$"):
+        await wait_until_ready(f"http://127.0.0.1:{port}", 10, child_pid=proc.pid, served_name="tiny")
+
+
+async def test_upstream_mode_checks_health_only(stranger) -> None:
+    port, _ = stranger  # `--upstream`: the engine is not ours, and its base model is discovered later
+    await wait_until_ready(f"http://127.0.0.1:{port}", 10)
+
+
+async def test_supervisor_refuses_a_taken_port_before_spawning(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = FakeEngine(
+            base_model="unused", served_name="stub", port=port, log_path=tmp_path / "engine.log", argv=("true",)
+        )
+        supervisor = EngineSupervisor(config, on_fatal=pytest.fail)
+        with pytest.raises(EngineConflict) as failure:
+            await supervisor.start()
+    assert str(failure.value) == (
+        f"engine port {port} on 127.0.0.1 is already in use (another vLLM or gateway?): "
+        "pass another --engine-port, or 0 for a free one"
+    )
+    assert supervisor.process is None  # refused before anything was spawned
+
+
+async def test_supervisor_accepts_its_own_child(tmp_path: Path) -> None:
+    port = free_port()
+    config = FakeEngine(
+        base_model="unused",
+        served_name="stub",
+        port=port,
+        log_path=tmp_path / "engine.log",
+        startup_timeout=30,
+        argv=(sys.executable, STUB, str(port)),
+    )
+    supervisor = EngineSupervisor(config, on_fatal=pytest.fail)
+    await supervisor.start()
+    try:
+        assert supervisor.state == "ready"
+        assert supervisor.process is not None
+        assert port_owners("127.0.0.1", port, supervisor.process.pid).ours == [supervisor.process.pid]
+    finally:
+        await supervisor.stop()
+    assert not port_in_use("127.0.0.1", port)
+
+
+async def test_supervisor_refuses_a_stranger_that_takes_the_port_after_the_check(tmp_path: Path) -> None:
+    """The race: the port is free when checked, then another process binds it before our child does."""
+    port = free_port()
+    # The child starts a stand-in engine that is NOT its descendant (double fork: it is orphaned at once),
+    # then idles like a vLLM still loading.
+    orphan = f"({sys.executable} {STUB} {port} >/dev/null 2>&1 &); exec sleep 60"
+    config = FakeEngine(
+        base_model="unused",
+        served_name="tiny-b",
+        port=port,
+        log_path=tmp_path / "engine.log",
+        startup_timeout=30,
+        argv=("sh", "-c", orphan),
+    )
+    supervisor = EngineSupervisor(config, on_fatal=pytest.fail)
+    try:
+        with pytest.raises(EngineConflict, match=f"the engine on port {port} serves `stub`, not `tiny-b`: another"):
+            await supervisor.start()
+        assert supervisor.process is not None and supervisor.process.returncode is not None  # our child is stopped
+    finally:
+        await supervisor.stop()
+        for c in psutil.net_connections("tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid is not None:
+                psutil.Process(c.pid).kill()
