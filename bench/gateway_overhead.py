@@ -14,6 +14,16 @@ against the targets: added p50 < 1 ms at one connection; gateway throughput
 not one record lost.
 
     .venv/bin/python bench/gateway_overhead.py --duration 5
+    .venv/bin/python bench/gateway_overhead.py --duration 5 --baseline HEAD~3
+
+With --baseline REV it also exports that git revision's tree (`git archive REV |
+tar -x` into the temp dir: no worktree, the repo untouched) and runs a second
+gateway from it, on the same Python with PYTHONPATH (and cwd) set to that tree,
+behind its own upstream port and with its own store. Each concurrency then runs
+direct, baseline gateway, current gateway, one after the other with the same
+pause, and the report adds a side-by-side table, the record check of both and
+`not slower than baseline: PASS/FAIL` (one run each way: a single comparison,
+not a statistic; the tolerances are in --help).
 
 Needs `wrk` and (preferably) `nginx`; installs the Debian packages with
 apt-get if they are missing (unless --no-install). Every child process is
@@ -29,6 +39,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -54,6 +65,22 @@ CHAT_REQUEST = json.dumps(
 
 sys.path.insert(0, str(BENCH_DIR))
 from fixed_upstream import CHAT_BODY, MODELS_BODY, NOT_FOUND_BODY  # noqa: E402
+
+# --baseline: the current gateway is "not slower" when its req/s is at least this share of the
+# baseline's at every concurrency, and its p50 at one connection at most this much above the baseline's.
+BASELINE_MIN_RPS_RATIO = 0.95
+BASELINE_P50_SLACK_MS = 0.05
+# How the baseline gateway is started: its tree's own `artgw serve`, found first on PYTHONPATH.
+BASELINE_MAIN = "import sys; from artgw.cli import main; sys.exit(main())"
+# Run in the baseline's environment: where artgw and every package of both trees resolve from.
+BASELINE_PROBE = """
+import importlib.util, json, sys
+import artgw, artgw.cli
+names = sys.argv[1].split(",")
+found = {n: getattr(importlib.util.find_spec(n), "origin", None) for n in names}
+loaded = sorted({f for m in list(sys.modules.values()) if (f := getattr(m, "__file__", None))})
+print(json.dumps({"artgw": artgw.__file__, "cli": artgw.cli.__file__, "found": found, "loaded": loaded}))
+"""
 
 
 def say(msg: str = "") -> None:
@@ -165,23 +192,30 @@ def _nginx_string(data: bytes) -> str:
 
 
 class NginxUpstream:
-    """nginx with `return 200 '<json>'`: one server for direct runs, one (logging) behind the gateway."""
+    """nginx with `return 200 '<json>'`: one server for direct runs, one (logging) behind each gateway."""
 
     kind = "nginx"
 
     def __init__(
-        self, children: Children, workdir: Path, chat_body: bytes = CHAT_BODY, chat_type: str = "application/json"
+        self,
+        children: Children,
+        workdir: Path,
+        chat_body: bytes = CHAT_BODY,
+        chat_type: str = "application/json",
+        gateways: int = 1,
     ) -> None:
         self.children = children
         self.chat_body, self.chat_type = chat_body, chat_type
         self.dir = workdir / "nginx"
         self.dir.mkdir()
-        self.direct_port, self.gateway_port = free_port(), free_port()
-        self.calls_log = self.dir / "gateway_upstream_calls.log"
+        self.direct_port = free_port()
+        self.gateway_ports = [free_port() for _ in range(gateways)]  # each gateway's calls logged apart
+        self.gateway_port = self.gateway_ports[0]
+        self.calls_logs = {port: self.dir / f"gateway_upstream_calls-{port}.log" for port in self.gateway_ports}
         self.proc: subprocess.Popen[Any] | None = None
 
-    def _server(self, port: int, log_calls: bool) -> str:
-        access = f"access_log {self.calls_log} calls buffer=64k flush=1s;" if log_calls else ""
+    def _server(self, port: int, calls_log: Path | None) -> str:
+        access = f"access_log {calls_log} calls buffer=64k flush=1s;" if calls_log else ""
         return f"""
     server {{
         listen 127.0.0.1:{port} backlog=4096;
@@ -209,8 +243,8 @@ http {{
     keepalive_timeout 300s;
     client_body_temp_path {d}/client_body;
     log_format calls '$status';
-{self._server(self.direct_port, False)}
-{self._server(self.gateway_port, True)}
+{self._server(self.direct_port, None)}
+{"".join(self._server(port, log) for port, log in self.calls_logs.items())}
 }}
 """
         )
@@ -219,18 +253,19 @@ http {{
             stdout=subprocess.DEVNULL,
             stderr=(d / "stderr.log").open("wb"),
         )
-        for port in (self.direct_port, self.gateway_port):
+        for port in (self.direct_port, *self.gateway_ports):
             wait_http_ok(f"http://127.0.0.1:{port}/health", self.proc, 10, "nginx")
 
     def stop(self) -> None:
         if self.proc is not None:
             Children.stop(self.proc, signal.SIGQUIT)  # graceful: flushes the buffered access log
 
-    def gateway_calls(self) -> Counter[str]:
-        """Chat calls the upstream behind the gateway answered, by HTTP status (after stop())."""
-        if not self.calls_log.exists():
+    def gateway_calls(self, port: int | None = None) -> Counter[str]:
+        """Chat calls the upstream behind a gateway (the first by default) answered, by HTTP status (after stop())."""
+        calls_log = self.calls_logs[self.gateway_port if port is None else port]
+        if not calls_log.exists():
             return Counter()
-        return Counter(line.strip() for line in self.calls_log.read_text().splitlines() if line.strip())
+        return Counter(line.strip() for line in calls_log.read_text().splitlines() if line.strip())
 
 
 class PythonUpstream:
@@ -238,15 +273,17 @@ class PythonUpstream:
 
     kind = "Python stub (bench/fixed_upstream.py: raw ASGI + uvicorn)"
 
-    def __init__(self, children: Children, workdir: Path) -> None:
+    def __init__(self, children: Children, workdir: Path, gateways: int = 1) -> None:
         self.children = children
         self.dir = workdir
-        self.direct_port, self.gateway_port = free_port(), free_port()
+        self.direct_port = free_port()
+        self.gateway_ports = [free_port() for _ in range(gateways)]
+        self.gateway_port = self.gateway_ports[0]
         self.procs: list[subprocess.Popen[Any]] = []
-        self._gateway_calls: Counter[str] = Counter()
+        self._gateway_calls: dict[int, Counter[str]] = {}
 
     def start(self) -> None:
-        for port in (self.direct_port, self.gateway_port):
+        for port in (self.direct_port, *self.gateway_ports):
             proc = self.children.start(
                 [sys.executable, str(BENCH_DIR / "fixed_upstream.py"), "--port", str(port)],
                 stdout=subprocess.DEVNULL,
@@ -256,27 +293,47 @@ class PythonUpstream:
             wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "python stub upstream")
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            _, data = http("GET", f"http://127.0.0.1:{self.gateway_port}/_stats")
-            self._gateway_calls = Counter({"200": json.loads(data)["chat_calls"]})
+        for port in self.gateway_ports:
+            with contextlib.suppress(OSError):
+                _, data = http("GET", f"http://127.0.0.1:{port}/_stats")
+                self._gateway_calls[port] = Counter({"200": json.loads(data)["chat_calls"]})
         for proc in self.procs:
             Children.stop(proc)
 
-    def gateway_calls(self) -> Counter[str]:
-        return self._gateway_calls
+    def gateway_calls(self, port: int | None = None) -> Counter[str]:
+        return self._gateway_calls.get(self.gateway_port if port is None else port, Counter())
 
 
 # ---------------------------------------------------------------- the gateway
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that makes a Python import a source tree's own packages (ahead of the editable install)."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
 class Gateway:
-    def __init__(self, children: Children, artgw: str, upstream_port: int, workdir: Path) -> None:
+    """`artgw serve`: the installed `artgw`, or (source=TREE) `python -c ...` run from an exported tree."""
+
+    def __init__(
+        self,
+        children: Children,
+        artgw: str,
+        upstream_port: int,
+        workdir: Path,
+        name: str = "gateway",
+        source: Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
         self.children = children
         self.artgw = artgw
         self.upstream_port = upstream_port
+        self.name = name
+        self.source = source
+        self.python = python
         self.port = free_port()
-        self.data_dir = workdir / "gateway-data"
-        self.log = workdir / "gateway.log"
+        self.data_dir = workdir / f"{name}-data"
+        self.log = workdir / f"{name}.log"
         self.proc: subprocess.Popen[Any] | None = None
 
     @property
@@ -284,8 +341,7 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [
-            self.artgw,
+        args = [
             "serve",
             "--upstream",
             f"http://127.0.0.1:{self.upstream_port}",
@@ -298,10 +354,19 @@ class Gateway:
             "--log-level",
             "warning",
         ]
-        say(f"gateway:  {' '.join(cmd)}")
-        self.proc = self.children.start(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        label = f"{self.name + ':':9}"
+        kwargs: dict[str, Any] = {}
+        if self.source is None:
+            cmd = [self.artgw, *args]
+            say(f"{label} {' '.join(cmd)}")
+        else:
+            cmd = [self.python, "-c", BASELINE_MAIN, *args]
+            kwargs = {"cwd": self.source, "env": tree_env(self.source)}
+            say(f"{label} cd {self.source} && PYTHONPATH={self.source} {shlex.join(cmd)}")
+        self.proc = self.children.start(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, **kwargs)
         try:
-            wait_http_ok(f"{self.url}/readyz", self.proc, 60, "the gateway")
+            what = "the gateway" if self.source is None else f"the {self.name} gateway"
+            wait_http_ok(f"{self.url}/readyz", self.proc, 60, what)
         except RuntimeError:
             say(self.log_tail())
             raise
@@ -354,6 +419,82 @@ def store_counts(data_dir: Path) -> tuple[int, Counter[str], int]:
         for p in (data_dir / "spill").glob("unrecorded-*.jsonl")
     )
     return total, by_status, spilled
+
+
+# ---------------------------------------------------------------- the baseline
+
+
+def artgw_python(artgw: str) -> str:
+    """The interpreter `artgw` runs on (its shebang), so that the baseline gateway runs on the same Python."""
+    path = Path(artgw) if Path(artgw).exists() else Path(shutil.which(artgw) or artgw)
+    with contextlib.suppress(OSError, UnicodeDecodeError), path.open("rb") as f:
+        first = f.readline(500)
+        if first.startswith(b"#!"):
+            interpreter = first[2:].decode().split()[0]
+            if Path(interpreter).name.startswith("python") and os.access(interpreter, os.X_OK):
+                return interpreter
+    return sys.executable
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+
+
+def export_tree(rev: str, dest: Path) -> str:
+    """`git archive REV | tar -x -C dest`: no worktree, nothing in the repo changes. Returns 'hash subject'."""
+    found = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if found.returncode != 0:
+        raise RuntimeError(f"--baseline {rev!r} is not a commit of {REPO}")
+    commit = found.stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "-C", str(REPO), "archive", commit], stdout=subprocess.PIPE)
+    assert archive.stdout is not None
+    tar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True, check=False)
+    archive.stdout.close()
+    if archive.wait() != 0 or tar.returncode != 0:
+        raise RuntimeError(f"git archive {commit} | tar -x -C {dest} failed: {tar.stderr.decode(errors='replace')}")
+    line = _git("log", "-1", "--format=%h %s", commit).stdout.strip()
+    return line if len(line) <= 72 else line[:71] + "…"
+
+
+def packages(tree: Path) -> list[str]:
+    """The top-level Python packages of a source tree (directories with an __init__.py)."""
+    return sorted(d.name for d in tree.iterdir() if (d / "__init__.py").is_file())
+
+
+def check_tree_imports(python: str, tree: Path) -> str:
+    """Make sure `python` with tree_env(tree), run in `tree`, imports artgw and every package from `tree`.
+
+    Imports artgw.cli (what the baseline gateway runs), then checks where each of the tree's top-level
+    packages resolves and that no module was loaded from the current tree's packages.
+    """
+    names = packages(tree)
+    probe = subprocess.run(
+        [python, "-c", BASELINE_PROBE, ",".join(names)],
+        cwd=tree,
+        env=tree_env(tree),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        raise RuntimeError(f"the baseline's artgw does not import ({python}):\n{probe.stderr[-3000:]}")
+    found = json.loads(probe.stdout.strip().splitlines()[-1])
+
+    def inside(path: str | None, root: Path) -> bool:
+        return path is not None and Path(path).resolve().is_relative_to(root.resolve())
+
+    stray = [f"{n}: {o}" for n, o in found["found"].items() if not inside(o, tree)]
+    stray += [f for f in found["loaded"] if any(inside(f, REPO / n) for n in packages(REPO))]
+    if not inside(found["artgw"], tree) or not inside(found["cli"], tree) or stray:
+        raise RuntimeError(
+            f"the baseline's Python does not import from {tree}: artgw from {found['artgw']}; "
+            f"from elsewhere: {', '.join(stray) or '-'}"
+        )
+    return (
+        f"{python} with PYTHONPATH={tree} imports artgw from {found['artgw']} "
+        f"({', '.join(names)}: all from there, nothing from {REPO})"
+    )
 
 
 # ---------------------------------------------------------------- load
@@ -545,6 +686,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pause", type=float, default=1.0, help="seconds of idle between runs (the recorder catches up)"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help=(
+            "a git revision (HEAD~3, a commit hash, a tag) to compare with: its tree is exported with "
+            "`git archive REV | tar -x` into the temp dir and served by a second gateway (the same Python as "
+            "--artgw, PYTHONPATH and cwd = that tree; checked at start), behind its own upstream port, with its "
+            "own store; per concurrency: direct, baseline, current. Adds a side-by-side table, the baseline's "
+            f"record check and 'not slower than baseline: PASS/FAIL': PASS when the current req/s >= "
+            f"{BASELINE_MIN_RPS_RATIO:.0%}% of the baseline's at every concurrency and its p50 at concurrency 1 "
+            f"<= the baseline's + {BASELINE_P50_SLACK_MS} ms, with no non-2xx or socket errors in the current's "
+            "runs (one run each: a single comparison); without it, no comparison"
+        ),
+    )
     return parser
 
 
@@ -559,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not Path(args.artgw).exists() and not shutil.which(args.artgw):
         say(f"error: artgw not found at {args.artgw} (use --artgw)")
+        return 2
+    if args.baseline and not shutil.which("git"):
+        say("error: --baseline needs git")
         return 2
 
     workdir = Path(tempfile.mkdtemp(prefix="artgw-bench-"))
@@ -585,48 +743,171 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _check_answer(gateway: Gateway) -> None:
+    """One call: the gateway must answer like the upstream, token fields hidden."""
+    status, data = http("POST", f"{gateway.url}/v1/chat/completions", CHAT_REQUEST)
+    answer = json.loads(data) if status == 200 else {}
+    if status != 200 or answer.get("model") != MODEL_NAME or answer.get("prompt_token_ids") is not None:
+        who = "gateway" if gateway.source is None else f"{gateway.name} gateway"
+        raise RuntimeError(f"the {who}'s answer is wrong: {status} {data[:300]!r}")
+
+
+def _through(children: Children, gateway: Gateway, connections: int, seconds: int, target: str) -> WrkResult:
+    """One wrk run through a gateway, with the gateway's CPU use over it."""
+    cpu0 = gateway.cpu_seconds()
+    result = run_wrk(children, gateway.url, connections, seconds, f"bench-{target}-c{connections}", target)
+    result.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / result.seconds
+    return result
+
+
+def _account(
+    who: str,
+    calls_made: int,
+    runs: list[WrkResult],
+    upstream_calls: Counter[str],
+    counts: tuple[int, Counter[str], int],
+    stopped: str,
+) -> tuple[bool, str]:
+    """Print the record accounting of one gateway; returns (no record lost, detail)."""
+    records, by_status, spilled = counts
+    served = sum(upstream_calls.values())
+    lost = calls_made - records
+    non2xx = sum(r.non2xx for r in runs)
+    socket_errors = sum(sum(r.error_counts) for r in runs)
+    say(
+        f"calls made through the {who}: {calls_made:,} (wrk-completed responses, warmup and 1 check call "
+        f"included; non-2xx {non2xx}, socket errors/timeouts {socket_errors})"
+    )
+    say(
+        f"upstream chat calls via the {who}: {served:,} {dict(upstream_calls)} "
+        f"(includes calls still in flight when wrk stopped)"
+    )
+    say(f"records written (calls table): {records:,} {dict(by_status)}; spilled: {spilled}; {who} {stopped}")
+    say(
+        f"lost = calls - records = {lost:,}"
+        + (" (< 0: in-flight calls at wrk's stop were recorded too)" if lost < 0 else "")
+    )
+    # Every call the upstream answered 200 must have its `ok` record (a stricter check than
+    # calls - records, which the calls still in flight when wrk stopped push below zero).
+    served_ok, records_ok = upstream_calls.get("200", 0), by_status.get("ok/200", 0)
+    unrecorded = max(0, served_ok - records_ok)
+    say(f"upstream 200s without an ok record: {unrecorded:,} ({served_ok:,} served, {records_ok:,} ok records)")
+    no_loss = records >= calls_made and unrecorded == 0 and spilled == 0
+    return no_loss, f"{records:,} records, {calls_made:,} calls made, {served:,} served upstream, {spilled} spilled"
+
+
+def _baseline_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> str:
+    """(direct, baseline, current) per concurrency, side by side."""
+    headers = ["conc", "baseline req/s", "current req/s", "current/baseline", "baseline p50 ms", "current p50 ms"]
+    headers += ["baseline added p50 ms", "current added p50 ms", "CPU baseline / current"]
+    rows = [
+        [
+            str(d.connections),
+            f"{b.rps:,.0f}",
+            f"{g.rps:,.0f}",
+            f"{g.rps / b.rps:.1%}" if b.rps else "-",
+            f"{b.p50_ms:.3f}",
+            f"{g.p50_ms:.3f}",
+            f"{b.p50_ms - d.p50_ms:+.3f}",
+            f"{g.p50_ms - d.p50_ms:+.3f}",
+            f"{b.cpu_pct:.0f}% / {g.cpu_pct:.0f}%",
+        ]
+        for d, b, g in runs
+    ]
+    return table(headers, rows)
+
+
+def _not_slower(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> tuple[bool, list[str]]:
+    """Is the current gateway not slower than the baseline? (verdict, one line per criterion)."""
+    ratios = [(d.connections, g.rps / b.rps if b.rps else 0.0) for d, b, g in runs]
+    rps_ok = all(r >= BASELINE_MIN_RPS_RATIO for _, r in ratios)
+    lines = [
+        f"{verdict(rps_ok)}  current req/s >= {BASELINE_MIN_RPS_RATIO:.0%} of the baseline's at every "
+        f"concurrency: {', '.join(f'{r:.1%} at {c}' for c, r in ratios)}"
+    ]
+    p50_name = f"current p50 <= baseline p50 + {BASELINE_P50_SLACK_MS:.2f} ms at concurrency 1"
+    at_one = [(b, g) for d, b, g in runs if d.connections == 1]
+    p50_ok: bool | None = None
+    if at_one:
+        b, g = at_one[0]
+        p50_ok = g.p50_ms <= b.p50_ms + BASELINE_P50_SLACK_MS
+        diff = g.p50_ms - b.p50_ms
+        lines.append(f"{verdict(p50_ok)}  {p50_name}: {g.p50_ms:.3f} vs {b.p50_ms:.3f} ms ({diff:+.3f})")
+    else:
+        lines.append(f"{verdict(None)}  {p50_name}: concurrency 1 not run")
+    # A gateway that answers errors fast would look quick: the compared runs must be clean.
+    clean = all(g.non2xx == 0 and not any(g.error_counts) for _, _, g in runs)
+    lines.append(f"{verdict(clean)}  current gateway: no non-2xx, socket errors or timeouts in the compared runs")
+    if any(b.non2xx or any(b.error_counts) for _, b, _ in runs):
+        lines.append("note  the baseline gateway had non-2xx or socket errors (see the runs table)")
+    return rps_ok and p50_ok is not False and clean, lines
+
+
 def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_nginx: bool) -> int:
     started_at = dt.datetime.now().astimezone()
     say(f"machine:  {machine()}; load average {os.getloadavg()[0]:.2f}")
     say(f"tools:    {tool_versions()}")
+    baseline_tree, baseline_rev, python = None, "", artgw_python(args.artgw)
+    if args.baseline:
+        baseline_tree = workdir / "baseline"
+        baseline_rev = export_tree(args.baseline, baseline_tree)
+        say(f"baseline: {args.baseline} = {baseline_rev}, exported to {baseline_tree} (git archive | tar -x)")
+        say(f"baseline: {check_tree_imports(python, baseline_tree)}")
+    n = 1 if baseline_tree is None else 2  # gateways behind the upstream, each on its own port
     upstream: NginxUpstream | PythonUpstream = (
-        NginxUpstream(children, workdir) if use_nginx else PythonUpstream(children, workdir)
+        NginxUpstream(children, workdir, gateways=n) if use_nginx else PythonUpstream(children, workdir, n)
     )
     upstream.start()
     direct_url = f"http://127.0.0.1:{upstream.direct_port}"
     if not use_nginx and args.upstream == "auto":
         say("upstream: nginx is not available: falling back to the Python stub (much slower than nginx)")
-    say(f"upstream: {upstream.kind} at {direct_url} (direct), :{upstream.gateway_port} (behind the gateway)")
+    behind = f":{upstream.gateway_port} (behind the gateway)"
+    if baseline_tree is not None:
+        behind += f", :{upstream.gateway_ports[1]} (behind the baseline gateway)"
+    say(f"upstream: {upstream.kind} at {direct_url} (direct), {behind}")
     gateway = Gateway(children, args.artgw, upstream.gateway_port, workdir)
     gateway.start()
+    baseline: Gateway | None = None
+    if baseline_tree is not None:
+        baseline = Gateway(children, args.artgw, upstream.gateway_ports[1], workdir, "baseline", baseline_tree, python)
+        baseline.start()
 
     # One call each way: the gateway must answer like the upstream, token fields hidden.
-    calls_made = 0
-    status, data = http("POST", f"{gateway.url}/v1/chat/completions", CHAT_REQUEST)
-    calls_made += 1
-    answer = json.loads(data) if status == 200 else {}
-    if status != 200 or answer.get("model") != MODEL_NAME or answer.get("prompt_token_ids") is not None:
-        raise RuntimeError(f"the gateway's answer is wrong: {status} {data[:300]!r}")
+    _check_answer(gateway)
+    calls_made = base_calls_made = 1
+    if baseline is not None:
+        _check_answer(baseline)
     if http("POST", f"{direct_url}/v1/chat/completions", CHAT_REQUEST)[0] != 200:
         raise RuntimeError("the upstream does not answer chat completions")
 
     before = _proc_times()
     measure_started = time.monotonic()
-    warm = None
+    warm = base_warm = None
     if args.warmup:
+        if baseline is not None:
+            say(f"warmup:   {args.warmup}s through the baseline gateway at 32 connections")
+            base_warm = run_wrk(children, baseline.url, 32, args.warmup, "bench-warmup", "baseline")
+            base_calls_made += base_warm.requests
+            time.sleep(args.pause)
         say(f"warmup:   {args.warmup}s through the gateway at 32 connections")
         warm = run_wrk(children, gateway.url, 32, args.warmup, "bench-warmup", "gateway")
         calls_made += warm.requests
         time.sleep(args.pause)
 
+    # Per concurrency: direct, [baseline,] current, one after the other, so machine noise hits all alike.
     results: list[tuple[WrkResult, WrkResult]] = []
+    base_results: list[WrkResult] = []
     for c in args.concurrency:
         direct = run_wrk(children, direct_url, c, args.duration, f"bench-direct-c{c}", "direct")
         progress(direct)
         time.sleep(args.pause)
-        cpu0 = gateway.cpu_seconds()
-        via = run_wrk(children, gateway.url, c, args.duration, f"bench-gateway-c{c}", "gateway")
-        via.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / via.seconds
+        if baseline is not None:
+            old = _through(children, baseline, c, args.duration, "baseline")
+            base_calls_made += old.requests
+            progress(old)
+            base_results.append(old)
+            time.sleep(args.pause)
+        via = _through(children, gateway, c, args.duration, "gateway")
         calls_made += via.requests
         progress(via)
         results.append((direct, via))
@@ -634,9 +915,10 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     busy = other_load(before, time.monotonic() - measure_started, children.sessions())
 
     stopped = gateway.stop()
-    records, by_status, spilled = store_counts(gateway.data_dir)
+    counts = store_counts(gateway.data_dir)
+    base_stopped = baseline.stop() if baseline is not None else ""
+    base_counts = store_counts(baseline.data_dir) if baseline is not None else (0, Counter(), 0)
     upstream.stop()
-    upstream_calls = upstream.gateway_calls()
 
     # ------------------------------------------------------------ report
     say()
@@ -662,36 +944,50 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     ]
     say(table(headers, rows))
     say()
+    compared = [(d, b, g) for (d, g), b in zip(results, base_results, strict=False)]  # empty without --baseline
+    runs: list[tuple[WrkResult, ...]] = [*compared] if compared else [*results]
     err_rows = [
         [f"{r.target} c={r.connections}", f"{r.requests:,}", str(r.non2xx), *map(str, r.error_counts)]
-        for pair in results
-        for r in pair
+        for run in runs
+        for r in run
     ]
     say(table(["run", "responses", "non-2xx", "connect", "read", "write", "timeout"], err_rows))
     say()
 
-    served = sum(upstream_calls.values())
-    lost = calls_made - records
-    non2xx = sum(g.non2xx for _, g in results) + (warm.non2xx if warm else 0)
-    socket_errors = sum(sum(g.error_counts) for _, g in results) + (sum(warm.error_counts) if warm else 0)
-    say(
-        f"calls made through the gateway: {calls_made:,} (wrk-completed responses, warmup and 1 check call "
-        f"included; non-2xx {non2xx}, socket errors/timeouts {socket_errors})"
+    if compared:
+        short = baseline_rev.split()[0]
+        named = "" if short.startswith(args.baseline) or args.baseline.startswith(short) else f" ({args.baseline})"
+        say(f"### Baseline {short}{named} vs the current tree")
+        say()
+        say(_baseline_table(compared))
+        say()
+        say(
+            "one run per gateway and concurrency, interleaved (direct, baseline, current, same pause between): "
+            "a single comparison, not a statistic; added p50 = p50 - direct p50 of the same concurrency"
+        )
+        say()
+        say("current gateway:")
+
+    no_loss, loss_detail = _account(
+        "gateway",
+        calls_made,
+        [g for _, g in results] + ([warm] if warm else []),
+        upstream.gateway_calls(),
+        counts,
+        stopped,
     )
-    say(
-        f"upstream chat calls via the gateway: {served:,} {dict(upstream_calls)} "
-        f"(includes calls still in flight when wrk stopped)"
-    )
-    say(f"records written (calls table): {records:,} {dict(by_status)}; spilled: {spilled}; gateway {stopped}")
-    say(
-        f"lost = calls - records = {lost:,}"
-        + (" (< 0: in-flight calls at wrk's stop were recorded too)" if lost < 0 else "")
-    )
-    # Every call the upstream answered 200 must have its `ok` record (a stricter check than
-    # calls - records, which the calls still in flight when wrk stopped push below zero).
-    served_ok, records_ok = upstream_calls.get("200", 0), by_status.get("ok/200", 0)
-    unrecorded = max(0, served_ok - records_ok)
-    say(f"upstream 200s without an ok record: {unrecorded:,} ({served_ok:,} served, {records_ok:,} ok records)")
+    base_no_loss, base_loss_detail = None, ""
+    if baseline is not None:
+        say()
+        say(f"baseline gateway ({baseline_rev.split()[0]}):")
+        base_no_loss, base_loss_detail = _account(
+            "baseline gateway",
+            base_calls_made,
+            base_results + ([base_warm] if base_warm else []),
+            upstream.gateway_calls(baseline.upstream_port),
+            base_counts,
+            base_stopped,
+        )
     if busy:
         say(f"note: other processes used CPU during the runs: {', '.join(busy[:6])}")
     say()
@@ -716,19 +1012,23 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         checks.append(("gateway >= 2,000 req/s at 32-256 (DESIGN)", all(r >= 2000 for _, r in mid), detail))
     else:
         checks.append(("gateway >= 2,000 req/s at 32-256 (DESIGN)", None, "no concurrency in 32-256 run"))
-    no_loss = records >= calls_made and unrecorded == 0 and spilled == 0
-    checks.append(
-        (
-            "zero records lost",
-            no_loss,
-            f"{records:,} records, {calls_made:,} calls made, {served:,} served upstream, {spilled} spilled",
-        )
-    )
+    checks.append(("zero records lost", no_loss, loss_detail))
+    if baseline is not None:
+        checks.append(("zero records lost (baseline gateway)", base_no_loss, base_loss_detail))
     say("targets:")
     for name, ok, detail in checks:
         say(f"  {verdict(ok)}  {name}: {detail}")
-    if not gateway.stopped_cleanly:
-        say(f"\ngateway log tail:\n{gateway.log_tail()}")
+    if compared:
+        ok, lines = _not_slower(compared)
+        say()
+        say(f"not slower than baseline: {verdict(ok)}")
+        for line in lines:
+            say(f"  {line}")
+        say("  (one run each way, not a statistic: re-run before trusting a verdict near the tolerances)")
+    for gw in (gateway, baseline):
+        if gw is not None and not gw.stopped_cleanly:
+            label = "gateway" if gw.source is None else f"{gw.name} gateway"
+            say(f"\n{label} log tail:\n{gw.log_tail()}")
     return 0
 
 
