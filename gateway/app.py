@@ -65,10 +65,11 @@ DEPENDENCIES = {
 
 
 @post(["/v1/chat/completions", "/rollouts/{rollout_id:str}/v1/chat/completions"], status_code=200)
-async def chat_completions(request: Request, chat: ChatService, rollout_id: str | None = None) -> ASGIApp:
-    # The answer is a bare ASGI app (gateway/responses.py): no framework work between engine and client.
+async def chat_completions(request: Request, rollout_id: str | None = None) -> ASGIApp:
+    # The data path: the service is taken from the app's state rather than through Litestar's DI (~12 µs a
+    # call measured), and the answer is a bare ASGI app (gateway/responses.py), no framework work after it.
     key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
-    return await chat.complete(await request.body(), key)
+    return await _chat(request.app.state).complete(await request.body(), key)
 
 
 @get(["/v1/models", "/rollouts/{rollout_id:str}/v1/models"])

@@ -215,6 +215,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
 
     base: Head | None = None
     best = (0, 0, False)
+    whole = (len(prompt or b"") // 4, len(messages or ()), True)
     choices: tuple[int | None, int | None] = (None, None)
     for head in reversed(heads):  # the newest wins a tie
         prompt_choice, prompt_len = _prompt_prefix(prompt, head)
@@ -222,6 +223,8 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         score = (prompt_len, messages_len, rest == head.rest)
         if score > best:
             base, best, choices = head, score, (prompt_choice, messages_choice)
+            if score == whole:  # nothing left to store: no older head can do better
+                break
     prompt_len, messages_len, same_rest = best
 
     if prompt is not None:
