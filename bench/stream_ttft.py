@@ -42,6 +42,8 @@ from gateway_overhead import (  # noqa: E402
     wait_http_ok,
 )
 
+from store.codec import decode_ids  # noqa: E402
+
 PROMPT_IDS = list(range(100, 124))
 TOKENS = [(" properties", 373, -6.7468), ("ct", 176, -7.1481), ("to", 452, -7.06), ("49", 500, -7.123)]
 
@@ -181,10 +183,11 @@ def count_records(db: Path) -> tuple[int, int]:
     """(streamed ok calls, of them with every sampled token id) in the gateway's store."""
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        rows = conn.execute("SELECT choices FROM calls WHERE status = 'ok' AND stream").fetchall()
+        rows = conn.execute("SELECT completion_ids FROM calls WHERE status = 'ok' AND stream").fetchall()
     finally:
         conn.close()
-    complete = sum(1 for (choices,) in rows if json.loads(choices)[0]["token_ids"] == [t[1] for t in TOKENS])
+    expected = [t[1] for t in TOKENS]  # one choice: its sampled ids are the whole blob (store/codec.py)
+    complete = sum(1 for (blob,) in rows if decode_ids(blob) == expected)
     return len(rows), complete
 
 

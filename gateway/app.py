@@ -53,7 +53,6 @@ DEPENDENCIES = {
     name: Provide(provider, sync_to_thread=False)
     for name, provider in (
         ("services", _services),
-        ("chat", _chat),
         ("registry", _registry),
         ("rollouts", _rollouts),
         ("groups", _groups),
