@@ -70,12 +70,13 @@ class ChatRequestHead(msgspec.Struct, frozen=True):
 
 
 _head_decoder = msgspec.json.Decoder(ChatRequestHead)
+_request_decoder: msgspec.json.Decoder[dict[str, Any]] = msgspec.json.Decoder(dict)
 
 
 def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
     """The typed head (400 naming the param if it is wrong) and the whole request as sent."""
     head = decode_body(body, ChatRequestHead, _head_decoder)
-    return head, _decode(body)
+    return head, decode_body(body, dict, _request_decoder)
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,10 @@ def decode_body(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | N
         raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise invalid_request("Request body is not valid UTF-8.", code="invalid_json") from None
+    except RecursionError:
+        raise invalid_request("Request body is nested too deeply.", code="invalid_json") from None
 
 
 def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:

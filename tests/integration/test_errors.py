@@ -58,6 +58,15 @@ CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
     [
         (b"{not json", None, "invalid_json"),
         (b"[1, 2]", None, "invalid_json"),
+        (b'{"model": "my-agent", "messages": [{"role": "user", "content": "\xff"}]}', None, "invalid_json"),
+        (
+            b'{"model": "my-agent", "messages": [{"role": "user", "content": '
+            + b"[" * 100_000
+            + b"]" * 100_000
+            + b"}]}",
+            None,
+            "invalid_json",
+        ),
         (b'{"messages": [{"role": "user", "content": "hi"}]}', "model", "missing_required_parameter"),
         (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', "model", "invalid_type"),
         (b'{"model": "my-agent"}', "messages", "missing_required_parameter"),

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -26,30 +24,8 @@ from store.codec import CallCache
 from store.db import alembic_config
 from store.records import CallRecord, ChoiceRecord
 from store.tables import calls, metadata, rollouts
-from tests.conftest import fresh_pg_database
 
 # --- databases ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """An empty database of the test's own, SQLite or PostgreSQL."""
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'store.sqlite'}"
-        return
-    async with fresh_pg_database(request.getfixturevalue("pg_server_url")) as url:
-        yield url
-
-
-@pytest.fixture
-async def engine(store_url: str) -> AsyncIterator[AsyncEngine]:
-    """An engine on a database migrated to head."""
-    engine = create_engine(store_url)
-    try:
-        await migrate(engine, "head")
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 # --- records -----------------------------------------------------------------------------------------

@@ -4,12 +4,10 @@ rows written in the 0003 layout and back."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,27 +20,7 @@ from store.db import create_sync_sqlite_engine
 from store.records import CallRecord
 from store.tables import calls
 from store.trajectories import assemble
-from tests.conftest import conversation, fresh_pg_database
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """An empty database of the test's own, SQLite or PostgreSQL."""
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'store.sqlite'}"
-        return
-    async with fresh_pg_database(request.getfixturevalue("pg_server_url")) as url:
-        yield url
-
-
-@pytest.fixture
-async def engine(store_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(store_url)
-    try:
-        await migrate(engine, "head")
-        yield engine
-    finally:
-        await engine.dispose()
+from tests.conftest import conversation
 
 
 async def write(engine: AsyncEngine, records: list[CallRecord], cache: CallCache | None) -> int:
