@@ -16,31 +16,13 @@ import sqlalchemy as sa
 from gateway.recorder import Recorder
 from store import create_engine, migrate
 from store.db import create_sync_sqlite_engine
-from store.records import CallRecord, ChoiceRecord
+from store.records import CallRecord
 from store.tables import calls
+from tests.conftest import make_call
 
 
 def record(rollout: str) -> CallRecord:
-    now = time.time()
-    return CallRecord(
-        call_id=uuid.uuid4().hex,
-        rollout_id=rollout,
-        rollout_explicit=True,
-        model="my-agent",
-        step=0,
-        upstream_model="base",
-        request={"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]},
-        stream=False,
-        status="ok",
-        http_status=200,
-        error=None,
-        prompt_token_ids=[1, 2, 3],
-        choices=[ChoiceRecord(0, {"role": "assistant", "content": "x"}, "stop", [7], [-0.1])],
-        usage=None,
-        started_at=now,
-        first_token_at=now,
-        ended_at=now,
-    )
+    return make_call(uuid.uuid4().hex, time.time(), rollout_id=rollout)
 
 
 def count(db: Path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -24,6 +25,7 @@ from store.codec import CallCache
 from store.db import alembic_config
 from store.records import CallRecord, ChoiceRecord
 from store.tables import calls, metadata, rollouts
+from tests.conftest import make_call
 
 # --- databases ---------------------------------------------------------------------------------------
 
@@ -31,45 +33,15 @@ from store.tables import calls, metadata, rollouts
 # --- records -----------------------------------------------------------------------------------------
 
 
-def call(
-    call_id: str,
-    rollout_id: str,
-    started_at: float,
-    *,
-    model: str | None = "agent",
-    explicit: bool = True,
-    **fields: object,
-) -> CallRecord:
-    """A plain successful call; `fields` override any other field."""
-    values: dict[str, object] = {
-        "call_id": call_id,
-        "rollout_id": rollout_id,
-        "rollout_explicit": explicit,
-        "model": model,
+def call(call_id: str, rollout_id: str, started_at: float, *, model: str | None = "agent", **fields: Any) -> CallRecord:
+    """A plain successful call of `agent@3` (tests.conftest.make_call with this module's defaults)."""
+    defaults: dict[str, Any] = {
         "step": 3,
         "upstream_model": "agent@3",
-        "request": {"model": model or "base", "messages": [{"role": "user", "content": f"hi {call_id}"}]},
-        "stream": False,
-        "status": "ok",
-        "http_status": 200,
-        "error": None,
-        "prompt_token_ids": [1, 2, 3],
-        "choices": [
-            ChoiceRecord(
-                index=0,
-                message={"role": "assistant", "content": "ok"},
-                finish_reason="stop",
-                token_ids=[7, 8],
-                logprobs=[-0.5, -0.25],
-            )
-        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-        "started_at": started_at,
         "first_token_at": started_at + 0.125,
-        "ended_at": started_at + 0.5,
     }
-    values.update(fields)
-    return CallRecord(**values)  # type: ignore[arg-type]
+    return make_call(call_id, started_at, rollout_id=rollout_id, model=model, **{**defaults, **fields})
 
 
 async def write(engine: AsyncEngine, records: list[CallRecord], cache: CallCache | None = None) -> int:
