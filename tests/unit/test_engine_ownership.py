@@ -3,18 +3,22 @@ process that holds, or answers on, the engine's port; plain sockets play the res
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from gateway.engine import (
+    ENGINE_TAG_VAR,
     EngineConfig,
     EngineConflict,
     EngineFailed,
@@ -177,3 +181,112 @@ async def test_supervisor_refuses_a_stranger_that_takes_the_port_after_the_check
         for c in psutil.net_connections("tcp"):
             if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid is not None:
                 psutil.Process(c.pid).kill()
+
+
+# A stand-in API server for the restart tests: answers /v1/models (`stub`) and /health, which says 503 (vLLM's
+# answer once its engine core is dead) while the flag file exists; a fresh start clears the flag.
+HEALTH_SERVER = """
+import http.server, json, os, sys
+port, flag = int(sys.argv[1]), sys.argv[2]
+if os.path.exists(flag):
+    os.remove(flag)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        code, body = 404, b""
+        if self.path == "/health":
+            code = 503 if os.path.exists(flag) else 200
+        elif self.path == "/v1/models":
+            code, body = 200, json.dumps({"data": [{"id": "stub"}]}).encode()
+        self.send_response(code)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """Live processes carrying the engine tag `tag` in their environment."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(ENGINE_TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def until(check: Callable[[], object], within: float, what: str) -> None:
+    for _ in range(round(within / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {within}s waiting for {what}")
+
+
+@pytest.fixture
+def escaping_engine(tmp_path: Path) -> tuple[FakeEngine, Path]:
+    """An engine like vLLM's tree, made harder: the API server has a child that left its process group and
+    session (`setsid`), as an engine core could; only the environment tag still ties it to the engine."""
+    port = free_port()
+    script = tmp_path / "health_server.py"
+    script.write_text(HEALTH_SERVER)
+    flag = tmp_path / "engine-core-dead"
+    config = FakeEngine(
+        base_model="unused",
+        served_name="stub",
+        port=port,
+        log_path=tmp_path / "engine.log",
+        startup_timeout=30,
+        health_interval=0.1,
+        crash_grace=1.0,
+        stop_grace=2.0,
+        argv=("sh", "-c", f"setsid sleep 300 & exec {sys.executable} {script} {port} {flag}"),
+    )
+    return config, flag
+
+
+async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escaping_engine) -> None:
+    config, _ = escaping_engine
+    readied: list[float] = []
+
+    async def on_ready() -> None:
+        readied.append(time.monotonic())
+
+    supervisor = EngineSupervisor(config, on_fatal=pytest.fail, on_ready=on_ready)
+    await supervisor.start()
+    try:
+        assert supervisor.process is not None and supervisor.tag is not None
+        server, tag = supervisor.process.pid, supervisor.tag
+        await until(lambda: len(tagged(tag)) == 2, 10, "the server and its escaped child")
+        (escaped,) = [p for p in tagged(tag) if p.pid != server]
+        assert os.getsid(escaped.pid) != os.getsid(server) and os.getpgid(escaped.pid) != server
+
+        os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
+        await until(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
+        assert supervisor.process.pid != server
+        assert tagged(tag) == []  # the escaped child too (gone, or a zombie if PID 1 does not reap it)
+        assert len(readied) == 2  # on_ready ran again: the serving adapters are reloaded
+        new_tag = supervisor.tag
+    finally:
+        await supervisor.stop()
+    assert tagged(new_tag) == []  # stop ends the escaped child too
+    assert supervisor.state == "stopped"
+
+
+async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_engine) -> None:
+    config, flag = escaping_engine
+    supervisor = EngineSupervisor(config, on_fatal=pytest.fail)
+    await supervisor.start()
+    try:
+        assert supervisor.process is not None and supervisor.tag is not None
+        server, tag = supervisor.process, supervisor.tag
+        flag.touch()  # /health answers 503 from now on, while the server process lives
+        await until(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
+        assert server.returncode is not None and supervisor.process is not server
+        assert tagged(tag) == []
+    finally:
+        await supervisor.stop()

@@ -1,0 +1,240 @@
+"""A dead engine, with real vLLM under `artgw serve --base-model`: its API server is SIGKILLed, then its engine core.
+
+Each time: calls in flight (streamed and not) end with a clean OpenAI-shaped error and are recorded
+`upstream_error`; every process of the old engine is gone before the new one starts (none is left orphaned under
+PID 1, holding memory and CPU); the gateway becomes ready again and serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from gateway.engine import ENGINE_TAG_VAR, shared_memory_of
+from tests.conftest import GatewayProcess, free_port, metric, poll, wait_http
+
+pytestmark = pytest.mark.engine
+
+LONG = 4000  # tokens: the calls are still generating when the engine is killed (ignore_eos: no early stop)
+
+
+@dataclass
+class EngineTree:
+    """The supervised engine as it runs: its API server, every descendant, and their environment tag."""
+
+    server: psutil.Process
+    processes: list[psutil.Process]
+    tag: str
+
+    def describe(self) -> str:
+        rows = []
+        for proc in self.processes:
+            try:
+                pid, ppid = proc.pid, proc.ppid()
+                rows.append(f"  pid {pid} ppid {ppid} pgid {os.getpgid(pid)} sid {os.getsid(pid)} {proc.name()!r}")
+            except (psutil.Error, OSError):
+                rows.append(f"  pid {proc.pid} (gone)")
+        return "\n".join(rows)
+
+    def core(self) -> psutil.Process:
+        (core,) = [p for p in self.processes if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+        return core
+
+
+def engine_tree(engine_port: int) -> EngineTree | None:
+    """The engine listening on `engine_port`, or None while there is none (or it is still spawning children)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "vllm.entrypoints.openai.api_server" in cmdline and f"--port {engine_port}" in cmdline:
+            try:
+                return EngineTree(proc, [proc, *proc.children(recursive=True)], proc.environ()[ENGINE_TAG_VAR])
+            except psutil.Error:
+                return None
+    return None
+
+
+def live(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """Every live process of this user that carries the engine tag `tag`, wherever it was reparented."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(ENGINE_TAG_VAR) == tag and live(proc):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@dataclass
+class InFlight:
+    """A long call running in a thread: what the client got back."""
+
+    gateway: GatewayProcess
+    rollout_id: str
+    stream: bool
+    status: int | None = None
+    body: Any = None  # the JSON error body (non-streamed), or the list of SSE data payloads (streamed)
+    failure: BaseException | None = None
+    first_event: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        request = {
+            "model": "my-agent",
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "stream": self.stream,
+        }
+        headers = {"X-ART-Rollout-Id": self.rollout_id}
+        url = f"{self.gateway.base_url}/chat/completions"
+        try:
+            if not self.stream:
+                r = httpx.post(url, json=request, headers=headers, timeout=300)
+                self.status, self.body = r.status_code, r.json()
+                return
+            with httpx.stream("POST", url, json=request, headers=headers, timeout=300) as r:
+                self.status, self.body = r.status_code, []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.body.append(line[6:])
+                        self.first_event.set()
+        except BaseException as exc:  # the test asserts there was none: an unclean end (reset, cut stream)
+            self.failure = exc
+        finally:
+            self.first_event.set()
+
+    def join(self) -> None:
+        assert self.thread is not None
+        self.thread.join(120)
+        assert not self.thread.is_alive(), f"the {'streamed' if self.stream else 'plain'} call never ended"
+
+
+def assert_clean_error(call: InFlight) -> None:
+    assert call.failure is None, f"the client saw an unclean end: {call.failure!r}"
+    if call.stream:
+        assert call.status == 200, call.body
+        events = call.body
+        assert events[-1] == "[DONE]" or events[-1].startswith("{"), events[-3:]
+        errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
+        assert errors, f"the stream ended without an error event: {events[-3:]}"
+        error = errors[-1]["error"]
+    else:
+        assert call.status in (502, 503), (call.status, call.body)
+        error = call.body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] in ("upstream_error", "upstream_unreachable", "engine_unavailable"), error
+
+
+def recorded_status(gateway: GatewayProcess, rollout_id: str) -> str | None:
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10)
+    if r.status_code != 200:
+        return None
+    calls = r.json()["calls"]
+    return calls[0]["status"] if calls else None
+
+
+def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) -> None:
+    old = engine_tree(engine_port)
+    assert old is not None, "no engine process found"
+    print(f"\nthe engine's process tree before killing its {victim}:\n{old.describe()}")
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    running_before = metric(engine_url, "vllm:num_requests_running")
+
+    run = uuid.uuid4().hex[:8]
+    calls = [
+        InFlight(gateway, f"restart-{victim}-{run}-stream", True),
+        InFlight(gateway, f"restart-{victim}-{run}", False),
+    ]
+    for call in calls:
+        call.start()
+    calls[0].first_event.wait(60)
+    poll(
+        lambda: metric(engine_url, "vllm:num_requests_running") >= running_before + 2,
+        60,
+        "both calls to be generating",
+        alive=[gateway.proc],
+    )
+
+    shared = set().union(*(shared_memory_of(p.pid) for p in old.processes))  # vLLM's ring buffers
+    target = old.server if victim == "api-server" else old.core()
+    killed_at = time.monotonic()
+    target.send_signal(signal.SIGKILL)
+
+    for call in calls:
+        call.join()
+        assert_clean_error(call)
+
+    # The supervisor ends the whole old tree before it spawns the new server: once a new one runs, none is left.
+    new = poll(
+        lambda: (tree := engine_tree(engine_port)) is not None and tree.server.pid != old.server.pid and tree,
+        120,
+        "a new engine to be spawned",
+        every=0.1,
+        alive=[gateway.proc],
+    )
+    spawned_after = time.monotonic() - killed_at
+    survivors = [p for p in old.processes if live(p)] + tagged(old.tag)
+    assert not survivors, (
+        "processes of the old engine outlived it:\n" + EngineTree(old.server, survivors, "").describe()
+    )
+    assert new.tag != old.tag
+    assert not [path for path in shared if os.path.exists(path)], "the old engine's shared memory was left behind"
+
+    wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
+    ready_after = time.monotonic() - killed_at
+    print(
+        f"killed its {victim}: new engine spawned after {spawned_after:.1f}s, gateway ready after {ready_after:.1f}s; "
+        f"{len(shared)} shared-memory files released"
+    )
+    assert not tagged(old.tag)
+
+    r = httpx.post(
+        f"{gateway.base_url}/chat/completions",
+        json={"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+
+    for call in calls:
+        status = poll(lambda c=call: recorded_status(gateway, c.rollout_id), 30, f"{call.rollout_id} to be recorded")
+        assert status == "upstream_error", (call.rollout_id, status)
+
+
+def test_a_killed_engine_is_ended_whole_and_restarted(tiny_model, gateway_factory) -> None:
+    engine_port = free_port()
+    started = time.monotonic()
+    gateway = gateway_factory("--base-model", str(tiny_model), "--engine-port", str(engine_port), wait=False)
+    wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
+    print(f"cold start: gateway ready after {time.monotonic() - started:.1f}s")
+
+    crash_and_recover(gateway, engine_port, "api-server")
+    crash_and_recover(gateway, engine_port, "engine-core")
+
+    # On exit too, nothing of the engine is left.
+    last = engine_tree(engine_port)
+    assert last is not None
+    gateway.proc.send_signal(signal.SIGTERM)
+    assert gateway.proc.wait(60) == 0
+    poll(lambda: not tagged(last.tag), 10, "the engine's processes to be gone after the gateway's exit")
