@@ -167,12 +167,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import timed_protocol
 
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        # uvicorn's httptools protocol with idle, header and body read timeouts (it has only the first).
+        http=timed_protocol(
+            idle=settings.keep_alive_timeout, header=settings.header_timeout, body=settings.body_timeout
+        ),
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,

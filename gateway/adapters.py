@@ -13,8 +13,9 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import anyio
 import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -110,13 +111,25 @@ class AdapterRegistry:
 # ---------------------------------------------------------------- loading adapters into the engine
 
 
+# Bounds of an adapter load: the store keeps `step` in a 32-bit INTEGER column (SQLite and PostgreSQL), and the
+# rest is kept to what a trainer sends, so no admin input can fail only after the engine has loaded it.
+MAX_STEP = 2**31 - 1
+MAX_PATH = 4096  # PATH_MAX on Linux
+MAX_GROUPS_PER_STEP = 10_000
+MAX_ID = 256
+
+
 class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a trainer posts once a step's checkpoint is on disk."""
 
-    step: int
-    path: str  # directory with adapter_config.json + weights, readable by the engine
-    group_ids: list[str] = []  # the groups this step trained: marked trained once the adapter serves
-    lease_owner: str = ""
+    step: Annotated[int, msgspec.Meta(le=MAX_STEP)]  # >= 1 is checked by hand: its message explains step 0
+    # directory with adapter_config.json + weights, readable by the engine
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH)]
+    # the groups this step trained: marked trained once the adapter serves
+    group_ids: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_ID)]], msgspec.Meta(max_length=MAX_GROUPS_PER_STEP)
+    ] = []
+    lease_owner: Annotated[str, msgspec.Meta(max_length=MAX_ID)] = ""
     metrics: StepMetrics | None = None
 
 
@@ -192,9 +205,16 @@ class AdapterService:
                         group_ids=spec.group_ids,
                         lease_owner=spec.lease_owner,
                     )
-            except LeaseLost as exc:
-                await self._engine("unload", {"lora_name": adapter})
-                raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
+            except BaseException as exc:
+                # Whatever stopped the commit (a lost lease, the store down or locked, a cancelled request),
+                # the adapter must not stay loaded: the store says what serves, and a retry loads it again.
+                with anyio.CancelScope(shield=True):
+                    ok, text = await self._engine("unload", {"lora_name": adapter})
+                if not ok:
+                    log.error("could not unload %s after its commit failed: %s", adapter, text[:300])
+                if isinstance(exc, LeaseLost):
+                    raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
+                raise
             model.loaded_steps.add(spec.step)
             model.served_step = spec.step  # the alias moves: new requests for `name` get this step
             await self._unload_old(model)

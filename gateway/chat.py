@@ -8,20 +8,23 @@ fields it did not ask for are set back to null, as vLLM does.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import aiohttp
 import anyio
 import msgspec
+from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.validators import validator_for
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.engine import EngineState
-from gateway.errors import OpenAIError, decode_body, invalid_request
+from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
 from gateway.responses import EventStream, JSONBody
@@ -55,18 +58,39 @@ def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
     return RolloutKey(given, explicit=True)
 
 
+# OpenAI's roles; vLLM would render any other into the prompt as text.
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+MAX_N = 128  # choices per call: each is a full generation, so one request could otherwise occupy the engine
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap, and vLLM's default --max-logprobs
+
+
 class ChatMessageHead(msgspec.Struct, frozen=True):
-    role: str
+    role: str  # checked against ROLES by hand: OpenAI's message names the supported values
+
+
+class FunctionHead(msgspec.Struct, frozen=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    # Kept as the bytes sent: the schema check is cached by them, and agents send the same tools every call.
+    parameters: msgspec.Raw = msgspec.Raw()
+
+
+class ToolHead(msgspec.Struct, frozen=True):
+    type: Literal["function"]
+    function: FunctionHead
 
 
 class ChatRequestHead(msgspec.Struct, frozen=True):
-    """The fields of a chat request the gateway itself relies on. The rest goes to vLLM as sent (unknown
-    fields are kept, not dropped): vLLM validates them and its 400s pass through."""
+    """The fields of a chat request the gateway itself relies on or bounds. The rest goes to vLLM as sent
+    (unknown fields are kept, not dropped): vLLM validates them and its 400s pass through."""
 
     model: Annotated[str, msgspec.Meta(min_length=1)]
     messages: Annotated[list[ChatMessageHead], msgspec.Meta(min_length=1)]
     stream: bool | None = False
-    n: Annotated[int, msgspec.Meta(ge=1)] | None = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[ToolHead] | None = None
 
 
 _head_decoder = msgspec.json.Decoder(ChatRequestHead)
@@ -75,8 +99,41 @@ _request_decoder: msgspec.json.Decoder[dict[str, Any]] = msgspec.json.Decoder(di
 
 def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
     """The typed head (400 naming the param if it is wrong) and the whole request as sent."""
-    head = decode_body(body, ChatRequestHead, _head_decoder)
-    return head, decode_body(body, dict, _request_decoder)
+    head = decode_body(body, ChatRequestHead, _head_decoder)  # nesting depth checked here, once
+    request = decode_json(body, dict, _request_decoder)
+    for i, message in enumerate(head.messages):
+        if message.role not in ROLES:
+            raise invalid_request(
+                f"Invalid value: '{message.role}'. Supported values are: 'system', 'assistant', 'user', "
+                "'function', 'tool', and 'developer'.",
+                param=f"messages[{i}].role",
+                code="invalid_value",
+            )
+    for i, tool in enumerate(head.tools or ()):
+        problem = _schema_problem(bytes(tool.function.parameters))
+        if problem is not None:
+            raise invalid_request(
+                f"Invalid schema for function '{tool.function.name}': {problem}",
+                param=f"tools[{i}].function.parameters",
+                code="invalid_function_parameters",
+            )
+    return head, request
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(raw: bytes) -> str | None:
+    """What is wrong with a tool's `parameters` (None: a valid JSON Schema object, or none given)."""
+    if raw in (b"", b"null"):
+        return None
+    schema = _decode(raw)
+    if not isinstance(schema, dict):
+        return "parameters must be a JSON Schema object."
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return f"{exc.message}" + (f" (at '{where}')." if where else ".")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +301,9 @@ class ChatService:
                 payload = b""
             upstream.release()
             error = _upstream_error(upstream.status, payload)
-            await call.finish("upstream_error", error.status, error.message)
+            # The engine's 4xx is the client's mistake (a bad option): passed through and counted as such,
+            # not as an engine fault.
+            await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
             raise error
         if stream:
             relay = call.relay(upstream, asked, head.model)
@@ -346,13 +405,24 @@ class _Call:
         """
         stream = _Stream(asked, model)
         pending = b""
+        recorded = False  # exactly once: at the engine's [DONE], else in `finally`
         try:
             async for data in upstream.content.iter_any():
                 *lines, pending = (pending + data).split(b"\n")
                 out = [event for line in lines if (event := stream.take(line, self)) is not None]
+                if stream.done and not recorded:
+                    # [DONE] is the client's end of answer: the call is journaled before the client gets it,
+                    # so an answered call survives a crash of the gateway (gateway/journal.py).
+                    recorded = True
+                    with anyio.CancelScope(shield=True):
+                        await self._record_stream(stream)
                 if out:
                     yield b"".join(out)
             if pending and (event := stream.take(pending, self)) is not None:
+                if stream.done and not recorded:
+                    recorded = True
+                    with anyio.CancelScope(shield=True):
+                        await self._record_stream(stream)
                 yield event
             if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
@@ -369,9 +439,14 @@ class _Call:
                     upstream.release()
                 else:
                     upstream.close()
-                records = [stream.choices[i].record(i) for i in sorted(stream.choices)]
-                http_status = 200 if stream.status != "cancelled" else 499
-                await self.finish(stream.status, http_status, stream.error, stream.prompt_ids, records, stream.usage)
+                if not recorded:
+                    await self._record_stream(stream)
+
+    async def _record_stream(self, stream: _Stream) -> None:
+        """Record the streamed call (once per call: see `relay`)."""
+        records = [stream.choices[i].record(i) for i in sorted(stream.choices)]
+        http_status = 200 if stream.status != "cancelled" else 499
+        await self.finish(stream.status, http_status, stream.error, stream.prompt_ids, records, stream.usage)
 
 
 @dataclass
@@ -385,6 +460,7 @@ class _Stream:
     usage: dict[str, Any] | None = None
     status: CallStatus = "cancelled"
     error: str | None = None
+    done: bool = False  # the engine's [DONE] came: the call is over, its record goes before the client's [DONE]
 
     def take(self, line: bytes, call: _Call) -> bytes | None:
         """One line of the engine's SSE stream -> the bytes the client gets for it (None: nothing)."""
@@ -392,12 +468,18 @@ class _Stream:
             return None
         data = line[6:].rstrip()
         if data == b"[DONE]":
-            self.status = "ok"
+            self.done = True
+            if self.status == "cancelled":  # vLLM sends [DONE] after an error event too: the error stands
+                self.status = "ok"
             return b"data: [DONE]\n\n"
         event = _decode(data)
         if "error" in event and "choices" not in event:
             self.status, self.error = "upstream_error", str((event.get("error") or {}).get("message"))
-            return b"data: " + data + b"\n\n"
+            # vLLM's error event (e.g. its engine core died) has its HTTP status as an int `code`: re-shaped
+            # as the gateway's own errors are, code `upstream_error` for a 5xx.
+            code = event["error"].get("code") if isinstance(event["error"], dict) else None
+            shaped = _upstream_error(code if isinstance(code, int) and code >= 400 else 500, data)
+            return b"data: " + _encode(shaped.body()) + b"\n\n"
         if call.first_token_at is None:
             call.first_token_at = time.time()
         if event.get("prompt_token_ids"):

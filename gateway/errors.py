@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from store.errors import Conflict, Invalid, NotFound, StoreError, StoreMissing
 
@@ -91,12 +93,62 @@ def validation_error(exc: msgspec.ValidationError) -> OpenAIError:
         return invalid_request("Request body must be a JSON object.", code="invalid_json")
     # `Expected int >= 1`: a value out of range; `Expected str, got int` or an array too short: the wrong kind.
     code = "invalid_value" if re.search(r"[<>]=? ?-?\d", message) and "of length" not in message else "invalid_type"
+    if message.startswith("Invalid enum value"):  # a Literal field given another value
+        code = "invalid_value"
     where = f" (at '{path}')" if path else ""
     return invalid_request(f"Invalid request: {message}{where}.", param=path or None, code=code)
 
 
+# The deepest nesting of arrays and objects a JSON body may have (the body itself is level 1). One limit for
+# accepting and for storing: whatever is accepted is recorded, and must read back through every decoder on the
+# way out (SQLite's and PostgreSQL's JSON, Python's json, msgspec), whose own limits are near 1,000 levels less
+# the reader's stack. Real requests nest under 20 (a tool's JSON schema is the deepest part).
+MAX_JSON_DEPTH = 64
+# Kind-blind brackets: JSON already decoded is well formed, and depth does not care which kind nests.
+_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when `body`, already decoded as valid JSON, nests arrays and objects deeper than `limit`.
+
+    Only C-speed bytes operations, no Python work per value (for a body with more than `limit` brackets, about
+    as long as msgspec takes to decode it; fewer brackets, under a microsecond): escapes and
+    then strings are cut out, everything but brackets is dropped, and each `replace` pass removes the
+    innermost pairs; `replace` does not rescan what it joins, so one pass is exactly one level, and whatever
+    is left after `limit` passes is deeper.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:  # too few openers to nest that deep
+        return False
+    # `\\` first: what then remains of a backslash before a quote escapes that quote.
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])  # the even pieces lie outside strings
+    brackets = outside.translate(_BRACKETS_ONLY, _NOT_BRACKET)
+    for _ in range(limit):
+        brackets = brackets.replace(b"[]", b"")
+        if not brackets:
+            return False
+    return True
+
+
+def too_deep() -> OpenAIError:
+    return invalid_request(
+        f"Request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and objects.",
+        code="invalid_json",
+    )
+
+
 def decode_body(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | None = None) -> T:
-    """Decode a JSON body into a struct; anything wrong is a 400 naming the field."""
+    """Decode a JSON body into a struct; anything wrong is a 400 naming the field, nesting beyond
+    MAX_JSON_DEPTH included."""
+    value = decode_json(body, kind, decoder)
+    if json_too_deep(body):
+        raise too_deep()
+    return value
+
+
+def decode_json(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | None = None) -> T:
+    """`decode_body` without the depth check, for a body already checked."""
     try:
         return decoder.decode(body) if decoder is not None else msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -106,7 +158,7 @@ def decode_body(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | N
     except UnicodeDecodeError:
         raise invalid_request("Request body is not valid UTF-8.", code="invalid_json") from None
     except RecursionError:
-        raise invalid_request("Request body is nested too deeply.", code="invalid_json") from None
+        raise too_deep() from None
 
 
 def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:
@@ -146,9 +198,36 @@ def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
     return OpenAIError(500, "The gateway hit an internal error.", code="internal_error").to_response()
 
 
+# Seconds a client is told to wait (`Retry-After`) when the store is unavailable.
+STORE_RETRY_AFTER = 2
+
+
+def store_unavailable_response() -> Response[bytes]:
+    error = OpenAIError(
+        503, "The store is unavailable (down or locked); retry shortly.", type="server_error", code="store_unavailable"
+    )
+    return Response(
+        msgspec.json.encode(error.body()),
+        status_code=503,
+        media_type="application/json",
+        headers={"Retry-After": str(STORE_RETRY_AFTER)},
+    )
+
+
+def handle_database_error(request: Request, exc: SQLAlchemyError) -> Response[bytes]:
+    """The store could not be reached, or was locked past its busy timeout, or no pooled connection came free
+    in time: a 503 the client may retry, not a 500. What retrying cannot fix (a constraint violation, data the
+    column refuses, SQL the database rejects, a non-database SQLAlchemy error) is a bug: a 500."""
+    if isinstance(exc, IntegrityError | DataError | ProgrammingError) or not isinstance(exc, DBAPIError | PoolTimeout):
+        return handle_unexpected(request, exc)
+    log.warning("store unavailable for %s %s: %s", request.method, request.url.path, exc)
+    return store_unavailable_response()
+
+
 exception_handlers = {
     OpenAIError: handle_openai_error,
     StoreError: handle_store_error,
+    SQLAlchemyError: handle_database_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

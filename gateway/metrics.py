@@ -8,6 +8,8 @@ through the gateway, which received them with each committed step.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +17,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.adapters import TrainerSummary, trainer_summaries
@@ -25,6 +28,9 @@ from store.types import GroupState
 # LLM latencies run from milliseconds (a cached short answer) to minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A scrape waits at most this long for the store's figures (Prometheus' own scrape timeout is 10 s by default).
+STORE_READ_SECONDS = 3.0
+log = logging.getLogger("artgw.metrics")
 JUDGE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
@@ -75,6 +81,34 @@ class _StoreCollector(Collector):
         yield from (gauge for gauge, _ in gauges)
 
 
+class _RecorderCollector(Collector):
+    """The recorder's journal and refusals, read live at scrape time (no store needed: they say most when
+    the store is away)."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+
+    def collect(self) -> Iterator[Any]:
+        r = self.recorder
+        yield GaugeMetricFamily(
+            "artgw_journal_bytes",
+            "Bytes of the record journal on disk: segments holding uncommitted records, and the one appended to.",
+            value=r.journal.bytes,
+        )
+        yield GaugeMetricFamily(
+            "artgw_journal_segments", "Segment files of the record journal.", value=r.journal.segment_count()
+        )
+        yield GaugeMetricFamily(
+            "artgw_recorder_memory_bytes", "Bytes of records waiting in memory for the store.", value=r.memory_bytes()
+        )
+        yield CounterMetricFamily(
+            "artgw_records_rejected", "Records the store refused, set aside in DATA/rejected/.", value=r.rejected
+        )
+        yield CounterMetricFamily(
+            "artgw_journal_errors", "Records the journal could not take (kept in memory only).", value=r.journal_errors
+        )
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -110,8 +144,13 @@ class GatewayMetrics:
         self.adapter_step = Gauge(
             "artgw_adapter_step", "Adapter step each model serves (0: base).", ["model"], registry=r
         )
+        self.store_up = Gauge("artgw_store_up", "1 if the store answered the last scrape's reads, else 0.", registry=r)
         self._snapshot = StoreSnapshot()
         r.register(_StoreCollector(lambda: self._snapshot))
+
+    def watch_recorder(self, recorder: Any) -> None:
+        """Export the recorder's journal and refusal figures (gateway/recorder.py)."""
+        self.registry.register(_RecorderCollector(recorder))
 
     # -- live updates
 
@@ -138,9 +177,18 @@ class GatewayMetrics:
     async def refresh(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> None:
         for model, step in served_steps.items():
             self.adapter_step.labels(model).set(step)
-        async with engine.connect() as conn:
-            groups = await count_by_state(conn)
-            trainer = await trainer_summaries(conn)
+        groups, trainer = self._snapshot.groups, self._snapshot.trainer
+        try:
+            async with asyncio.timeout(STORE_READ_SECONDS), engine.connect() as conn:
+                groups = await count_by_state(conn)
+                trainer = await trainer_summaries(conn)
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            # /metrics must answer most when the store is away: the store's families keep their last values
+            # and artgw_store_up says they are stale.
+            log.warning("metrics: the store is unavailable (%s); store figures are from the last good scrape", exc)
+            self.store_up.set(0)
+        else:
+            self.store_up.set(1)
         self._snapshot = StoreSnapshot(
             groups, trainer, (recorder.depth(), recorder.written, recorder.retries, recorder.spilled)
         )

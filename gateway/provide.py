@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import httpx
+import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.chat import ChatService
@@ -113,14 +115,31 @@ class Services:
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def readiness(self) -> tuple[bool, dict[str, str]]:
-        """Ready when the engine is started (base model known, adapters synced) and answers its /health."""
+        """Ready when the engine is started (base model known, adapters synced) and answers its /health.
+
+        The store's state is reported (`"store": "ok" | "unavailable"`) but does not make the gateway unready:
+        inference keeps serving and recording while the store is away (the recorder catches up), so a load
+        balancer must keep sending chat traffic; only the store-backed `/v1/art/*` endpoints answer 503 then.
+        """
         ready = self.engine.state == "ready"
         if ready:
             try:
                 ready = (await self.client.get("/health", timeout=2.0)).status_code == 200
             except httpx.TransportError:
                 ready = False
-        return ready, {"status": "ready" if ready else "not ready", "engine": self.engine.state}
+        body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
+        body["store"] = await self.store_state()
+        return ready, body
+
+    async def store_state(self) -> str:
+        """`ok` if the store answers a read of its schema version within 2 s, else `unavailable`."""
+        try:
+            async with asyncio.timeout(2.0), self.store.engine.connect() as conn:
+                await conn.execute(sa.text("SELECT version_num FROM alembic_version"))
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            log.warning("readiness: the store is unavailable: %s", exc)
+            return "unavailable"
+        return "ok"
 
     async def bring_up_engine(self) -> None:
         try:
@@ -157,11 +176,16 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         recorder = Recorder(
             store.engine,
             sync_engine=create_sync_sqlite_engine(settings.db_url),
-            spill_dir=settings.data_dir / "spill",
+            data_dir=settings.data_dir,  # journal/, rejected/, and spill/ of older versions (replayed)
             queue_size=settings.recorder_queue_size,
+            queue_bytes=settings.recorder_queue_bytes,
             batch_size=settings.recorder_batch_size,
             cache_bytes=settings.recorder_cache_bytes,
+            journal_segment_bytes=settings.journal_segment_bytes,
+            journal_fsync=settings.journal_fsync,
+            journal_fsync_interval=settings.journal_fsync_interval,
         )
+        metrics.watch_recorder(recorder)
         adapters = AdapterService(registry, client, store.engine)
         rollouts = RolloutService(store.rollouts, recorder)
         scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics)

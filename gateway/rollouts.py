@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
+from store.errors import NotFound
 from store.rollouts import RolloutPage, RolloutReader
 from store.trajectories import Trajectory
 
@@ -24,8 +26,21 @@ class RolloutService:
         return await self.reader.find(rollout_id, choice=choice)
 
     async def get(self, rollout_id: str, *, choice: int | None = None) -> Trajectory:
-        await self.settle([rollout_id])
-        return await self.reader.get(rollout_id, choice=choice)
+        """The rollout once its answered calls are in the store (read-your-writes, waiting up to settle_seconds).
+
+        404 either way when it is not there, but saying which: unknown, or answered and still on its way to
+        the store (a slow or locked store), which a client should retry."""
+        settled = await self.settle([rollout_id])
+        trajectory = await self.reader.find(rollout_id, choice=choice)
+        if trajectory is not None:
+            return trajectory
+        if not settled or self.recorder.in_flight(rollout_id):
+            raise OpenAIError(
+                404,
+                f"Rollout `{rollout_id}` is still being written to the store; retry shortly.",
+                code="rollout_pending",
+            )
+        raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
 
     async def page(self, *, model: str | None, since: float | None, limit: int, cursor: str | None) -> RolloutPage:
         return await self.reader.page(model=model, since=since, limit=limit, cursor=cursor)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
 
 
 def served_base_name(base_model: str) -> str:
@@ -74,8 +75,39 @@ class Settings:
     engine_startup_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for vLLM to start"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the engine's answer"})
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
+    # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
+    keep_alive_timeout: float = field(
+        default=5.0,
+        metadata={"help": "seconds a connection may sit idle (before its first request or between requests)"},
+    )
+    header_timeout: float = field(
+        default=10.0, metadata={"help": "seconds from a request's first byte to the end of its head (then 408)"}
+    )
+    body_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds to receive a whole request body once its head is in (a total; then 408)"},
+    )
     recorder_queue_size: int = field(
-        default=10_000, metadata={"help": "calls waiting to be recorded before the gateway slows down"}
+        default=10_000,
+        metadata={"help": "records kept in memory for the store writer; past it they wait in the journal only"},
+    )
+    recorder_queue_bytes: int = field(
+        default=64 << 20,
+        metadata={"help": "bytes of records (journal size) kept in memory; past it they wait in the journal only"},
+    )
+    journal_fsync: JournalFsync = field(
+        default="never",
+        metadata={
+            "help": "when the record journal is fsynced: never (survives a gateway crash, SIGKILL or OOM, not "
+            "power loss), interval (power loss may take the last --journal-fsync-interval), always (before "
+            "each answer ends; slow)"
+        },
+    )
+    journal_fsync_interval: float = field(
+        default=1.0, metadata={"help": "seconds between journal fsyncs with --journal-fsync interval"}
+    )
+    journal_segment_bytes: int = field(
+        default=64 << 20, metadata={"help": "the record journal starts a new segment file past this size"}
     )
     recorder_batch_size: int = field(default=256, metadata={"help": "most calls recorded in one store transaction"})
     recorder_cache_bytes: int = field(
@@ -108,15 +140,25 @@ class Settings:
             ("--recorder-queue-size", self.recorder_queue_size),
             ("--recorder-batch-size", self.recorder_batch_size),
             ("--recorder-cache-bytes", self.recorder_cache_bytes),
+            ("--recorder-queue-bytes", self.recorder_queue_bytes),
+            ("--journal-segment-bytes", self.journal_segment_bytes),
         ):
             if count < 1:
                 raise ValueError(f"{flag} must be >= 1, got {count}")
         for flag, seconds in (
             ("--engine-startup-timeout", self.engine_startup_timeout),
             ("--request-timeout", self.request_timeout),
+            ("--journal-fsync-interval", self.journal_fsync_interval),
+            ("--keep-alive-timeout", self.keep_alive_timeout),
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
         ):
             if not _positive(seconds):
                 raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
+        if self.journal_fsync not in get_args(JournalFsync):
+            raise ValueError(
+                f"--journal-fsync must be one of {', '.join(get_args(JournalFsync))}, got {self.journal_fsync!r}"
+            )
         if self.log_level not in get_args(LogLevel):
             raise ValueError(f"--log-level must be one of {', '.join(get_args(LogLevel))}, got {self.log_level!r}")
 

@@ -36,16 +36,50 @@ def _sqlite_path(url: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
-def create_engine(url: str) -> AsyncEngine:
-    """An async engine; SQLite gets WAL and a busy timeout, PostgreSQL a pool with pre-ping."""
+# How long a store access may wait (for SQLite's write lock, a pooled connection, a PostgreSQL connect) before
+# it fails. The async engine serves request handlers, which must answer 503 `store_unavailable` promptly when
+# the store is locked or down rather than hang for half a minute; the recorder writes through its own engine
+# (create_sync_sqlite_engine) or retries, so it keeps waiting as long as it takes.
+STORE_WAIT_SECONDS = 5.0
+RECORDER_BUSY_TIMEOUT = 30.0
+
+
+def _connect_errors_as_dbapi_errors(engine: Engine) -> None:
+    """asyncpg raises a refused or timed-out connect as a bare OSError / TimeoutError, which SQLAlchemy passes
+    on unwrapped; re-raised as the driver's OperationalError, every store outage is one SQLAlchemy error kind."""
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(dialect, _record, cargs, cparams):  # type: ignore[no-untyped-def]
+        try:
+            return dialect.loaded_dbapi.connect(*cargs, **cparams)
+        except (OSError, TimeoutError) as exc:
+            raise dialect.loaded_dbapi.OperationalError(f"cannot connect to the store: {exc!r}") from exc
+
+
+def create_engine(url: str, *, wait_seconds: float = STORE_WAIT_SECONDS) -> AsyncEngine:
+    """An async engine; SQLite gets WAL and a busy timeout, PostgreSQL a pool with pre-ping. A store access
+    waits at most about `wait_seconds` for a lock, a connection or a connect, then fails (OperationalError or
+    SQLAlchemy's TimeoutError)."""
     if url.startswith("sqlite"):
         _sqlite_path(url)
-        engine = create_async_engine(url, connect_args={"timeout": 30}, json_serializer=_json)
+        engine = create_async_engine(
+            url, connect_args={"timeout": wait_seconds}, pool_timeout=wait_seconds, json_serializer=_json
+        )
         _sqlite_pragmas(engine.sync_engine)
         return engine
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+asyncpg://" + url.split("://", 1)[1]
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, json_serializer=_json)
+    engine = create_async_engine(
+        url,
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=True,
+        pool_timeout=wait_seconds,
+        connect_args={"timeout": wait_seconds},  # asyncpg's connect timeout
+        json_serializer=_json,
+    )
+    _connect_errors_as_dbapi_errors(engine.sync_engine)
+    return engine
 
 
 def create_sync_sqlite_engine(url: str) -> Engine | None:
@@ -55,7 +89,9 @@ def create_sync_sqlite_engine(url: str) -> Engine | None:
         return None
     _sqlite_path(url)
     sync_url = url.replace("sqlite+aiosqlite", "sqlite", 1)
-    engine = sa_create_engine(sync_url, connect_args={"timeout": 30, "check_same_thread": False}, json_serializer=_json)
+    engine = sa_create_engine(
+        sync_url, connect_args={"timeout": RECORDER_BUSY_TIMEOUT, "check_same_thread": False}, json_serializer=_json
+    )
     _sqlite_pragmas(engine)
     return engine
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.db import create_engine, head_revision, migrate
+from store.db import STORE_WAIT_SECONDS, create_engine, head_revision, migrate
 from store.errors import StoreMissing
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
@@ -55,16 +55,19 @@ async def check_migrated(engine: AsyncEngine, url: str) -> None:
 
 
 @asynccontextmanager
-async def open_store(url: str, *, migrate_schema: bool = False) -> AsyncIterator[Store]:
+async def open_store(
+    url: str, *, migrate_schema: bool = False, wait_seconds: float = STORE_WAIT_SECONDS
+) -> AsyncIterator[Store]:
     """Open the store at `url`. With `migrate_schema` it is created or upgraded; without, it must already
-    exist at the newest schema (StoreMissing otherwise, and nothing is created: no empty SQLite file)."""
+    exist at the newest schema (StoreMissing otherwise, and nothing is created: no empty SQLite file).
+    `wait_seconds`: how long a store access waits for a lock or a connection before it fails."""
     if not migrate_schema and url.startswith("sqlite"):
         path = Path(_where(url))
         if not path.is_file():  # noqa: ASYNC240 - one stat, before anything else runs
             raise StoreMissing(
                 f"no store at {path}: point --data-dir (ARTGW_DATA_DIR) or --db (ARTGW_DB) at the gateway's store"
             )
-    engine = create_engine(url)
+    engine = create_engine(url, wait_seconds=wait_seconds)
     try:
         if migrate_schema:
             await migrate(engine)

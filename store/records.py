@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
-CallStatus = Literal["ok", "cancelled", "upstream_error"]
+# client_error: the engine answered 4xx (a request it refused: passed through to the client, never trained).
+CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error"]
 
 
 class ChoiceRecord(msgspec.Struct, frozen=True):

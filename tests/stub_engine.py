@@ -1,5 +1,6 @@
 """A stand-in for vLLM's OpenAI server, for the failure paths a real engine cannot be made to show on cue
-(a hang past the gateway's timeout, a 5xx answer, dying mid-stream) and for watching the engine's side of a
+(a hang past the gateway's timeout, a 5xx answer, dying mid-stream, vLLM's 400 for a negative temperature,
+its runtime LoRA API with what is loaded in `GET /loras`) and for watching the engine's side of a
 client hang-up: with --endless-stream it streams a token every 20 ms until its client goes away, and
 `GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
 then, but on a busy CPU its own event loop may only notice once the generation is over).
@@ -66,10 +67,42 @@ async def _endless_stream(receive, send, stats: dict[str, int]) -> None:  # type
     listener.cancel()
 
 
+async def _body(receive) -> bytes:  # type: ignore[no-untyped-def]
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _error(message: str, status: int, param: str | None = None) -> bytes:
+    """vLLM's error body: OpenAI's shape, with the HTTP status as an int `code`."""
+    kind = "BadRequestError" if status == 400 else "NotFoundError"
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+def _lora(path: str, request: dict[str, object], loaded: dict[str, str], calls: list[str]) -> tuple[bytes, int]:
+    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING): what is loaded shows in GET /loras."""
+    name = str(request.get("lora_name"))
+    calls.append(f"{'load' if path.endswith('/load_lora_adapter') else 'unload'} {name}")
+    if path.endswith("/load_lora_adapter"):
+        if name in loaded:
+            return _error(f"The lora adapter '{name}' has already been loaded.", 400), 400
+        loaded[name] = str(request.get("lora_path"))
+        return f"Success: LoRA adapter '{name}' added successfully.".encode(), 200
+    if name not in loaded:
+        return _error(f"The lora adapter '{name}' cannot be found.", 404), 404
+    del loaded[name]
+    return f"Success: LoRA adapter '{name}' removed successfully.".encode(), 200
+
+
 def make_app(  # type: ignore[no-untyped-def]
     delay: float, status: int, die_mid_stream: bool, endless_stream: bool = False, end_early: bool = False
 ):
     stats = {"streams_started": 0, "streams_aborted": 0}
+    loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
+    calls: list[str] = []  # the LoRA API calls, in order: "load NAME", "unload NAME"
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
@@ -79,6 +112,10 @@ def make_app(  # type: ignore[no-untyped-def]
             body, code = b"", 200
         elif path == "/stats":
             body, code = json.dumps(stats).encode(), 200
+        elif path == "/loras":
+            body, code = json.dumps({"loaded": sorted(loaded), "calls": calls}).encode(), 200
+        elif path.endswith("_lora_adapter"):
+            body, code = _lora(path, json.loads(await _body(receive) or b"{}"), loaded, calls)
         elif path.endswith("/chat/completions") and endless_stream:
             while (await receive()).get("more_body"):
                 pass
@@ -88,8 +125,7 @@ def make_app(  # type: ignore[no-untyped-def]
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200
         else:
-            while (await receive()).get("more_body"):
-                pass
+            request = json.loads(await _body(receive) or b"{}")
             await asyncio.sleep(delay)
             if die_mid_stream or end_early:
                 await send(
@@ -105,13 +141,16 @@ def make_app(  # type: ignore[no-untyped-def]
                     os._exit(1)  # the engine dies mid-stream
                 await send({"type": "http.response.body", "body": b"", "more_body": False})  # no [DONE]
                 return
-            if status != 200:
+            temperature = request.get("temperature")
+            if isinstance(temperature, int | float) and temperature < 0:  # as vLLM: its own 400, param named
+                body, code = _error(f"temperature must be non-negative, got {temperature}.", 400, "temperature"), 400
+            elif status != 200:
                 body = json.dumps(
                     {"error": {"message": "engine exploded", "type": "InternalServerError", "code": status}}
                 ).encode()
+                code = status
             else:
-                body = json.dumps(COMPLETION).encode()
-            code = status
+                body, code = json.dumps(COMPLETION).encode(), 200
         await send(
             {
                 "type": "http.response.start",

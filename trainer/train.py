@@ -353,7 +353,9 @@ def _metrics_table(step: int, metrics: StepMetrics) -> Table:
 
 async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
     """Train until stopped (or max_steps); returns the number of committed steps."""
-    async with open_store(config.db) as store:  # StoreMissing if the gateway has not made it yet
+    # StoreMissing if the gateway has not made it yet. The trainer is on no client's path: it waits out a
+    # store stall (30 s a lock) rather than fail a step.
+    async with open_store(config.db, wait_seconds=30.0) as store:
         return await train(config, store.engine, RolloutReader(store.engine), stop or asyncio.Event())
 
 

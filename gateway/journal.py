@@ -1,0 +1,258 @@
+"""The record journal: a local append-only log in the data dir, so an acknowledged call survives a crash.
+
+Every call's record is appended here before its client gets the end of its answer (gateway/chat.py); the
+recorder then moves journaled records to the store in batches and trims the journal behind them
+(gateway/recorder.py). On the next start whatever is still here is replayed: the store write is idempotent
+per call id, so a crash between a store commit and the trim that follows it duplicates nothing.
+
+Layout: `DATA/journal/seg-<seq>.log` segment files, the newest one appended to and rotated at a size.
+An entry is `<u32 length><u32 crc32>` followed by `length` bytes of the msgspec-JSON `CallRecord` (JSON,
+not msgpack: a request holds whatever JSON the client sent, integers beyond 64 bits included). One
+`os.write` per entry. A reader stops at the first entry that is short or fails its checksum: that is the
+torn tail a crash mid-write leaves (its call was never acknowledged), and it is skipped.
+
+Durability: a returned `append` has handed the bytes to the kernel, so the record survives the gateway
+process dying in any way (crash, SIGKILL, OOM kill). Surviving power loss or a kernel crash needs them on
+the disk: `fsync="always"` syncs before `append`'s caller acknowledges, `"interval"` at most
+`fsync_interval` seconds later (a power loss can take the last interval), `"never"` leaves it to the OS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from store.records import CallRecord
+
+log = logging.getLogger("artgw.journal")
+
+FsyncPolicy = Literal["always", "interval", "never"]
+
+_HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
+_PREFIX, _SUFFIX = "seg-", ".log"
+_encode = msgspec.json.Encoder().encode
+_decoder = msgspec.json.Decoder(CallRecord)
+
+
+class Position(msgspec.Struct, frozen=True, order=True):
+    """A point in the journal: a segment and a byte offset in it. Ordered as the journal is."""
+
+    segment: int
+    offset: int
+
+
+class Entry(msgspec.Struct, frozen=True):
+    """A record's place in the journal: where the next entry starts, and its size on disk."""
+
+    end: Position
+    size: int
+
+
+class Journal:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        segment_bytes: int = 64 << 20,
+        fsync: FsyncPolicy = "never",
+    ) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self.fsync_policy = fsync
+        directory.mkdir(parents=True, exist_ok=True)
+        # Segments left by an earlier run: never appended to again (their tail may be torn), only replayed.
+        self.segments: list[int] = sorted(self._segment_seqs())
+        self._fd = -1
+        self._seq = (self.segments[-1] + 1) if self.segments else 1
+        self._size = 0
+        self._bytes = sum(self._path(s).stat().st_size for s in self.segments)
+        self._dirty = False  # written since the last fsync
+        self.appended = 0
+
+    # -- appending (the event loop's thread only)
+
+    def append(self, record: CallRecord) -> Entry:
+        """Write one record; returns once the kernel has it (see the module doc for what survives what)."""
+        payload = _encode(record)
+        data = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        if self._fd < 0 or self._size >= self.segment_bytes:
+            self._rotate()
+        view = memoryview(data)
+        while view:  # a regular file takes it all unless the disk is full (then OSError)
+            view = view[os.write(self._fd, view) :]
+        self._size += len(data)
+        self._bytes += len(data)
+        self._dirty = True
+        self.appended += 1
+        return Entry(Position(self._seq, self._size), len(data))
+
+    def end(self) -> Position:
+        """Where the next entry will start (on the segment the next append writes, unless it rotates)."""
+        return Position(self._seq, self._size)
+
+    def sync(self, *, force: bool = False) -> None:
+        """fsync the segment being appended to (safe from a worker thread). `force`: even if another sync is
+        under way (it may have started before this caller's append)."""
+        fd = self._fd
+        if fd >= 0 and (self._dirty or force):
+            self._dirty = False
+            try:
+                os.fsync(fd)
+            except OSError as exc:  # closed by a rotation meanwhile: that one synced it
+                log.debug("journal fsync skipped: %s", exc)
+
+    def seal(self) -> int:
+        """Close the segment appended to: the next append starts a new one. Returns that one's number (entries
+        in lower-numbered segments were appended before this call: a run seals on start to tell its own
+        records from replayed ones)."""
+        if self._fd >= 0:
+            if self.fsync_policy != "never":
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            self._seq += 1
+            self._size = 0
+        return self._seq
+
+    def _rotate(self) -> None:
+        if self._fd >= 0:
+            if self.fsync_policy != "never":
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._seq += 1
+        self._fd = os.open(self._path(self._seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        self.segments.append(self._seq)
+        if self.fsync_policy != "never":  # the new file's name must survive power loss too
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    # -- reading (any thread: reads only bytes appends have already completed)
+
+    def read(
+        self, start: Position, stop: Position, max_records: int, max_bytes: int
+    ) -> tuple[list[tuple[CallRecord | None, Position, int]], Position]:
+        """Entries from `start` up to `stop` (at most `max_records`, and `max_bytes` unless that leaves none),
+        as (record, its end, size) with None for an entry that passed its checksum but does not decode; and
+        where the next read starts. A torn or corrupt entry ends its segment: the read goes on at the next."""
+        out: list[tuple[CallRecord | None, Position, int]] = []
+        taken = 0
+        seq, offset = start.segment, start.offset
+        segments = [s for s in list(self.segments) if start.segment <= s <= stop.segment]
+        for seq in segments:
+            if seq > start.segment:
+                offset = 0
+            limit = stop.offset if seq == stop.segment else None
+            for record, end, size in self._entries(seq, offset, limit):
+                if out and (len(out) >= max_records or taken + size > max_bytes):
+                    return out, Position(seq, offset)
+                out.append((record, Position(seq, end), size))
+                taken += size
+                offset = end
+            if seq == stop.segment:
+                return out, Position(seq, offset)
+        return out, stop
+
+    def _entries(self, seq: int, offset: int, limit: int | None) -> Iterator[tuple[CallRecord | None, int, int]]:
+        path = self._path(seq)
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:
+            return
+        with f:
+            f.seek(offset)
+            while limit is None or offset < limit:
+                header = f.read(_HEADER.size)
+                if len(header) < _HEADER.size:
+                    if header:
+                        log.warning("journal %s: torn entry at byte %d skipped", path.name, offset)
+                    return
+                length, crc = _HEADER.unpack(header)
+                payload = f.read(length)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    log.warning(
+                        "journal %s: torn or corrupt entry at byte %d: rest of segment skipped", path.name, offset
+                    )
+                    return
+                try:
+                    record: CallRecord | None = _decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    log.error("journal %s: entry at byte %d does not decode (%s)", path.name, offset, exc)
+                    record = None
+                offset += _HEADER.size + length
+                yield record, offset, _HEADER.size + length
+
+    def raw(self, seq: int, offset: int, size: int) -> bytes:
+        """The payload of one entry (for setting aside one that does not decode)."""
+        with self._path(seq).open("rb") as f:
+            f.seek(offset + _HEADER.size)
+            return f.read(size - _HEADER.size)
+
+    # -- trimming (the event loop's thread only)
+
+    def trim(self, committed: Position) -> None:
+        """Delete the segments every record of which is committed: those before `committed`'s segment, and
+        that one too once it is finished (not the one appended to)."""
+        keep = []
+        for seq in self.segments:
+            done = seq < committed.segment or (
+                seq == committed.segment and seq != self._seq and committed.offset >= self._file_size(seq)
+            )
+            if done:
+                self._bytes -= self._file_size(seq)
+                self._path(seq).unlink(missing_ok=True)
+            else:
+                keep.append(seq)
+        self.segments = keep
+
+    def close(self, *, all_committed: bool = False) -> None:
+        """Stop appending; with `all_committed` (a clean shutdown that drained everything) the journal goes."""
+        if self._fd >= 0:
+            if self.fsync_policy != "never":
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+        if all_committed or self._size == 0:  # an empty segment is noise for the next start
+            self._path(self._seq).unlink(missing_ok=True)
+            self.segments = [s for s in self.segments if s != self._seq]
+            self._bytes -= self._size
+            self._size = 0
+        if all_committed:
+            self.trim(Position(self._seq + 1, 0))
+        self._seq += 1
+
+    # -- sizes (metrics)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def segment_count(self) -> int:
+        return len(self.segments)
+
+    def _file_size(self, seq: int) -> int:
+        if seq == self._seq and self._fd >= 0:
+            return self._size
+        try:
+            return self._path(seq).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _path(self, seq: int) -> Path:
+        return self.directory / f"{_PREFIX}{seq:012d}{_SUFFIX}"
+
+    def _segment_seqs(self) -> Iterator[int]:
+        for path in self.directory.glob(f"{_PREFIX}*{_SUFFIX}"):
+            stem = path.name[len(_PREFIX) : -len(_SUFFIX)]
+            if stem.isdigit():
+                yield int(stem)

@@ -1,0 +1,142 @@
+"""uvicorn's HTTP/1.1 protocol with the read timeouts it lacks: a connection can't be held forever.
+
+uvicorn closes a keep-alive connection that sits idle after a response (`timeout_keep_alive`), but it has no
+timeout for a connection that never sends a request, for a request head that trickles in (slowloris), or
+for a body that does. This subclass of its httptools protocol (the one `uvicorn[standard]` runs) adds them,
+below the ASGI app, so the app and the data path are untouched:
+
+- idle: from connect, or from the end of a response, until the first byte of the next request (uvicorn's
+  keep-alive timer covers only the second, and only until any byte arrives, even one that starts nothing);
+- header: from the first byte of a request until its head is complete;
+- body: from the end of the head until the last byte of the body: a total, not a gap between reads, so a
+  client trickling a byte now and then can't hold the connection either.
+
+Past one of them the connection is closed; a request cut off in its head or body (and not yet answered) gets
+a 408 in OpenAI's error shape first. Cost on the data path: each request moves a deadline (a float); a timer
+is only re-armed when none is pending or the new deadline is earlier than the pending one, so a busy
+keep-alive connection arms about one timer per timeout period, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any, ClassVar
+
+import msgspec
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("artgw.gateway")
+
+# What the connection is waiting for; `_NOTHING` while the app handles a request (a response may stream for
+# as long as the engine takes: that is --request-timeout's business, not a read timeout's).
+_NOTHING, _IDLE, _HEAD, _BODY = range(4)
+
+
+def _timeout_response(message: str) -> bytes:
+    body = msgspec.json.encode(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+    )
+    head = (
+        b"HTTP/1.1 408 Request Timeout\r\n"
+        b"content-type: application/json\r\n"
+        b"connection: close\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    return head + body
+
+
+class TimedHttpProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol plus idle, header and body timeouts (class attributes: see `timed_protocol`)."""
+
+    idle_timeout: ClassVar[float] = 5.0
+    header_timeout: ClassVar[float] = 10.0
+    body_timeout: ClassVar[float] = 60.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own keep-alive timer (after a response) then uses the same idle timeout as ours.
+        self.timeout_keep_alive = self.idle_timeout  # type: ignore[assignment]
+        self._phase = _NOTHING
+        self._deadline = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    # ------------------------------------------------------------ deadlines
+
+    def _expect(self, phase: int, seconds: float) -> None:
+        self._phase = phase
+        deadline = self.loop.time() + seconds
+        self._deadline = deadline
+        # A pending timer that fires no later than the new deadline re-checks then (see _expired).
+        if deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._expired)
+            self._timer_at = deadline
+
+    def _expired(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        if self._phase == _NOTHING or self.transport.is_closing():
+            return
+        if self.loop.time() < self._deadline:  # the deadline moved on since this timer was armed
+            self._timer = self.loop.call_at(self._deadline, self._expired)
+            self._timer_at = self._deadline
+            return
+        phase, self._phase = self._phase, _NOTHING
+        # No response of ours in the middle of one the app is sending (a pipelined request's head).
+        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        if phase == _HEAD and not answering:
+            self.transport.write(_timeout_response(f"Request head not received within {self.header_timeout:g} s."))
+        elif phase == _BODY and self.cycle is not None and not self.cycle.response_started:
+            self.transport.write(_timeout_response(f"Request body not received within {self.body_timeout:g} s."))
+        log.debug("closing %s: %s timeout", self.client, ("", "idle", "header", "body")[phase])
+        # The app, if one is waiting for the body, gets http.disconnect (uvicorn's connection_lost).
+        self.transport.close()
+
+    # ------------------------------------------------------------ uvicorn's hooks
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._expect(_IDLE, self.idle_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._phase = _NOTHING
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+        super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._phase = _NOTHING  # the WebSocket protocol owns the connection from here
+        super().handle_websocket_upgrade()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._expect(_HEAD, self.header_timeout)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._expect(_BODY, self.body_timeout)
+
+    def on_message_complete(self) -> None:
+        self._phase = _NOTHING  # before super(): it returns early when the app already answered
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline  # else super() starts the next request, already received
+        super().on_response_complete()
+        # uvicorn arms its keep-alive timer here too, but cancels it on any byte received, and bytes that
+        # start no request (blank lines) would then hold the connection with no timer at all.
+        if idle and self._phase == _NOTHING and not self.transport.is_closing():
+            self._expect(_IDLE, self.idle_timeout)
+
+
+def timed_protocol(*, idle: float, header: float, body: float) -> type[TimedHttpProtocol]:
+    """The protocol class to give uvicorn (`http=`), with these timeouts in seconds."""
+    return type(
+        "TimedHttpProtocol",
+        (TimedHttpProtocol,),
+        {"idle_timeout": idle, "header_timeout": header, "body_timeout": body},
+    )

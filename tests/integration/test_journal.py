@@ -1,0 +1,146 @@
+"""The record journal (gateway/journal.py): append, read back, a torn tail skipped, rotation and trim, and
+the recorder's replay of what a crashed run left, exactly once."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.journal import Journal, Position
+from gateway.recorder import Recorder
+from store import create_engine, migrate
+from store.calls import write_calls
+from store.db import create_sync_sqlite_engine
+from store.records import CallRecord
+from tests.conftest import make_call
+
+
+def record(rollout: str = "j", size: int = 0) -> CallRecord:
+    call = make_call(uuid.uuid4().hex, time.time(), rollout_id=rollout)
+    return msgspec.structs.replace(call, request={"pad": "x" * size}) if size else call
+
+
+def read_all(journal: Journal) -> list[CallRecord | None]:
+    got, _ = journal.read(Position(0, 0), journal.end(), 1_000_000, 1 << 40)
+    return [r for r, _, _ in got]
+
+
+def test_append_then_read_back_in_order(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j")
+    records = [record() for _ in range(5)]
+    entries = [journal.append(r) for r in records]
+    assert [e.end for e in entries] == sorted(e.end for e in entries)
+    assert read_all(journal) == records
+    # From the middle: the entry after the second one's end.
+    got, after = journal.read(entries[1].end, journal.end(), 2, 1 << 30)
+    assert [r for r, _, _ in got] == records[2:4] and after == entries[3].end
+    journal.close()
+
+
+def test_torn_tail_is_skipped_after_a_crash(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j")
+    records = [record() for _ in range(3)]
+    for r in records:
+        journal.append(r)
+    # A crash mid-write: the last entry lost its last bytes (no close: the process died).
+    (segment,) = list((tmp_path / "j").glob("seg-*.log"))
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-7])
+    again = Journal(tmp_path / "j")
+    assert again.seal() == 2  # the old segment is read, never appended to
+    assert read_all(again) == records[:2]
+    # Only a header's worth torn off.
+    segment.write_bytes(data[: -len(data) + 3])
+    assert read_all(Journal(tmp_path / "j")) == []
+
+
+def test_a_corrupt_entry_ends_its_segment_and_the_next_segment_is_read(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", segment_bytes=1)  # every entry rotates: one entry a segment
+    records = [record() for _ in range(3)]
+    for r in records:
+        journal.append(r)
+    assert journal.segment_count() == 3
+    first = sorted((tmp_path / "j").glob("seg-*.log"))[0]
+    data = bytearray(first.read_bytes())
+    data[-2] ^= 0xFF  # a flipped byte: the checksum fails
+    first.write_bytes(bytes(data))
+    assert read_all(journal) == records[1:]
+
+
+def test_rotation_and_trim_free_committed_segments(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", segment_bytes=2_000)
+    entries = [journal.append(record(size=500)) for _ in range(12)]
+    assert journal.segment_count() >= 3
+    total = journal.bytes
+    assert total == sum(p.stat().st_size for p in (tmp_path / "j").glob("seg-*.log"))
+    journal.trim(entries[5].end)
+    remaining = read_all(journal)
+    assert len(remaining) >= 12 - 6  # only whole committed segments went
+    assert journal.bytes < total
+    assert journal.segments[0] <= entries[6].end.segment
+    journal.trim(journal.end())
+    assert journal.segment_count() == 1  # the one appended to stays
+    journal.close(all_committed=True)
+    assert not list((tmp_path / "j").glob("seg-*.log"))
+
+
+async def test_replay_after_a_crash_records_each_call_exactly_once(
+    store_url: str, engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """A crashed run left a journal; some of its records had been committed before the crash (the crash came
+    between the commit and the trim). The next start writes the rest and duplicates nothing (both stores:
+    on PostgreSQL the writer is async, and `close` must wait for it too)."""
+    crashed = Journal(tmp_path / "journal", segment_bytes=4_000)
+    records = [record(f"replay-{i % 5}") for i in range(60)]
+    for r in records:
+        crashed.append(r)
+    async with engine.begin() as conn:
+        assert await write_calls(conn, records[:25]) == 25  # committed, never trimmed
+    # ... and the process died (no close): a torn half-entry at the end.
+    last = (tmp_path / "journal") / f"seg-{crashed.end().segment:012d}.log"
+    with last.open("ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00")
+    recorder = Recorder(engine, data_dir=tmp_path, sync_engine=create_sync_sqlite_engine(store_url), linger=0)
+    await recorder.start()
+    fresh = record("replay-new")
+    recorder.begin(fresh.rollout_id)
+    await recorder.submit(fresh)
+    assert await recorder.settled([fresh.rollout_id], within=30)
+    tail = record("replay-tail")  # submitted right before shutdown: close() flushes it on every store
+    await recorder.submit(tail)
+    await recorder.close()
+    async with engine.connect() as conn:
+        ids = [row[0] for row in await conn.execute(sa.text("SELECT id FROM calls"))]
+        calls_in_rollouts = (await conn.execute(sa.text("SELECT sum(call_count) FROM rollouts"))).scalar_one()
+    assert sorted(ids) == sorted([r.call_id for r in records] + [fresh.call_id, tail.call_id])
+    assert calls_in_rollouts == 62  # no call counted twice
+    assert not list((tmp_path / "journal").glob("seg-*.log"))  # all committed: the journal is gone
+
+
+async def test_fsync_policies_record_all(tmp_path: Path) -> None:
+    """`always` syncs before `submit` returns, `interval` in the background: both record every call."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'f.sqlite'}"
+    engine = create_engine(url)
+    await migrate(engine)
+    for policy in ("always", "interval"):
+        recorder = Recorder(
+            engine,
+            data_dir=tmp_path / policy,
+            sync_engine=create_sync_sqlite_engine(url),
+            journal_fsync=policy,  # type: ignore[arg-type]
+            journal_fsync_interval=0.05,
+        )
+        await recorder.start()
+        records = [record(f"fsync-{policy}") for _ in range(20)]
+        for r in records:
+            recorder.begin(r.rollout_id)
+            await recorder.submit(r)
+        assert await recorder.settled([f"fsync-{policy}"], within=30)
+        await recorder.close()
+        assert recorder.written == 20
+    await engine.dispose()
