@@ -167,6 +167,10 @@ def _hide_unasked(payload: dict[str, Any], asked: _Asked, model: str) -> None:
             choice["logprobs"] = None
 
 
+# What reading a malformed engine answer raises: not JSON, or JSON without the fields vLLM always sends.
+ENGINE_DATA_ERRORS = (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, IndexError)
+
+
 def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:
     logprobs = choice.get("logprobs") or {}
     return [entry["logprob"] for entry in logprobs.get("content") or ()]
@@ -288,11 +292,14 @@ class ChatService:
             )
         except BaseException as exc:
             error = self._send_error(exc)
-            if error is None:  # cancelled: the client (or a shutdown) gave up on the call
+            if error is not None:
+                await call.finish("upstream_error", error.status, error.message)
+                raise error from None
+            if isinstance(exc, Exception):  # the gateway's own bug: a 500 with its traceback logged, not a 502
+                await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
+            else:  # cancelled: the client (or a shutdown) gave up on the call
                 await call.finish("cancelled", 499, "cancelled before the engine answered")
-                raise
-            await call.finish("upstream_error", error.status, error.message)
-            raise error from None
+            raise
         headers = {ROLLOUT_HEADER: key.rollout_id}
         if upstream.status != 200:
             try:
@@ -317,21 +324,19 @@ class ChatService:
             choices = [_choice_record(c) for c in payload.get("choices") or ()]
             prompt_ids = payload.get("prompt_token_ids") or []
             _hide_unasked(payload, asked, head.model)
-        except Exception as exc:
-            await call.finish("upstream_error", 502, f"unreadable engine answer: {exc}")
+        except ENGINE_DATA_ERRORS as exc:  # the engine's answer, not the gateway's code: a 502
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
             raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
         await call.finish("ok", 200, None, prompt_ids, choices, payload.get("usage"))
         return JSONBody(_encode(payload), headers)
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
-        """The client-facing error for a failed send; None for cancellation (the client went away)."""
+        """The client-facing error for a failed send to the engine; None when the engine is not at fault."""
         if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
             return OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout")
         if isinstance(exc, aiohttp.ClientError | OSError):
             return self._unreachable(exc)
-        if isinstance(exc, Exception):
-            return OpenAIError(502, f"The engine request failed: {type(exc).__name__}.", code="upstream_error")
-        return None
+        return None  # cancellation, or a bug of the gateway's own: not the engine's fault
 
     def _unreachable(self, exc: Exception) -> OpenAIError:
         state = self.engine_state()
@@ -418,6 +423,8 @@ class _Call:
                         await self._record_stream(stream)
                 if out:
                     yield b"".join(out)
+                if stream.broken:  # its error event is out; the engine's request is closed in `finally`
+                    break
             if pending and (event := stream.take(pending, self)) is not None:
                 if stream.done and not recorded:
                     recorded = True
@@ -461,9 +468,21 @@ class _Stream:
     status: CallStatus = "cancelled"
     error: str | None = None
     done: bool = False  # the engine's [DONE] came: the call is over, its record goes before the client's [DONE]
+    broken: bool = False  # the engine sent a line the gateway cannot read: the stream ends there
 
     def take(self, line: bytes, call: _Call) -> bytes | None:
-        """One line of the engine's SSE stream -> the bytes the client gets for it (None: nothing)."""
+        """One line of the engine's SSE stream -> the bytes the client gets for it (None: nothing). A line that is
+        not what vLLM sends ends the stream: an error event, and nothing after it (`broken`)."""
+        if self.broken:
+            return None
+        try:
+            return self._take(line, call)
+        except ENGINE_DATA_ERRORS as exc:
+            self.broken = True
+            self.status, self.error = "upstream_error", f"unreadable engine event: {type(exc).__name__}: {exc}"
+            return _upstream_error_event("The engine sent an event the gateway cannot read.")
+
+    def _take(self, line: bytes, call: _Call) -> bytes | None:
         if not line.startswith(b"data: "):
             return None
         data = line[6:].rstrip()

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import msgspec
 
 # client_error: the engine answered 4xx (a request it refused: passed through to the client, never trained).
-CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error"]
+# internal_error: the gateway's own bug (a 500 with a logged traceback), never the engine's fault.
+CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error", "internal_error"]
 
 
 class ChoiceRecord(msgspec.Struct, frozen=True):

@@ -6,7 +6,7 @@ client hang-up: with --endless-stream it streams a token every 20 ms until its c
 then, but on a busy CPU its own event loop may only notice once the generation is over).
 Everything else is tested against the real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
-[--end-stream-early]."""
+[--end-stream-early] [--garbled bad-line|no-logprob]."""
 
 from __future__ import annotations
 
@@ -97,8 +97,31 @@ def _lora(path: str, request: dict[str, object], loaded: dict[str, str], calls: 
     return f"Success: LoRA adapter '{name}' removed successfully.".encode(), 200
 
 
+async def _garbled(send, kind: str, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """--garbled bad-line: a line that is not JSON; --garbled no-logprob: a logprobs entry without `logprob`."""
+    if not stream:
+        choice = {**COMPLETION["choices"][0], "logprobs": {"content": [{"token": "ok"}]}}  # type: ignore[dict-item]
+        body = b"{not json" if kind == "bad-line" else json.dumps({**COMPLETION, "choices": [choice]}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "body": _chunk(prompt_token_ids=[1, 2, 3]), "more_body": True})
+    if kind == "bad-line":
+        bad = b"data: {not json\n\n"
+    else:
+        bad = _chunk().replace(b'"logprobs": null', b'"logprobs": {"content": [{"token": "o"}]}')
+    await send({"type": "http.response.body", "body": bad, "more_body": True})
+    await send({"type": "http.response.body", "body": _chunk() + b"data: [DONE]\n\n", "more_body": False})
+
+
 def make_app(  # type: ignore[no-untyped-def]
-    delay: float, status: int, die_mid_stream: bool, endless_stream: bool = False, end_early: bool = False
+    delay: float,
+    status: int,
+    die_mid_stream: bool,
+    endless_stream: bool = False,
+    end_early: bool = False,
+    garbled: str | None = None,
 ):
     stats = {"streams_started": 0, "streams_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
@@ -127,6 +150,9 @@ def make_app(  # type: ignore[no-untyped-def]
         else:
             request = json.loads(await _body(receive) or b"{}")
             await asyncio.sleep(delay)
+            if garbled is not None:  # an answer vLLM never sends: the gateway must say so, not crash
+                await _garbled(send, garbled, bool(request.get("stream")))
+                return
             if die_mid_stream or end_early:
                 await send(
                     {
@@ -171,6 +197,7 @@ if __name__ == "__main__":
     parser.add_argument("--die-mid-stream", action="store_true")
     parser.add_argument("--endless-stream", action="store_true")
     parser.add_argument("--end-stream-early", action="store_true", help="one event, then the end: no [DONE]")
+    parser.add_argument("--garbled", choices=("bad-line", "no-logprob"), help="an answer vLLM never sends")
     a = parser.parse_args()
-    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early)
+    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early, a.garbled)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")

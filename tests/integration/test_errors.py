@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -182,6 +183,45 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_fac
         gateway.stop()  # flushes the recorder
         with sqlite3.connect(gateway.db_path) as db:
             assert db.execute("SELECT status, http_status FROM calls").fetchall() == [("upstream_error", 200)]
+    finally:
+        stop_group(proc)
+
+
+@pytest.mark.parametrize("garbled", ["bad-line", "no-logprob"])
+def test_an_engine_answer_the_gateway_cannot_read_is_an_upstream_error(gateway_factory, garbled: str) -> None:
+    """A line that is not JSON, or a logprobs entry without `logprob`: streamed, the stream ends there with an
+    error event (no [DONE], nothing after it relayed); not streamed, a 502. Both recorded `upstream_error`."""
+    url, proc = start_stub("--garbled", garbled)
+    try:
+        gateway = gateway_factory("--upstream", url)
+        headers = {"X-ART-Rollout-Id": f"garbled-{garbled}"}
+        body = {**CHAT, "stream": True}
+        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 2 and '"content":"o"' in events[0]
+        assert json.loads(events[1][6:]) == {
+            "error": {
+                "message": "The engine sent an event the gateway cannot read.",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_error",
+            }
+        }
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": "plain"})
+        assert r.status_code == 502
+        assert error(r) == {
+            "message": "The engine sent an unreadable answer.",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+        assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+        gateway.stop()  # flushes the recorder
+        for rollout_id, http_status in ((f"garbled-{garbled}", 200), ("plain", 502)):
+            (call,) = recorded_calls(gateway.db_path, rollout_id) or []
+            assert (call.status, call.http_status) == ("upstream_error", http_status)
+            assert call.error is not None and "unreadable engine" in call.error
     finally:
         stop_group(proc)
 
