@@ -44,9 +44,12 @@ def test_supervised_engine_lifecycle(tiny_model, gateway_factory) -> None:
     print(f"artgw serve → ready in {ready_seconds:.1f}s")
     assert re.search(r"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+model=my-agent", gateway.log())
 
+    # A generous timeout: a fresh vLLM's first generation, with another engine busy on these 2 cores, has
+    # taken over httpx's default 5 s (this test asserts what happens, not how fast).
     r = httpx.post(
         f"{gateway.base_url}/chat/completions",
         json={"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=120,
     )
     assert r.status_code == 200
 
@@ -66,6 +69,7 @@ def test_supervised_engine_lifecycle(tiny_model, gateway_factory) -> None:
         httpx.post(
             f"{gateway.base_url}/chat/completions",
             json={"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=120,
         ).status_code
         == 200
     )
