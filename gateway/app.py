@@ -75,7 +75,7 @@ DEPENDENCIES = {
 )
 async def chat_completions(request: Request, rollout_id: str | None = None) -> ASGIApp:
     # The data path: the service is taken from the app's state rather than through Litestar's DI (~12 µs a
-    # call measured), and the answer is a bare ASGI app (gateway/responses.py), no framework work after it.
+    # call measured), and the answer is a bare ASGI app (gateway/asgi.py), no framework work after it.
     key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
     return await _chat(request.app.state).complete(await request.body(), key)
 

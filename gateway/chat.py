@@ -27,7 +27,7 @@ from gateway.engine import EngineState
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
-from gateway.responses import EventStream, JSONBody
+from gateway.asgi import EventStream, JSONBody
 from store.records import CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
