@@ -77,7 +77,7 @@ async def chat_completions(request: Request, rollout_id: str | None = None) -> A
     # The data path: the service is taken from the app's state rather than through Litestar's DI (~12 µs a
     # call measured), and the answer is a bare ASGI app (gateway/asgi.py), no framework work after it.
     key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
-    return await _chat(request.app.state).complete(await request.body(), key)
+    return await _chat(request.app.state).complete(await request.body(), key, request.receive)
 
 
 @get(["/v1/models", "/rollouts/{rollout_id:str}/v1/models"], responses=errors(400, 500))

@@ -8,10 +8,11 @@ keeps the gateway's added time to first token under a millisecond (bench/stream_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 def _headers(content_type: bytes, extra: dict[str, str]) -> Headers:
@@ -21,16 +22,47 @@ def _headers(content_type: bytes, extra: dict[str, str]) -> Headers:
 class JSONBody:
     """A complete JSON answer."""
 
-    __slots__ = ("body", "headers")
+    __slots__ = ("body", "headers", "status")
 
-    def __init__(self, body: bytes, headers: dict[str, str]) -> None:
+    def __init__(self, body: bytes, headers: dict[str, str], status: int = 200) -> None:
         self.body = body
+        self.status = status
         self.headers = _headers(b"application/json", headers)
         self.headers.append((b"content-length", str(len(body)).encode()))
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+class HangUpWatch:
+    """Cancels the current task when the client hangs up (the request body already read).
+
+    For an answer that is not streamed: while the gateway waits for the engine nothing is sent, so only
+    `receive()` tells that the client has gone. The cancellation always lands at the await the task is parked
+    on (asyncio delivers it there), so the caller knows exactly where a hang-up can cut in; `stop()` before
+    the last await that matters makes the rest of the call uninterruptible by the client.
+    """
+
+    __slots__ = ("gone", "task", "watcher")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.watcher: asyncio.Future[None] | None = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
 
 
 class EventStream:

@@ -8,6 +8,7 @@ fields it did not ask for are set back to null, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import time
@@ -23,11 +24,11 @@ from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
 from gateway.adapters import AdapterRegistry, Route
+from gateway.asgi import EventStream, HangUpWatch, JSONBody, Receive
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
-from gateway.asgi import EventStream, JSONBody
 from store.records import CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
@@ -277,7 +278,10 @@ class ChatService:
         self.recorder = recorder
         self.engine_state = engine_state
 
-    async def complete(self, body: bytes, key: RolloutKey) -> JSONBody | EventStream:
+    async def complete(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+        """Answer one chat request. `receive` (the request's ASGI receive, body already read) lets a non-streamed
+        call notice the client hanging up while the engine works: the engine's request is then closed (vLLM
+        aborts it) and the call recorded `cancelled`, never trainable."""
         head, request = parse_chat_request(body)
         route = self.registry.resolve(head.model)
         upstream_body, asked = _upstream_body(request, route)
@@ -286,6 +290,30 @@ class ChatService:
         call = _Call(self, key, route, request, stream, time.time())
         self.recorder.begin(key.rollout_id)
         self.metrics.call_started(call.label)
+        if stream or receive is None:
+            return await self._answer(call, upstream_body, asked, head.model)
+        # The relay of a stream watches for a hang-up itself (gateway/asgi.py); a plain answer is watched here.
+        hang_up = HangUpWatch(receive)
+        try:
+            return await self._answer(call, upstream_body, asked, head.model, hang_up)
+        except asyncio.CancelledError:
+            if not hang_up.gone:
+                raise  # not the client: the server is stopping this task
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            await call.finish("cancelled", 499, "the client hung up before the answer")
+            return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
+        finally:
+            hang_up.stop()
+
+    async def _answer(
+        self,
+        call: _Call,
+        upstream_body: bytes,
+        asked: _Asked,
+        model: str,
+        hang_up: HangUpWatch | None = None,
+    ) -> JSONBody | EventStream:
+        key = call.key
         try:
             upstream = await self.session.post(
                 self.chat_url, data=upstream_body, headers=_JSON_HEADERS, timeout=self.timeout
@@ -306,14 +334,15 @@ class ChatService:
                 payload = await upstream.read()
             except aiohttp.ClientError:
                 payload = b""
-            upstream.release()
+            finally:
+                upstream.release()
             error = _upstream_error(upstream.status, payload)
             # The engine's 4xx is the client's mistake (a bad option): passed through and counted as such,
             # not as an engine fault.
             await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
             raise error
-        if stream:
-            relay = call.relay(upstream, asked, head.model)
+        if call.stream:
+            relay = call.relay(upstream, asked, model)
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event) and records the call
@@ -321,9 +350,15 @@ class ChatService:
             return EventStream(await anext(relay), relay, headers)
         try:
             payload = _decode(await upstream.read())
+            if hang_up is not None:
+                # From here on nothing waits, so no hang-up can cut in: the answer is whole and is recorded `ok`.
+                hang_up.stop()
             choices = [_choice_record(c) for c in payload.get("choices") or ()]
             prompt_ids = payload.get("prompt_token_ids") or []
-            _hide_unasked(payload, asked, head.model)
+            _hide_unasked(payload, asked, model)
+        except asyncio.CancelledError:
+            upstream.close()  # dropping the connection is how vLLM learns to abort the request
+            raise
         except ENGINE_DATA_ERRORS as exc:  # the engine's answer, not the gateway's code: a 502
             await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
             raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
@@ -366,6 +401,7 @@ class _Call:
         self.stream = stream
         self.started = started
         self.first_token_at: float | None = None
+        self.recorded = False  # exactly once: whichever path ends the call first records it
         self.label = route.model or route.upstream_model  # the metrics' model label
 
     async def finish(
@@ -377,6 +413,9 @@ class _Call:
         choices: list[ChoiceRecord] | None = None,
         usage: dict[str, Any] | None = None,
     ) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
         ended = time.time()
         record = CallRecord(
             call_id=uuid.uuid4().hex,

@@ -115,6 +115,18 @@ async def _garbled(send, kind: str, stream: bool) -> None:  # type: ignore[no-un
     await send({"type": "http.response.body", "body": _chunk() + b"data: [DONE]\n\n", "more_body": False})
 
 
+async def _wait_unless_aborted(receive, seconds: float) -> bool:  # type: ignore[no-untyped-def]
+    """Sleep, as an engine busy generating; False when the client goes away first (vLLM aborts then)."""
+    listener = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait_for(asyncio.shield(listener), seconds)
+    except TimeoutError:
+        return True
+    finally:
+        listener.cancel()
+    return listener.result()["type"] != "http.disconnect"
+
+
 def make_app(  # type: ignore[no-untyped-def]
     delay: float,
     status: int,
@@ -123,7 +135,7 @@ def make_app(  # type: ignore[no-untyped-def]
     end_early: bool = False,
     garbled: str | None = None,
 ):
-    stats = {"streams_started": 0, "streams_aborted": 0}
+    stats = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
     calls: list[str] = []  # the LoRA API calls, in order: "load NAME", "unload NAME"
 
@@ -149,7 +161,9 @@ def make_app(  # type: ignore[no-untyped-def]
             code = 200
         else:
             request = json.loads(await _body(receive) or b"{}")
-            await asyncio.sleep(delay)
+            if delay and not await _wait_unless_aborted(receive, delay):
+                stats["requests_aborted"] += 1  # the client (the gateway) hung up while the "engine" worked
+                return
             if garbled is not None:  # an answer vLLM never sends: the gateway must say so, not crash
                 await _garbled(send, garbled, bool(request.get("stream")))
                 return

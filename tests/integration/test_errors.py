@@ -51,6 +51,7 @@ def error(response: httpx.Response) -> dict:
     return body["error"]
 
 
+ROLLOUT = "X-ART-Rollout-Id"
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -237,7 +238,7 @@ def test_client_hangup_mid_stream_closes_the_engine_stream_and_is_recorded_cance
             assert sum(1 for line in itertools.islice(lines, 6) if line.startswith("data: ")) == 3
         # The engine streams on until its client, the gateway, goes away: it must go at once.
         poll(lambda: httpx.get(f"{url}/stats").json()["streams_aborted"], 5, "the engine's stream to close", every=0.05)
-        assert httpx.get(f"{url}/stats").json() == {"streams_started": 1, "streams_aborted": 1}
+        assert httpx.get(f"{url}/stats").json() == {"streams_started": 1, "streams_aborted": 1, "requests_aborted": 0}
         rollout = httpx.get(f"{gateway.base_url}/art/rollouts/hangup-1").json()
         (call,) = rollout["calls"]
         assert call["status"] == "cancelled" and call["stream"]
@@ -248,6 +249,48 @@ def test_client_hangup_mid_stream_closes_the_engine_stream_and_is_recorded_cance
         assert 3 <= len(record.choices[0].token_ids) < 100
     finally:
         stop_group(proc)
+
+
+def test_client_hangup_before_a_plain_answer_aborts_the_engine_request_and_is_recorded_cancelled(
+    gateway_factory,
+) -> None:
+    """A non-streamed call: nothing is sent while the engine works, so only the connection tells that the client
+    left. The gateway must close the engine's request then (vLLM aborts it) and record the call `cancelled`,
+    not `ok` once the engine answers."""
+    url, proc = start_stub("--delay", "30")
+    try:
+        gateway = gateway_factory("--upstream", url)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={ROLLOUT: "hangup-plain"}, timeout=1)
+        poll(
+            lambda: httpx.get(f"{url}/stats").json()["requests_aborted"], 5, "the engine's request to close", every=0.05
+        )
+        rollout = poll(
+            lambda: (r := httpx.get(f"{gateway.base_url}/art/rollouts/hangup-plain")).status_code == 200 and r.json(),
+            10,
+            "the cancelled call to be recorded",
+        )
+        (call,) = rollout["calls"]
+        assert (call["status"], call["stream"]) == ("cancelled", False)
+        assert rollout["sequences"] == []  # kept, never trained
+        gateway.stop()
+        (record,) = recorded_calls(gateway.db_path, "hangup-plain") or []
+        assert (record.status, record.http_status, record.choices) == ("cancelled", 499, [])
+    finally:
+        stop_group(proc)
+
+
+def test_a_plain_answer_is_recorded_ok_when_the_client_stays(stub, gateway_factory) -> None:
+    """The hang-up watch must not cut in on a call whose client stays: answered and recorded `ok`, once."""
+    url, _ = stub
+    gateway = gateway_factory("--upstream", url)
+    for i in range(20):
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={ROLLOUT: f"stay-{i}"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    gateway.stop()
+    for i in range(20):
+        (record,) = recorded_calls(gateway.db_path, f"stay-{i}") or []
+        assert (record.status, record.http_status, record.choices[0].token_ids) == ("ok", 200, [7])
 
 
 @pytest.mark.engine
