@@ -96,6 +96,13 @@ class AdapterRegistry:
         ]
         return {"object": "list", "data": data}
 
+    def model_card(self, model_id: str) -> dict[str, Any]:
+        """The body of `GET /v1/models/{id}` (404 `model_not_found` for a model the gateway does not serve)."""
+        for card in self.model_list()["data"]:
+            if card["id"] == model_id:
+                return card  # type: ignore[no-any-return]
+        raise model_not_found(model_id)
+
     def model_ids(self) -> list[tuple[str, str]]:
         """(id, root) pairs for `GET /v1/models`: trainable names, their loaded steps, the base."""
         if self.base_model is None:

@@ -7,20 +7,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Response, get
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
-from litestar.types import ASGIApp
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
-from gateway.chat import ROLLOUT_HEADER, ChatService, rollout_key
+from gateway.apis import routes as inference
+from gateway.apis.responses_service import ResponsesService
 from gateway.errors import exception_handlers
 from gateway.groups.service import GroupService
-from gateway.openapi import chat_operation, errors
+from gateway.openapi import errors
 from gateway.provide import Services, provide_services
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings
@@ -30,10 +30,6 @@ from gateway.settings import Settings
 
 def _services(state: State) -> Services:
     return state.services  # type: ignore[no-any-return]
-
-
-def _chat(state: State) -> ChatService:
-    return _services(state).chat
 
 
 def _registry(state: State) -> AdapterRegistry:
@@ -48,6 +44,10 @@ def _groups(state: State) -> GroupService:
     return _services(state).groups
 
 
+def _responses(state: State) -> ResponsesService:
+    return _services(state).responses
+
+
 def _adapters(state: State) -> AdapterService:
     return _services(state).adapters
 
@@ -60,29 +60,21 @@ DEPENDENCIES = {
         ("rollouts", _rollouts),
         ("groups", _groups),
         ("adapters", _adapters),
+        ("responses", _responses),
     )
 }
 
 # ---------------------------------------------------------------- handlers
 
 
-@post(
-    ["/v1/chat/completions", "/rollouts/{rollout_id:str}/v1/chat/completions"],
-    status_code=200,
-    # The body is read raw (the data path): its schema, the SSE answer and the errors are described here.
-    operation_class=chat_operation,
-    responses=errors(400, 404, 408, 413, 500, 502, 503, 504),
-)
-async def chat_completions(request: Request, rollout_id: str | None = None) -> ASGIApp:
-    # The data path: the service is taken from the app's state rather than through Litestar's DI (~12 µs a
-    # call measured), and the answer is a bare ASGI app (gateway/asgi.py), no framework work after it.
-    key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
-    return await _chat(request.app.state).complete(await request.body(), key, request.receive)
-
-
 @get(["/v1/models", "/rollouts/{rollout_id:str}/v1/models"], responses=errors(400, 500))
 async def list_models(registry: AdapterRegistry, rollout_id: str | None = None) -> dict[str, Any]:
     return registry.model_list()
+
+
+@get(["/v1/models/{model_id:str}", "/rollouts/{rollout_id:str}/v1/models/{model_id:str}"], responses=errors(400, 404))
+async def retrieve_model(registry: AdapterRegistry, model_id: str, rollout_id: str | None = None) -> dict[str, Any]:
+    return registry.model_card(model_id)
 
 
 @get("/metrics", media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""), responses=errors(500))
@@ -126,7 +118,15 @@ def create_app(settings: Settings) -> Litestar:
             yield
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, metrics, healthz, readyz, *art_api.routes],
+        route_handlers=[
+            *inference.routes,
+            list_models,
+            retrieve_model,
+            metrics,
+            healthz,
+            readyz,
+            *art_api.routes,
+        ],
         dependencies=DEPENDENCIES,
         lifespan=[lifespan],
         exception_handlers=exception_handlers,  # type: ignore[arg-type]

@@ -53,12 +53,18 @@ class OpenAIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.param = param
         self.code = code
+        self.headers: dict[str, str] | None = None  # e.g. the rollout id, echoed on an inference call's error
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> Response[bytes]:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+        return Response(
+            msgspec.json.encode(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -183,13 +189,35 @@ def handle_store_error(_: Request, exc: StoreError) -> Response[bytes]:
     return from_store_error(exc).to_response()
 
 
-def handle_http_exception(_: Request, exc: HTTPException) -> Response[bytes]:
+# What the gateway serves, named in the 404 of any other path: a client that hits one gets told what exists.
+SERVED_ENDPOINTS = (
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/responses",
+    "GET /v1/responses/{id}",
+    "DELETE /v1/responses/{id}",
+    "GET /v1/responses/{id}/input_items",
+    "POST /v1/messages",
+    "GET /v1/models",
+    "GET /v1/models/{id}",
+    "/v1/art/... (rollouts, groups, models)",
+)
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response[bytes]:
     """Litestar's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
     status = exc.status_code
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     message = exc.detail or "error"
     if status == 413:
         message = "Request body is too large."
+    elif status == 404:
+        code = "unknown_endpoint"
+        message = (
+            f"The gateway does not serve {request.method} {request.url.path}. "
+            f"It serves: {', '.join(SERVED_ENDPOINTS)}; "
+            "the inference endpoints also under /rollouts/{rollout_id}/v1/...."
+        )
     return OpenAIError(status, message, code=code).to_response()
 
 

@@ -23,7 +23,8 @@ from litestar.openapi.spec import (
     Schema,
 )
 
-from gateway.chat import MAX_N, MAX_TOP_LOGPROBS, ROLES, ROLLOUT_HEADER
+from gateway.chat import MAX_N, MAX_TOP_LOGPROBS, ROLES
+from gateway.proxy import ROLLOUT_HEADER
 
 
 class OpenAIErrorDetail(msgspec.Struct, frozen=True):
@@ -37,6 +38,18 @@ class OpenAIError(msgspec.Struct, frozen=True):
     """Every error the gateway answers, in OpenAI's shape (the OpenAI SDKs raise typed exceptions from it)."""
 
     error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(msgspec.Struct, frozen=True):
+    type: str  # invalid_request_error, not_found_error, api_error, overloaded_error, ...
+    message: str
+
+
+class AnthropicError(msgspec.Struct, frozen=True):
+    """The errors of `/v1/messages`, in Anthropic's shape (its SDK raises typed exceptions from it)."""
+
+    type: str  # always "error"
+    error: AnthropicErrorDetail
 
 
 _WHEN = {
@@ -58,6 +71,14 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
     """Route `responses=` for these error statuses, each with OpenAI's error body."""
     return {
         status: ResponseSpec(data_container=OpenAIError, description=_WHEN[status], generate_examples=False)
+        for status in statuses
+    }
+
+
+def anthropic_errors(*statuses: int) -> dict[int, ResponseSpec]:
+    """Route `responses=` for these error statuses, each with Anthropic's error body."""
+    return {
+        status: ResponseSpec(data_container=AnthropicError, description=_WHEN[status], generate_examples=False)
         for status in statuses
     }
 
@@ -235,5 +256,101 @@ chat_operation = documented(
         "text/event-stream": _media(
             {"type": "string", "description": "`data: {chat.completion.chunk}` events, then `data: [DONE]`"}
         ),
+    },
+)
+
+TOKEN_ID = {"type": "integer", "minimum": 0}
+
+# The legacy completions request: the fields CompletionRequestHead (gateway/completions.py) reads and bounds.
+COMPLETION_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": CHAT_REQUEST["properties"]["model"],
+        "prompt": {
+            "description": "A string, a list of strings, a list of token ids, or a list of such lists.",
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "items": TOKEN_ID},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                },
+            ],
+        },
+        "stream": CHAT_REQUEST["properties"]["stream"],
+        "n": _nullable("integer", minimum=1, maximum=MAX_N, default=1, description="Choices per prompt."),
+        "max_tokens": _nullable("integer", minimum=1),
+        "logprobs": _nullable("integer", minimum=0, maximum=MAX_TOP_LOGPROBS),
+        "echo": _nullable("boolean"),
+        "stop": {"type": ["string", "array", "null"]},
+        "seed": _nullable("integer"),
+        "temperature": _nullable("number"),
+        "top_p": _nullable("number"),
+    },
+    "additionalProperties": True,
+}
+
+completions_operation = documented(
+    body=COMPLETION_REQUEST,
+    example={"model": "my-agent", "prompt": "Once upon a time"},
+    headers=(ROLLOUT_HEADER_PARAMETER,),
+    success={
+        "application/json": _media({"type": "object", "required": ["id", "object", "choices"]}),
+        "text/event-stream": _media({"type": "string", "description": "`data: {completion}` events, then [DONE]"}),
+    },
+)
+
+
+def _loose_request(required: list[str], description: str, **properties: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": required,
+        "description": description,
+        "properties": {"model": CHAT_REQUEST["properties"]["model"], **properties},
+        "additionalProperties": True,
+    }
+
+
+# Responses and Messages requests: their own structs decode them (gateway/apis/); described here by their
+# main fields, other fields allowed as the APIs define them.
+responses_operation = documented(
+    body=_loose_request(
+        ["model", "input"],
+        "OpenAI's Responses request, served through the engine's chat completions (recorded token-exactly).",
+        input={"type": ["string", "array"]},
+        instructions=_nullable("string"),
+        tools=_nullable("array", items={"type": "object"}),
+        previous_response_id=_nullable("string"),
+        store=_nullable("boolean", default=True),
+        stream=CHAT_REQUEST["properties"]["stream"],
+        max_output_tokens=_nullable("integer", minimum=1),
+    ),
+    example={"model": "my-agent", "input": "Hi!"},
+    headers=(ROLLOUT_HEADER_PARAMETER,),
+    success={
+        "application/json": _media({"type": "object", "required": ["id", "object", "output"]}),
+        "text/event-stream": _media({"type": "string", "description": "Responses events, `response.completed` last"}),
+    },
+)
+
+messages_operation = documented(
+    body=_loose_request(
+        ["model", "messages", "max_tokens"],
+        "Anthropic's Messages request, served through the engine's chat completions (recorded token-exactly). "
+        "Errors on this route are in Anthropic's shape: {type: error, error: {type, message}}.",
+        messages={"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"]}},
+        max_tokens={"type": "integer", "minimum": 1},
+        system={"type": ["string", "array", "null"]},
+        tools=_nullable("array", items={"type": "object"}),
+        stream=CHAT_REQUEST["properties"]["stream"],
+    ),
+    example={"model": "my-agent", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi!"}]},
+    headers=(ROLLOUT_HEADER_PARAMETER,),
+    success={
+        "application/json": _media({"type": "object", "required": ["id", "type", "content"]}),
+        "text/event-stream": _media({"type": "string", "description": "Anthropic's events, `message_stop` last"}),
     },
 )

@@ -22,7 +22,10 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.adapters import AdapterRegistry, AdapterService
+from gateway.apis.messages_service import MessagesService
+from gateway.apis.responses_service import ResponsesService
 from gateway.chat import ChatService
+from gateway.completions import CompletionsService
 from gateway.engine import (
     EngineConfig,
     EngineFailed,
@@ -34,11 +37,13 @@ from gateway.engine import (
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
 from gateway.metrics import GatewayMetrics
+from gateway.proxy import EngineCalls
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
 from store.db import create_sync_sqlite_engine
 from store.provide import Store, open_store
+from store.responses import ResponseStore
 
 log = logging.getLogger("artgw.gateway")
 
@@ -85,6 +90,9 @@ class Services:
         registry: AdapterRegistry,
         recorder: Recorder,
         chat: ChatService,
+        completions: CompletionsService,
+        responses: ResponsesService,
+        messages: MessagesService,
         rollouts: RolloutService,
         groups: GroupService,
         scorer: Scorer,
@@ -98,6 +106,9 @@ class Services:
         self.registry = registry
         self.recorder = recorder
         self.chat = chat
+        self.completions = completions
+        self.responses = responses
+        self.messages = messages
         self.rollouts = rollouts
         self.groups = groups
         self.scorer = scorer
@@ -209,20 +220,24 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             )
         else:
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters)
+        calls = EngineCalls(
+            session=session,
+            upstream_url=settings.upstream_url,
+            request_timeout=settings.request_timeout,
+            registry=registry,
+            recorder=recorder,
+            engine_state=lambda: engine.state,
+            metrics=metrics,
+        )
         services = Services(
             settings=settings,
             store=store,
             registry=registry,
             recorder=recorder,
-            chat=ChatService(
-                session=session,
-                upstream_url=settings.upstream_url,
-                request_timeout=settings.request_timeout,
-                registry=registry,
-                recorder=recorder,
-                engine_state=lambda: engine.state,
-                metrics=metrics,
-            ),
+            chat=ChatService(calls),
+            completions=CompletionsService(calls),
+            responses=ResponsesService(calls, ResponseStore(store.engine)),
+            messages=MessagesService(calls),
             rollouts=rollouts,
             groups=GroupService(store.engine, rollouts, registry, scorer),
             scorer=scorer,

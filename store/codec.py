@@ -244,6 +244,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "step": record.step,
         "upstream_model": record.upstream_model,
         "stream": record.stream,
+        "api": record.api,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
@@ -424,6 +425,7 @@ def expand(rows: Sequence[Mapping[str, Any]], explicit: bool) -> list[CallRecord
                 started_at=row["started_at"],
                 first_token_at=row["first_token_at"],
                 ended_at=row["ended_at"],
+                api=row.get("api") or "chat",
             )
         )
     return records

@@ -14,6 +14,9 @@ import msgspec
 # client_error: the engine answered 4xx (a request it refused: passed through to the client, never trained).
 # internal_error: the gateway's own bug (a 500 with a logged traceback), never the engine's fault.
 CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error", "internal_error"]
+# The API the client spoke. Responses and Messages calls reach the engine as chat completions (their
+# `request` is that chat request, so they assemble with chat calls); completions calls as completions.
+Api = Literal["chat", "completions", "responses", "messages"]
 
 
 class ChoiceRecord(msgspec.Struct, frozen=True):
@@ -42,3 +45,4 @@ class CallRecord(msgspec.Struct, frozen=True):
     started_at: float  # unix seconds
     first_token_at: float | None
     ended_at: float
+    api: Api = "chat"

@@ -53,7 +53,8 @@ class RolloutReader:
             calls = await rollout_calls(conn, rollout_id)
         if calls is None:
             return None
-        return assemble(rollout_id, calls, choice)
+        # One choice of an n > 1 call is a rollout of its own, named as groups name it.
+        return assemble(rollout_id if choice is None else f"{rollout_id}/{choice}", calls, choice)
 
     async def get(self, rollout_id: str, *, choice: int | None = None) -> Trajectory:
         trajectory = await self.find(rollout_id, choice=choice)

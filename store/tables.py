@@ -37,7 +37,8 @@ calls = sa.Table(
     sa.Column("step", sa.Integer, nullable=True),  # adapter step that served it; 0 = base weights
     sa.Column("upstream_model", sa.String(512), nullable=False),
     sa.Column("stream", sa.Boolean, nullable=False),
-    sa.Column("status", sa.String(32), nullable=False),  # ok | cancelled | upstream_error
+    sa.Column("api", sa.String(16), nullable=False, server_default="chat"),  # store.records.Api
+    sa.Column("status", sa.String(32), nullable=False),  # store.records.CallStatus
     sa.Column("http_status", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
     sa.Column("base_call_id", sa.String(64), nullable=True),  # an earlier call of the same rollout; NULL: whole
@@ -122,4 +123,18 @@ adapters = sa.Table(
     sa.Column("group_count", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("served_at", sa.Float, nullable=True),  # when `model` started to mean this step
+)
+
+# Responses API objects kept for `previous_response_id` and `GET /v1/responses/{id}` (`store: true`, the
+# default): the answer as the client got it, its input items, and the conversation a follow-up continues.
+responses = sa.Table(
+    "responses",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("rollout_id", sa.String(128), nullable=False),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("response", sa.JSON, nullable=False),
+    sa.Column("input_items", sa.JSON, nullable=False),
+    sa.Column("messages", sa.JSON, nullable=False),  # chat messages: the history, this input, this output
+    sa.Column("created_at", sa.Float, nullable=False),
 )

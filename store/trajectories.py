@@ -37,6 +37,7 @@ class Sequence(msgspec.Struct, frozen=True):
 
 class CallSummary(msgspec.Struct, frozen=True):
     id: str
+    api: str  # the API the client spoke: chat, completions, responses or messages
     status: str
     step: int | None
     stream: bool
@@ -175,6 +176,7 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
     summaries = [
         CallSummary(
             id=c.call_id,
+            api=c.api,
             status=c.status,
             step=c.step,
             stream=c.stream,

@@ -42,6 +42,7 @@ class GroupRolloutOut(msgspec.Struct, frozen=True):
 
 class GroupOut(msgspec.Struct, frozen=True):
     id: str
+    group_id: str  # the same as `id`, under the name a request gives it
     model: str
     state: GroupState
     failure_reason: str | None
@@ -69,6 +70,7 @@ def group_out(row: GroupRow) -> GroupOut:
     complete = len(rewards) == len(row.members)
     return GroupOut(
         id=row.id,
+        group_id=row.id,
         model=row.model,
         state=row.state,
         failure_reason=row.failure_reason,

@@ -113,7 +113,17 @@ def test_invalid_rollout_id_is_400(stub, gateway_factory) -> None:
 
 def test_unknown_route_and_wrong_method(stub, gateway_factory) -> None:
     gateway = gateway_factory("--upstream", stub[0])
-    assert error(httpx.post(f"{gateway.base_url}/nope", json={}))["code"] == "not_found"
+    r = httpx.post(f"{gateway.base_url}/nope", json={})
+    assert r.status_code == 404
+    assert error(r) == {
+        "message": "The gateway does not serve POST /v1/nope. It serves: POST /v1/chat/completions, "
+        "POST /v1/completions, POST /v1/responses, GET /v1/responses/{id}, DELETE /v1/responses/{id}, "
+        "GET /v1/responses/{id}/input_items, POST /v1/messages, GET /v1/models, GET /v1/models/{id}, "
+        "/v1/art/... (rollouts, groups, models); the inference endpoints also under /rollouts/{rollout_id}/v1/....",
+        "type": "not_found_error",
+        "param": None,
+        "code": "unknown_endpoint",
+    }
     r = httpx.get(f"{gateway.base_url}/chat/completions")
     assert r.status_code == 405
     assert error(r)["code"] == "method_not_allowed"

@@ -93,6 +93,7 @@ def test_same_request_twice_creates_one_group_by_group_id_and_by_idempotency_key
     first, again = post_group(stub_gateway, body), post_group(stub_gateway, body)
     assert (first.status_code, again.status_code) == (201, 200)
     assert first.json() == again.json()
+    assert first.json()["group_id"] == first.json()["id"] == f"g-{a}"  # the request's name, answered back
     changed = {**body, "rollouts": [{"rollout_id": a, "reward": 0}, {"rollout_id": b, "reward": 1}]}
     assert error(post_group(stub_gateway, changed), 409)["code"] == "group_id_conflict"
 
@@ -240,8 +241,10 @@ def test_one_call_with_n_choices_is_a_group(engine_gateway) -> None:
     assert [x["rollout_id"] for x in r.json()["rollouts"]] == refs
     # Each choice is addressable, with its own sampled tokens.
     seqs = [httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/{k}").json()["sequences"][0] for k in range(3)]
-    calls = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/2").json()["calls"]
+    second = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/2").json()
+    calls = second["calls"]
     assert calls[0]["choice"] == 2 and calls[0]["n"] == 3
+    assert second["rollout_id"] == f"{rid}/2"  # the name a group gives it
     prompt_len = seqs[0]["sampled_mask"].index(1)
     assert all(s["token_ids"][:prompt_len] == seqs[0]["token_ids"][:prompt_len] for s in seqs)
     # The whole rollout now overlaps its choices.

@@ -53,8 +53,10 @@ def test_the_document_is_served_and_valid_openapi(gateway: GatewayProcess) -> No
     with_body = [doc["paths"][path]["post"] for path in ("/v1/art/groups", "/v1/art/models/{name}/adapters")]
     for operation in with_body:
         assert operation["requestBody"]["required"] is True
-    error_ref = {"$ref": "#/components/schemas/OpenAIError"}
     for path, item in doc["paths"].items():
+        # Anthropic's Messages API answers errors in Anthropic's shape, every other route in OpenAI's.
+        shape = "AnthropicError" if path.endswith("/v1/messages") else "OpenAIError"
+        error_ref = {"$ref": f"#/components/schemas/{shape}"}
         for method, operation in item.items():
             for status, response in operation["responses"].items():
                 if int(status) >= 400 and path != "/readyz":
@@ -62,7 +64,10 @@ def test_the_document_is_served_and_valid_openapi(gateway: GatewayProcess) -> No
     detail = doc["components"]["schemas"]["OpenAIErrorDetail"]
     assert set(detail["required"]) == {"message", "type", "param", "code"}
     # Each schema in it is a valid JSON Schema (schemathesis's own loading checks the rest of the document).
-    bodies = [op["requestBody"]["content"]["application/json"]["schema"] for op in (chat, *with_body)]
+    inference = [doc["paths"][path]["post"] for path in ("/v1/completions", "/v1/responses", "/v1/messages")]
+    for operation in inference:
+        assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    bodies = [op["requestBody"]["content"]["application/json"]["schema"] for op in (chat, *with_body, *inference)]
     for schema in [*doc["components"]["schemas"].values(), *bodies]:
         Draft202012Validator.check_schema(schema)
 
@@ -71,8 +76,22 @@ def test_the_document_is_served_and_valid_openapi(gateway: GatewayProcess) -> No
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/rollouts/{rollout_id}/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/rollouts/{rollout_id}/v1/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/rollouts/{rollout_id}/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("GET", "/rollouts/{rollout_id}/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("DELETE", "/rollouts/{rollout_id}/v1/responses/{response_id}"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
+    ("GET", "/rollouts/{rollout_id}/v1/responses/{response_id}/input_items"),
+    ("POST", "/v1/messages"),
+    ("POST", "/rollouts/{rollout_id}/v1/messages"),
     ("GET", "/v1/models"),
     ("GET", "/rollouts/{rollout_id}/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
+    ("GET", "/rollouts/{rollout_id}/v1/models/{model_id}"),
     ("GET", "/metrics"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
@@ -97,6 +116,14 @@ def test_every_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
 HAS_INVALID = {
     ("POST", "/v1/chat/completions"),
     ("POST", "/rollouts/{rollout_id}/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/rollouts/{rollout_id}/v1/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/rollouts/{rollout_id}/v1/responses"),
+    ("POST", "/v1/messages"),
+    ("POST", "/rollouts/{rollout_id}/v1/messages"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
+    ("GET", "/rollouts/{rollout_id}/v1/responses/{response_id}/input_items"),
     ("GET", "/v1/art/rollouts"),
     ("GET", "/v1/art/rollouts/{rollout_id}/{choice}"),
     ("POST", "/v1/art/groups"),

@@ -1,0 +1,56 @@
+"""`/v1/messages`: Anthropic's Messages API, served through the engine's chat completions.
+
+Why through chat: vLLM's own Messages endpoint returns no token ids; translated to chat
+(gateway/apis/messages.py), the call is recorded exactly like a chat call, token for token.
+Errors on this route are in Anthropic's shape (`{"type": "error", "error": {...}}`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
+from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.chat import upstream_request
+from gateway.errors import OpenAIError
+from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+
+_encode = msgspec.json.encode
+
+
+class MessagesWire:
+    def __init__(self, request: MessagesRequest) -> None:
+        self.request = request
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.stream = MessagesStream(request, self.id)
+
+    async def answer(self, payload: dict[str, Any]) -> bytes:
+        return _encode(to_message(payload, self.request, self.id))
+
+    def event(self, event: dict[str, Any]) -> bytes:
+        return self.stream.take(event)
+
+    async def done(self) -> bytes:
+        return self.stream.finish()
+
+    def broken(self, error: OpenAIError) -> bytes:
+        return self.stream.start() + self.stream.fail(error.message)
+
+
+class MessagesService:
+    def __init__(self, calls: EngineCalls) -> None:
+        self.calls = calls
+
+    async def create(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+        """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
+        request = parse_request(body)
+        chat = to_chat(request)
+        route = self.calls.registry.resolve(request.model)
+        upstream_body, _ = upstream_request(chat, route)
+        spec = EngineRequest(
+            "messages", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), MessagesWire(request)
+        )
+        return await self.calls.run(spec, key, receive)

@@ -1,0 +1,913 @@
+"""OpenAI's Responses API (`POST /v1/responses`), served by translation to and from Chat Completions.
+
+vLLM's chat endpoint is the one that returns the token ids the gateway records, so a Responses request becomes
+a chat request (`to_chat`), and vLLM's chat answer becomes a Responses object (`to_response`) or the Responses
+event stream (`ResponsesStream`, one chat chunk at a time). Pure translation, no I/O: the service that serves
+the route loads the chat history behind `previous_response_id` and stores what it gets back here.
+
+The shapes follow the OpenAI SDK's own types (`openai.types.responses`): the unit tests validate every object
+and event with them and run the SDK's stream helper over the bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.validators import validator_for
+
+from gateway.errors import OpenAIError, decode_body, invalid_request
+
+_encode = msgspec.json.encode
+
+# -----------------------------------------------------------------------------
+# the request
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """One part of a message's content, or of a function call's output. Every kind in one struct: which fields
+    a part needs depends on its `type`, checked by `parse_request` so the error can name the part."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None  # a `refusal` part's text
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class InputItem(msgspec.Struct, frozen=True):
+    """One item of `input`, of any kind. Not a tagged union: a message may leave out `type` (OpenAI's "easy"
+    message), and an item reference may too, so the kind is worked out by hand (`_kind`)."""
+
+    type: str | None = None
+    id: str | None = None
+    status: str | None = None
+    role: str | None = None  # message
+    content: str | list[ContentPart] | None = None  # message; reasoning (its reasoning_text parts)
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | list[ContentPart] | None = None  # function_call_output
+    summary: list[ContentPart] | None = None  # reasoning
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """A tool as the Responses API declares it (flat, unlike chat's `{"type", "function": {...}}`). `type` is a
+    plain string so that another kind of tool gets a message saying only functions are supported."""
+
+    type: str
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(msgspec.Struct, frozen=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, frozen=True):
+    format: TextFormat | None = None
+
+
+# OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=16),
+]
+
+
+class ResponsesRequest(msgspec.Struct, frozen=True):
+    """The fields of a Responses request the gateway reads or bounds. Other fields OpenAI defines (`include`,
+    `service_tier`, ...) are accepted and ignored: msgspec skips fields a struct does not name."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig | None = None
+    metadata: Metadata | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # vLLM's sampling extras, passed to the engine as its own endpoints take them (OpenAI's API has none of them).
+    seed: int | None = None
+    top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+_ROLES = ("assistant", "system", "developer", "user")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_PART_TYPES = ("input_text", "output_text", "refusal", "input_image")
+# Input items OpenAI defines for its hosted tools and features: a clear "not supported" rather than "invalid".
+_UNSUPPORTED_ITEM_TYPES = frozenset(
+    """
+    item_reference file_search_call computer_call computer_call_output web_search_call image_generation_call
+    code_interpreter_call local_shell_call local_shell_call_output shell_call shell_call_output apply_patch_call
+    apply_patch_call_output mcp_list_tools mcp_approval_request mcp_approval_response mcp_call custom_tool_call
+    custom_tool_call_output tool_search_call tool_search_output additional_tools compaction
+    """.split()
+)
+_UNSUPPORTED_PART_TYPES = frozenset({"input_file", "input_audio"})
+
+
+def parse_request(body: bytes) -> ResponsesRequest:
+    """The request, or a 400 in OpenAI's shape naming the param: what msgspec checks (types, bounds, JSON, depth)
+    and what it cannot (each item kind's required fields, roles, supported tool and item types)."""
+    request = decode_body(body, ResponsesRequest, _decoder)
+    if isinstance(request.input, list):
+        for i, item in enumerate(request.input):
+            _check_item(item, f"input[{i}]")
+    for i, tool in enumerate(request.tools or ()):
+        _check_tool(tool, f"tools[{i}]")
+    _check_tool_choice(request)
+    if request.text is not None and request.text.format is not None:
+        _check_text_format(request.text.format)
+    return request
+
+
+def _missing(param: str) -> OpenAIError:
+    return invalid_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+
+
+def _invalid_value(value: str, supported: Iterable[str], param: str) -> OpenAIError:
+    """OpenAI's message for a value outside an enum: "Supported values are: 'a', 'b', and 'c'."."""
+    names = [f"'{s}'" for s in supported]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f", and {names[-1]}"
+    return invalid_request(
+        f"Invalid value: '{value}'. Supported values are: {listed}.", param=param, code="invalid_value"
+    )
+
+
+def _unsupported(message: str, param: str) -> OpenAIError:
+    return invalid_request(message, param=param, code="unsupported_value")
+
+
+def _kind(item: InputItem) -> str:
+    """The item's type; OpenAI lets a message leave it out (`{"role", "content"}`), and an item reference too
+    (`{"id"}`)."""
+    if item.type is not None:
+        return item.type
+    if item.role is not None:
+        return "message"
+    return "item_reference" if item.id is not None else ""
+
+
+def _check_item(item: InputItem, where: str) -> None:
+    kind = _kind(item)
+    if kind == "message":
+        _check_message(item, where)
+    elif kind == "function_call":
+        for name, value in (("call_id", item.call_id), ("name", item.name), ("arguments", item.arguments)):
+            if value is None:
+                raise _missing(f"{where}.{name}")
+    elif kind == "function_call_output":
+        if item.call_id is None:
+            raise _missing(f"{where}.call_id")
+        if item.output is None:
+            raise _missing(f"{where}.output")
+        if isinstance(item.output, list):
+            for j, part in enumerate(item.output):
+                _check_part(part, f"{where}.output[{j}]")
+    elif kind == "reasoning":
+        pass  # accepted and dropped: the chat templates vLLM renders leave past reasoning out
+    elif kind == "item_reference":
+        raise _unsupported(
+            "Input items of type 'item_reference' are not supported: send the items themselves, or use "
+            "'previous_response_id'.",
+            f"{where}.type",
+        )
+    elif kind in _UNSUPPORTED_ITEM_TYPES:
+        raise _unsupported(
+            f"Input items of type '{kind}' are not supported: this gateway serves function tools only.",
+            f"{where}.type",
+        )
+    elif not kind:
+        raise _missing(f"{where}.type")
+    else:
+        raise _invalid_value(kind, _ITEM_TYPES, f"{where}.type")
+
+
+def _check_message(item: InputItem, where: str) -> None:
+    if item.role is None:
+        raise _missing(f"{where}.role")
+    if item.role not in _ROLES:
+        raise _invalid_value(item.role, _ROLES, f"{where}.role")
+    if item.content is None:
+        raise _missing(f"{where}.content")
+    if isinstance(item.content, list):
+        for j, part in enumerate(item.content):
+            _check_part(part, f"{where}.content[{j}]")
+
+
+def _check_part(part: ContentPart, where: str) -> None:
+    if part.type in ("input_text", "output_text"):
+        if part.text is None:
+            raise _missing(f"{where}.text")
+    elif part.type == "refusal":
+        if part.refusal is None:
+            raise _missing(f"{where}.refusal")
+    elif part.type == "input_image":
+        if part.image_url is None and part.file_id is not None:
+            raise _unsupported("Images given by 'file_id' are not supported: send an 'image_url'.", f"{where}.file_id")
+        if part.image_url is None:
+            raise _missing(f"{where}.image_url")
+    elif part.type in _UNSUPPORTED_PART_TYPES:
+        raise _unsupported(f"Content parts of type '{part.type}' are not supported.", f"{where}.type")
+    else:
+        raise _invalid_value(part.type, _PART_TYPES, f"{where}.type")
+
+
+def _check_tool(tool: Tool, where: str) -> None:
+    if tool.type != "function":
+        raise _unsupported(
+            f"Unsupported tool type: '{tool.type}'. This gateway supports only 'function' tools.", f"{where}.type"
+        )
+    if tool.name is None:
+        raise _missing(f"{where}.name")
+    if tool.parameters is not None:
+        problem = _schema_problem(_encode(tool.parameters))
+        if problem is not None:
+            raise invalid_request(
+                f"Invalid schema for function '{tool.name}': {problem}",
+                param=f"{where}.parameters",
+                code="invalid_function_parameters",
+            )
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problem(raw: bytes) -> str | None:
+    """What is wrong with a tool's `parameters` as a JSON Schema (None: nothing). Keyed by the encoded schema:
+    agents send the same tools on every call. The same check the chat route makes, with the Responses param."""
+    schema = msgspec.json.decode(raw)
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return exc.message + (f" (at '{where}')." if where else ".")
+    return None
+
+
+def _check_tool_choice(request: ResponsesRequest) -> None:
+    choice = request.tool_choice
+    if not isinstance(choice, NamedToolChoice):
+        return
+    if choice.type != "function":
+        raise _unsupported(
+            f"Unsupported tool choice type: '{choice.type}'. This gateway supports only 'function' tools.",
+            "tool_choice.type",
+        )
+    if choice.name is None:
+        raise _missing("tool_choice.name")
+    if choice.name not in {tool.name for tool in request.tools or ()}:
+        raise invalid_request(
+            f"Tool choice '{choice.name}' not found in 'tools' parameter.", param="tool_choice", code="invalid_value"
+        )
+
+
+def _check_text_format(text_format: TextFormat) -> None:
+    if text_format.type != "json_schema":
+        return
+    if text_format.name is None:
+        raise _missing("text.format.name")
+    if text_format.schema is None:
+        raise _missing("text.format.schema")
+
+
+# -----------------------------------------------------------------------------
+# the request as chat messages
+
+# vLLM's chat templates know `system`, rarely `developer`: the instructions a developer gives are the system's.
+_CHAT_ROLE = {"developer": "system"}
+
+
+def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """This request's `input` as chat messages (its `instructions` not included: they are not history)."""
+    if isinstance(request.input, str):
+        return [{"role": "user", "content": request.input}]
+    return _chat_messages(request.input)
+
+
+def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages that follow it in the history: the same messages a client
+    sending `response.output` back as input would give, so `previous_response_id` and a client-kept history
+    render the same prompt (assistant text and its tool calls are one assistant message; reasoning dropped)."""
+    return _chat_messages(msgspec.convert(response.get("output") or [], list[InputItem]))
+
+
+def _chat_messages(items: Iterable[InputItem]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = _kind(item)
+        if kind == "message":
+            role = item.role or "user"
+            messages.append({"role": _CHAT_ROLE.get(role, role), "content": _chat_content(item.content)})
+        elif kind == "function_call":
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            # An assistant turn is text and then its tool calls: one chat message, as a chat client sends it.
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _chat_content(item.output)})
+        # reasoning: dropped (see _check_item)
+    return messages
+
+
+def _chat_content(content: str | list[ContentPart] | None) -> str | list[dict[str, Any]]:
+    """Text parts joined into one string, as vLLM itself joins a list of text parts (with newlines) for the
+    templates that take a string; with an image, chat's list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if all(part.type != "input_image" for part in content):
+        return "\n".join(_part_text(part) for part in content)
+    return [_chat_part(part) for part in content]
+
+
+def _part_text(part: ContentPart) -> str:
+    return (part.refusal if part.type == "refusal" else part.text) or ""
+
+
+def _chat_part(part: ContentPart) -> dict[str, Any]:
+    if part.type != "input_image":
+        return {"type": "text", "text": _part_text(part)}
+    image: dict[str, Any] = {"url": part.image_url}
+    if part.detail is not None:
+        image["detail"] = part.detail
+    return {"type": "image_url", "image_url": image}
+
+
+def to_chat(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request for the engine. `history`: the chat messages of the conversation before this request
+    (`previous_response_id`), without instructions: OpenAI does not carry them over, each request gives its own."""
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    messages += history
+    messages += input_messages(request)
+    stream = bool(request.stream)
+    body: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "tools": [_chat_tool(tool) for tool in request.tools] if request.tools else None,
+        "tool_choice": _chat_tool_choice(request.tool_choice),
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "top_k": request.top_k,
+        "logit_bias": request.logit_bias,
+        "response_format": _response_format(request.text.format if request.text else None),
+        "stream": stream,
+        # The usage comes in a last chunk only when asked for; the final response event carries it.
+        "stream_options": {"include_usage": True} if stream else None,
+    }
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def _chat_tool(tool: Tool) -> dict[str, Any]:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    if tool.strict is not None:
+        function["strict"] = tool.strict
+    return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
+
+
+def _chat_tool_choice(choice: str | NamedToolChoice | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, NamedToolChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+def _response_format(text_format: TextFormat | None) -> dict[str, Any] | None:
+    if text_format is None:
+        return None
+    if text_format.type != "json_schema":
+        return {"type": text_format.type}
+    schema = {
+        "name": text_format.name,
+        "schema": text_format.schema,
+        "strict": text_format.strict,
+        "description": text_format.description,
+    }
+    return {"type": "json_schema", "json_schema": {key: value for key, value in schema.items() if value is not None}}
+
+
+# -----------------------------------------------------------------------------
+# the input items, as GET /v1/responses/{id}/input_items lists them
+
+
+def input_items(request: ResponsesRequest, response_id: str) -> list[dict[str, Any]]:
+    """The request's input as Responses items with ids: an item's own id if it came with one (the output of an
+    earlier response sent back), else one derived from the response id and the position, so listing twice
+    gives the same ids without storing them."""
+    items = [InputItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    return [_listed_item(item, response_id, i) for i, item in enumerate(items)]
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _derived_id(prefix: str, response_id: str, position: int) -> str:
+    return f"{prefix}_{hashlib.sha256(f'{response_id}/{position}'.encode()).hexdigest()[:48]}"
+
+
+def _listed_item(item: InputItem, response_id: str, position: int) -> dict[str, Any]:
+    kind = _kind(item)
+    item_id = item.id or _derived_id(_ID_PREFIX[kind], response_id, position)
+    if kind == "function_call":
+        return {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": item.call_id,
+            "name": item.name,
+            "arguments": item.arguments,
+            "status": item.status or "completed",
+        }
+    if kind == "function_call_output":
+        output = item.output if isinstance(item.output, str) else [_input_part(p) for p in item.output or ()]
+        return {
+            "type": "function_call_output",
+            "id": item_id,
+            "call_id": item.call_id,
+            "output": output,
+            "status": item.status or "completed",
+        }
+    if kind == "reasoning":
+        listed: dict[str, Any] = {
+            "type": "reasoning",
+            "id": item_id,
+            "summary": [{"type": "summary_text", "text": p.text or ""} for p in item.summary or ()],
+        }
+        if isinstance(item.content, list):
+            listed["content"] = [{"type": "reasoning_text", "text": p.text or ""} for p in item.content]
+        return listed
+    parts = [ContentPart("input_text", text=item.content)] if isinstance(item.content, str) else item.content or []
+    if item.role == "assistant":
+        content = [_output_part(part) for part in parts]
+    else:
+        content = [_input_part(part) for part in parts]
+    return {"type": "message", "id": item_id, "role": item.role, "content": content, "status": "completed"}
+
+
+def _input_part(part: ContentPart) -> dict[str, Any]:
+    if part.type == "input_image":
+        return {"type": "input_image", "image_url": part.image_url, "detail": part.detail or "auto"}
+    return {"type": "input_text", "text": _part_text(part)}
+
+
+def _output_part(part: ContentPart) -> dict[str, Any]:
+    if part.type == "refusal":
+        return {"type": "refusal", "refusal": part.refusal or ""}
+    return _output_text(_part_text(part))
+
+
+# -----------------------------------------------------------------------------
+# the engine's answer as a response
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_output_text(text)]}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The response's status and `incomplete_details` for the engine's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if finish_reason == "content_filter":
+        return "incomplete", {"reason": "content_filter"}
+    return "completed", None
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat usage as Responses usage (`cache_write_tokens`: the SDK's type requires it; vLLM has no such count)."""
+    if not usage:
+        return None
+    input_tokens = usage.get("prompt_tokens") or 0
+    output_tokens = usage.get("completion_tokens") or 0
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": output_tokens,
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        },
+        "total_tokens": usage.get("total_tokens") or input_tokens + output_tokens,
+    }
+
+
+def _response_object(
+    request: ResponsesRequest,
+    response_id: str,
+    created_at: float,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    incomplete_details: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The response object, the request's settings echoed as OpenAI echoes them (defaults filled in)."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(created_at),
+        "status": status,
+        "error": error,
+        "incomplete_details": incomplete_details,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "model": request.model,
+        "output": output,
+        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        "previous_response_id": request.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": True if request.store is None else request.store,
+        "temperature": request.temperature,
+        "text": {"format": _format_echo(request.text.format if request.text else None)},
+        "tool_choice": _tool_choice_echo(request.tool_choice),
+        "tools": [_tool_echo(tool) for tool in request.tools or ()],
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": request.user,
+        "metadata": dict(request.metadata or {}),
+    }
+
+
+def _format_echo(text_format: TextFormat | None) -> dict[str, Any]:
+    if text_format is None or text_format.type != "json_schema":
+        return {"type": text_format.type if text_format else "text"}
+    return {
+        "type": "json_schema",
+        "name": text_format.name,
+        "schema": text_format.schema,
+        "description": text_format.description,
+        "strict": text_format.strict,
+    }
+
+
+def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | dict[str, Any]:
+    if isinstance(choice, NamedToolChoice):
+        return {"type": "function", "name": choice.name}
+    return choice or "auto"
+
+
+def _tool_echo(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": tool.strict,
+    }
+
+
+def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> dict[str, Any]:
+    """vLLM's chat.completion (one choice) as a Responses object: reasoning, then the text, then the tool calls,
+    in the order the model wrote them. Without text or tool calls there is still an (empty) message, so the
+    turn shows in the history, as a chat client would send back `{"role": "assistant", "content": ""}`."""
+    choice = (chat.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    output: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:
+        output.append(_reasoning_item(_new_id("rs"), reasoning))
+    content = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    if content or not calls:
+        output.append(_message_item(_new_id("msg"), content, "completed"))
+    for call in calls:
+        function = call.get("function") or {}
+        output.append(
+            _function_call_item(
+                _new_id("fc"),
+                call.get("id") or _new_id("call"),
+                function.get("name") or "",
+                function.get("arguments") or "",
+                "completed",
+            )
+        )
+    status, details = _outcome(choice.get("finish_reason"))
+    if status == "incomplete" and "status" in output[-1]:
+        output[-1]["status"] = "incomplete"  # the item the limit cut off
+    return _response_object(
+        request,
+        response_id,
+        created_at,
+        status=status,
+        output=output,
+        usage=_usage(chat.get("usage")),
+        incomplete_details=details,
+    )
+
+
+# -----------------------------------------------------------------------------
+# the engine's stream as the Responses event stream
+
+# The codes the SDK's `ResponseError` admits that a gateway can mean; any other becomes `server_error`.
+_ERROR_CODES = frozenset({"server_error", "rate_limit_exceeded", "invalid_prompt"})
+
+ItemKind = Literal["reasoning", "message", "function_call"]
+
+
+@dataclass
+class _OpenItem:
+    """The output item being streamed: its text arrives in pieces, joined once when it closes."""
+
+    kind: ItemKind
+    output_index: int
+    tool_index: int | None = None  # function_call: the chat tool call's index
+    parts: list[str] = field(default_factory=list)
+
+
+class ResponsesStream:
+    """vLLM's chat chunks, one at a time, as the Responses event stream.
+
+    One output item is open at a time, as OpenAI streams them: a delta of another kind (reasoning, text, a tool
+    call of another index) closes the open item (its `.done` events) before opening the next. Every event is
+    `event: <type>` and `data: <json>`, with a `sequence_number` counting from 0 across the whole stream.
+    """
+
+    def __init__(self, request: ResponsesRequest, response_id: str, created_at: float) -> None:
+        self._request = request
+        self._response_id = response_id
+        self._created_at = created_at
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []
+        self._open: _OpenItem | None = None
+        self._calls: dict[int, int] = {}  # chat tool call index -> output index
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._status = "in_progress"
+        self._incomplete_details: dict[str, Any] | None = None
+        self._error: dict[str, Any] | None = None
+        self._ended = False
+
+    def start(self) -> bytes:
+        """`response.created` and `response.in_progress`: the response, no output yet."""
+        snapshot = self.response()
+        return self._event("response.created", response=snapshot) + self._event(
+            "response.in_progress", response=snapshot
+        )
+
+    def take(self, chunk: dict[str, Any]) -> bytes:
+        """One decoded chat.completion.chunk -> the events it makes (none for a role-only or usage chunk)."""
+        if self._ended:
+            return b""
+        if chunk.get("usage"):
+            self._usage = _usage(chunk["usage"])
+        out: list[bytes] = []
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:  # a Responses call has one choice
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+            if reasoning:
+                out.append(self._reasoning_delta(reasoning))
+            if delta.get("content"):
+                out.append(self._text_delta(delta["content"]))
+            for call in delta.get("tool_calls") or ():
+                out.append(self._tool_call_delta(call))
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """Close the open item, then `response.completed` (`response.incomplete` when the engine hit the output
+        limit) with the whole response."""
+        if self._ended:
+            return b""
+        status, details = _outcome(self._finish_reason)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        out = self._close(item_status)
+        if not any(item["type"] in ("message", "function_call") for item in self._output):
+            out += self._open_message() + self._close(item_status)  # an empty turn, as to_response gives
+        self._status, self._incomplete_details, self._ended = status, details, True
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + self._event(kind, response=self.response())
+
+    def fail(self, message: str, code: str = "server_error") -> bytes:
+        """End the stream with `response.failed`: the output so far (the open item `incomplete`) and the error.
+        `code` must be one the SDK's `ResponseError` admits; any other is sent as `server_error`."""
+        if self._ended:
+            return b""
+        if self._open is not None:
+            self._fill(self._open, "incomplete")
+            self._open = None
+        self._status, self._ended = "failed", True
+        self._error = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
+        return self._event("response.failed", response=self.response())
+
+    def response(self) -> dict[str, Any]:
+        """The response as it stands: in progress (the open item with its text so far), or final."""
+        output = list(self._output)
+        if self._open is not None:
+            output[self._open.output_index] = self._filled(self._open, "in_progress")
+        return _response_object(
+            self._request,
+            self._response_id,
+            self._created_at,
+            status=self._status,
+            output=output,
+            usage=self._usage,
+            incomplete_details=self._incomplete_details,
+            error=self._error,
+        )
+
+    # -- deltas
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        out = b""
+        if self._open is None or self._open.kind != "reasoning":
+            out = self._close("completed") + self._open_reasoning()
+        return out + self._append("response.reasoning_text.delta", text, content_index=0, item_id=self._open_id())
+
+    def _text_delta(self, text: str) -> bytes:
+        out = b""
+        if self._open is None or self._open.kind != "message":
+            out = self._close("completed") + self._open_message()
+        return out + self._append(
+            "response.output_text.delta", text, content_index=0, item_id=self._open_id(), logprobs=[]
+        )
+
+    def _tool_call_delta(self, call: dict[str, Any]) -> bytes:
+        index = call.get("index", 0)
+        function = call.get("function") or {}
+        arguments = function.get("arguments") or ""
+        out = b""
+        open_ = self._open
+        if open_ is not None and open_.kind == "function_call" and open_.tool_index == index:
+            if function.get("name"):  # a name sent in pieces
+                self._output[open_.output_index]["name"] += function["name"]
+        elif index in self._calls:
+            # A call already closed gets more (vLLM streams one call at a time, so this is not expected): kept in
+            # the item the final response carries, no event after its `.done`.
+            self._output[self._calls[index]]["arguments"] += arguments
+            return b""
+        else:
+            out = self._close("completed") + self._open_function_call(index, call.get("id"), function.get("name"))
+        if not arguments:
+            return out
+        return out + self._append("response.function_call_arguments.delta", arguments, item_id=self._open_id())
+
+    def _append(self, kind: str, delta: str, **fields: Any) -> bytes:
+        """Add a delta to the open item and send its event."""
+        assert self._open is not None
+        self._open.parts.append(delta)
+        return self._event(kind, output_index=self._open.output_index, delta=delta, **fields)
+
+    def _open_id(self) -> str:
+        assert self._open is not None
+        return self._output[self._open.output_index]["id"]
+
+    # -- opening and closing items
+
+    def _open_item(self, kind: ItemKind, item: dict[str, Any], tool_index: int | None = None) -> bytes:
+        self._open = _OpenItem(kind, len(self._output), tool_index)
+        self._output.append(item)
+        return self._event("response.output_item.added", output_index=self._open.output_index, item=item)
+
+    def _open_reasoning(self) -> bytes:
+        item_id = _new_id("rs")
+        out = self._open_item("reasoning", {"type": "reasoning", "id": item_id, "summary": [], "content": []})
+        return out + self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
+
+    def _open_message(self) -> bytes:
+        item = {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+        # The SDK's stream helper appends the part on `content_part.added` and adds text deltas to it.
+        return self._open_item("message", item) + self._part_event("response.content_part.added", _output_text(""))
+
+    def _open_function_call(self, index: int, call_id: str | None, name: str | None) -> bytes:
+        # `call_id` is the chat tool call's id: the client's function_call_output names it, and back in the chat
+        # history it is the `tool_call_id` the template matches to the call.
+        item = _function_call_item(_new_id("fc"), call_id or _new_id("call"), name or "", "", "in_progress")
+        self._calls[index] = len(self._output)
+        return self._open_item("function_call", item, index)
+
+    def _part_event(self, kind: str, part: dict[str, Any]) -> bytes:
+        assert self._open is not None
+        return self._event(
+            kind, item_id=self._open_id(), output_index=self._open.output_index, content_index=0, part=part
+        )
+
+    def _close(self, status: str) -> bytes:
+        """The open item's `.done` events (none open: nothing), its text joined into the item."""
+        open_ = self._open
+        if open_ is None:
+            return b""
+        item = self._fill(open_, status)
+        index, item_id = open_.output_index, item["id"]
+        if open_.kind == "reasoning":
+            part = item["content"][0]
+            out = self._event(
+                "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=part["text"]
+            )
+            out += self._part_event("response.content_part.done", part)
+        elif open_.kind == "message":
+            part = item["content"][0]
+            out = self._event(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            out += self._part_event("response.content_part.done", part)
+        else:
+            out = self._event(
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
+        self._open = None
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _filled(self, open_: _OpenItem, status: str) -> dict[str, Any]:
+        """The open item with its text so far, as a new dict (the stored one is left as it is)."""
+        item = dict(self._output[open_.output_index])
+        text = "".join(open_.parts)
+        if open_.kind == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+        elif open_.kind == "message":
+            item["content"] = [_output_text(text)]
+            item["status"] = status
+        else:
+            item["arguments"] = text
+            item["status"] = status
+        return item
+
+    def _fill(self, open_: _OpenItem, status: str) -> dict[str, Any]:
+        """Write the open item's text and final status into the output (it is closing)."""
+        item = self._output[open_.output_index] = self._filled(open_, status)
+        return item
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(data) + b"\n\n"

@@ -1,0 +1,152 @@
+"""`/v1/responses`: OpenAI's Responses API, served through the engine's chat completions.
+
+Why through chat: vLLM's own Responses endpoint returns no token ids, and the gateway records the tokens the
+model really sampled, never a re-tokenization of text. Translated to chat (gateway/apis/responses.py), the call
+is recorded exactly like a chat call, and assembles with chat calls of its rollout by token prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from gateway.apis.responses import (
+    ResponsesRequest,
+    ResponsesStream,
+    input_items,
+    input_messages,
+    output_messages,
+    parse_request,
+    to_chat,
+    to_response,
+)
+from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.chat import upstream_request
+from gateway.errors import OpenAIError, invalid_request
+from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+from store.errors import NotFound
+from store.responses import ResponseStore, StoredResponse
+
+log = logging.getLogger("artgw.gateway")
+_encode = msgspec.json.encode
+
+MAX_ITEMS_PAGE = 100
+
+
+class ResponsesWire:
+    """The engine's chat answer as a Responses object or event stream; a `store: true` response is kept before
+    the client gets its end (the object, or `response.completed`), so a follow-up can name it at once."""
+
+    def __init__(self, service: ResponsesService, request: ResponsesRequest, key: RolloutKey, history: list) -> None:
+        self.service = service
+        self.request = request
+        self.key = key
+        self.history = history
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = time.time()
+        self.stream = ResponsesStream(request, self.id, self.created_at)
+        self.started = False
+
+    def _start(self) -> bytes:
+        if self.started:
+            return b""
+        self.started = True
+        return self.stream.start()
+
+    async def answer(self, payload: dict[str, Any]) -> bytes:
+        response = to_response(payload, self.request, self.id, self.created_at)
+        await self._keep(response)
+        return _encode(response)
+
+    def event(self, event: dict[str, Any]) -> bytes:
+        return self._start() + self.stream.take(event)
+
+    async def done(self) -> bytes:
+        out = self._start() + self.stream.finish()
+        if self.stream.response()["status"] != "failed":
+            await self._keep(self.stream.response())
+        return out
+
+    def broken(self, error: OpenAIError) -> bytes:
+        return self._start() + self.stream.fail(error.message)
+
+    async def _keep(self, response: dict[str, Any]) -> None:
+        if self.request.store is False:
+            return
+        stored = StoredResponse(
+            id=self.id,
+            rollout_id=self.key.rollout_id,
+            model=self.request.model,
+            response=response,
+            input_items=input_items(self.request, self.id),
+            messages=[*self.history, *input_messages(self.request), *output_messages(response)],
+            created_at=self.created_at,
+        )
+        try:
+            await self.service.store.save(stored)
+        except Exception as exc:  # the answer still goes out (it is recorded); only a follow-up can't name it
+            self.service.unsaved += 1
+            log.warning("response %s not kept (%s): a follow-up naming it will get a 404", self.id, exc)
+
+
+class ResponsesService:
+    def __init__(self, calls: EngineCalls, store: ResponseStore) -> None:
+        self.calls = calls
+        self.store = store
+        self.unsaved = 0  # stored responses the store refused
+
+    async def create(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+        request = parse_request(body)
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            try:
+                history = (await self.store.get(request.previous_response_id)).messages
+            except NotFound:
+                raise OpenAIError(
+                    404,
+                    f"Previous response with id '{request.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                ) from None
+        chat = to_chat(request, history)
+        route = self.calls.registry.resolve(request.model)
+        upstream_body, _ = upstream_request(chat, route)
+        wire = ResponsesWire(self, request, key, history)
+        spec = EngineRequest(
+            "responses", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), wire
+        )
+        return await self.calls.run(spec, key, receive)
+
+    async def get(self, response_id: str) -> dict[str, Any]:
+        return (await self.store.get(response_id)).response
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        await self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+        """A page of the response's input items, as OpenAI lists them (newest first unless `order=asc`)."""
+        if not 1 <= limit <= MAX_ITEMS_PAGE:
+            raise invalid_request(f"'limit' must be between 1 and {MAX_ITEMS_PAGE}.", param="limit")
+        if order not in ("asc", "desc"):
+            raise invalid_request("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
+        items = (await self.store.get(response_id)).input_items
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise invalid_request(f"No input item '{after}' in this response.", param="after", code="invalid_value")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }

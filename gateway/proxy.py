@@ -1,0 +1,512 @@
+"""The engine call every API shares: send to vLLM, answer or relay, watch for a hang-up, record exactly once.
+
+Each API the gateway speaks (chat, completions, Responses, Anthropic Messages) parses its own request and
+builds the engine request: chat completions, or completions, always asking for the prompt token ids, the
+sampled token ids and their logprobs, which is what the recorder keeps. Its `Wire` then turns the engine's
+answer, or each event of its stream, into what that API's client expects. The record is built from the
+engine's own answer, so every API is recorded token for token the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import anyio
+import msgspec
+
+from gateway.adapters import AdapterRegistry, Route
+from gateway.asgi import EventStream, HangUpWatch, JSONBody, Receive
+from gateway.engine import EngineState
+from gateway.errors import OpenAIError, invalid_request
+from gateway.metrics import GatewayMetrics
+from gateway.recorder import Recorder
+from store.records import Api, CallRecord, CallStatus, ChoiceRecord
+
+ROLLOUT_HEADER = "X-ART-Rollout-Id"
+_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutKey:
+    rollout_id: str
+    explicit: bool  # False when the gateway made the id up
+
+
+def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
+    """The rollout a call belongs to: the path prefix wins over the header; neither → a new id."""
+    given = path_id if path_id is not None else header
+    if given is None:
+        return RolloutKey(f"r-{uuid.uuid4().hex}", explicit=False)
+    if not _ROLLOUT_ID.match(given):
+        raise invalid_request(
+            "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
+            "starting with a letter or digit.",
+            param=ROLLOUT_HEADER,
+            code="invalid_rollout_id",
+        )
+    return RolloutKey(given, explicit=True)
+
+
+# What reading a malformed engine answer raises: not JSON, or JSON without the fields vLLM always sends.
+ENGINE_DATA_ERRORS = (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, IndexError)
+
+
+class Wire(Protocol):
+    """How one API's client sees a call that the engine answers in its own format."""
+
+    async def answer(self, payload: dict[str, Any]) -> bytes:
+        """The engine's whole answer (decoded) -> the client's response body."""
+        ...
+
+    def event(self, event: dict[str, Any]) -> bytes:
+        """One event of the engine's stream (decoded) -> what the client gets for it (b"": nothing)."""
+        ...
+
+    async def done(self) -> bytes:
+        """The engine's stream ended well ([DONE]) -> the client's last events."""
+        ...
+
+    def broken(self, error: OpenAIError) -> bytes:
+        """The stream ends with this error -> the client's error event(s)."""
+        ...
+
+
+def sampled_logprobs(choice: dict[str, Any]) -> list[float]:
+    """The sampling logprob of each sampled token of a choice (chat's or completions' logprobs)."""
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        return [entry["logprob"] for entry in logprobs["content"] or ()]
+    # Completions: with `echo`, the prompt's tokens come first (the very first has no logprob).
+    values = logprobs.get("token_logprobs") or []
+    sampled = len(choice.get("token_ids") or ())
+    return [float(v) for v in values[len(values) - sampled :]] if sampled else []
+
+
+def upstream_error(status: int, body: bytes) -> OpenAIError:
+    """vLLM's error body, re-shaped as OpenAI's (vLLM puts an int in `code`)."""
+    message, param = f"The engine answered {status}.", None
+    try:
+        err = _decode(body).get("error") or {}
+        message = err.get("message") or message
+        param = err.get("param")
+    except Exception:
+        pass
+    if status >= 500:
+        return OpenAIError(502, f"Upstream engine error: {message}", code="upstream_error")
+    return OpenAIError(status, message, param=param)
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+EngineStateOf = Callable[[], EngineState]
+
+
+@dataclass
+class StreamedChoice:
+    """One choice of a streamed call, put back together from its deltas (chat's, or completions' text)."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # completions: each choice carries its prompt's ids
+
+    def add(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if delta is None:  # completions
+            if choice.get("text"):
+                self.content.append(choice["text"])
+            if choice.get("prompt_token_ids"):
+                self.prompt_ids = choice["prompt_token_ids"]
+            delta = {}
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            self.reasoning.append(reasoning)
+        for call in delta.get("tool_calls") or ():
+            slot = self.tool_calls.setdefault(
+                call.get("index", 0),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                slot["function"]["arguments"] += function["arguments"]
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        if choice.get("token_ids"):
+            self.token_ids.extend(choice["token_ids"])
+        self.logprobs.extend(sampled_logprobs(choice))
+
+    def record(self, index: int) -> ChoiceRecord:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return ChoiceRecord(index, message, self.finish_reason, self.token_ids, self.logprobs)
+
+
+def choice_record(choice: dict[str, Any]) -> ChoiceRecord:
+    """One choice of a whole answer, as recorded (chat's message, or completions' text)."""
+    if "message" in choice:
+        message = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
+    else:
+        message = {"role": "assistant", "content": choice.get("text") or ""}
+    return ChoiceRecord(
+        choice.get("index", 0),
+        message,
+        choice.get("finish_reason"),
+        list(choice.get("token_ids") or ()),
+        sampled_logprobs(choice),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A call accepted by one of the APIs, ready for the engine."""
+
+    api: Api
+    path: str  # the engine's endpoint: /v1/chat/completions or /v1/completions
+    body: bytes  # what the engine gets
+    request: dict[str, Any]  # what is recorded as the call's request (the engine's chat request, for translations)
+    route: Route
+    stream: bool
+    wire: Wire
+    # Completions with several prompts: how many choices each prompt has (one record per prompt). 0: one record.
+    choices_per_prompt: int = 0
+
+
+class EngineCalls:
+    """Sends accepted calls to the engine and records each exactly once, whatever the API."""
+
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        upstream_url: str,
+        request_timeout: float,
+        registry: AdapterRegistry,
+        recorder: Recorder,
+        engine_state: EngineStateOf,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.metrics = metrics
+        # aiohttp on the data path: httpx's connection pool rescans every connection per request
+        # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
+        self.session = session
+        self.upstream_url = upstream_url
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=request_timeout)
+        self.registry = registry
+        self.recorder = recorder
+        self.engine_state = engine_state
+
+    async def run(self, call_in: EngineRequest, key: RolloutKey, receive: Receive | None) -> JSONBody | EventStream:
+        """Answer one accepted call. `receive` (the request's ASGI receive, body already read) lets a call that
+        is not streamed notice the client hanging up while the engine works: the engine's request is then
+        closed (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
+        # Accepted: from here on, every path records this call exactly once.
+        call = _Call(self, key, call_in, time.time())
+        self.recorder.begin(key.rollout_id)
+        self.metrics.call_started(call.label)
+        if call_in.stream or receive is None:
+            return await self._answer(call)
+        # The relay of a stream watches for a hang-up itself (gateway/asgi.py); a plain answer is watched here.
+        hang_up = HangUpWatch(receive)
+        try:
+            return await self._answer(call, hang_up)
+        except asyncio.CancelledError:
+            if not hang_up.gone:
+                raise  # not the client: the server is stopping this task
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            await call.finish("cancelled", 499, "the client hung up before the answer")
+            return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
+        finally:
+            hang_up.stop()
+
+    async def _answer(self, call: _Call, hang_up: HangUpWatch | None = None) -> JSONBody | EventStream:
+        spec = call.spec
+        try:
+            upstream = await self.session.post(
+                self.upstream_url + spec.path, data=spec.body, headers=_JSON_HEADERS, timeout=self.timeout
+            )
+        except BaseException as exc:
+            error = self._send_error(exc)
+            if error is not None:
+                await call.finish("upstream_error", error.status, error.message)
+                raise error from None
+            if isinstance(exc, Exception):  # the gateway's own bug: a 500 with its traceback logged, not a 502
+                await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
+            else:  # cancelled: the client (or a shutdown) gave up on the call
+                await call.finish("cancelled", 499, "cancelled before the engine answered")
+            raise
+        headers = {ROLLOUT_HEADER: call.key.rollout_id}
+        if upstream.status != 200:
+            try:
+                payload = await upstream.read()
+            except aiohttp.ClientError:
+                payload = b""
+            finally:
+                upstream.release()
+            error = upstream_error(upstream.status, payload)
+            # The engine's 4xx is the client's mistake (a bad option): passed through and counted as such,
+            # not as an engine fault.
+            await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
+            raise error
+        if spec.stream:
+            relay = call.relay(upstream)
+            # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
+            # even if the client is gone before the response starts: asyncio closes started generators.
+            # The relay yields at least one event (the engine's first, or an error event).
+            return EventStream(await anext(relay), relay, headers)
+        try:
+            payload = _decode(await upstream.read())
+            if hang_up is not None:
+                # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
+                # is whole and the call is recorded as answered.
+                hang_up.stop()
+            choices = [choice_record(c) for c in payload.get("choices") or ()]
+            prompts = _prompt_ids(payload)
+        except asyncio.CancelledError:
+            upstream.close()  # dropping the connection is how vLLM learns to abort the request
+            raise
+        except ENGINE_DATA_ERRORS as exc:  # the engine's answer, not the gateway's code: a 502
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
+            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
+        usage = payload.get("usage")
+        try:
+            body = await spec.wire.answer(payload)
+        except ENGINE_DATA_ERRORS as exc:
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
+            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
+        except BaseException as exc:
+            await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
+            raise
+        await call.finish("ok", 200, None, prompts, choices, usage)
+        return JSONBody(body, headers)
+
+    def _send_error(self, exc: BaseException) -> OpenAIError | None:
+        """The client-facing error for a failed send to the engine; None when the engine is not at fault."""
+        if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
+            return OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout")
+        if isinstance(exc, aiohttp.ClientError | OSError):
+            return self._unreachable(exc)
+        return None  # cancellation, or a bug of the gateway's own: not the engine's fault
+
+    def _unreachable(self, exc: Exception) -> OpenAIError:
+        state = self.engine_state()
+        if state in ("starting", "restarting"):
+            return OpenAIError(
+                503, f"The engine is {state}; retry shortly.", type="server_error", code="engine_unavailable"
+            )
+        return OpenAIError(502, f"The engine is unreachable ({type(exc).__name__}).", code="upstream_unreachable")
+
+
+def _prompt_ids(payload: dict[str, Any]) -> list[list[int]]:
+    """The prompt token ids of a whole answer: chat's one, or each completions choice's own."""
+    if payload.get("prompt_token_ids"):
+        return [payload["prompt_token_ids"]]
+    return [c.get("prompt_token_ids") or [] for c in payload.get("choices") or ()]
+
+
+class _Call:
+    """One call in flight: relays a stream and builds the record(s) when the call ends."""
+
+    def __init__(self, service: EngineCalls, key: RolloutKey, spec: EngineRequest, started: float) -> None:
+        self.service = service
+        self.key = key
+        self.spec = spec
+        self.started = started
+        self.first_token_at: float | None = None
+        self.recorded = False  # exactly once: whichever path ends the call first records it
+        self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
+
+    async def finish(
+        self,
+        status: CallStatus,
+        http_status: int,
+        error: str | None,
+        prompts: list[list[int]] | None = None,
+        choices: list[ChoiceRecord] | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        """Record the call, once. A completions call with several prompts is one record per prompt (each its
+        own generation), with the choices of that prompt."""
+        if self.recorded:
+            return
+        self.recorded = True
+        ended = time.time()
+        spec = self.spec
+        parts = self._per_prompt(prompts or [[]], choices or [])
+        first = True
+        for prompt_ids, part_choices in parts:
+            record = CallRecord(
+                call_id=uuid.uuid4().hex,
+                rollout_id=self.key.rollout_id,
+                rollout_explicit=self.key.explicit,
+                model=spec.route.model,
+                step=spec.route.step,
+                upstream_model=spec.route.upstream_model,
+                request=spec.request,
+                stream=spec.stream,
+                status=status,
+                http_status=http_status,
+                error=error,
+                prompt_token_ids=prompt_ids,
+                choices=part_choices,
+                usage=usage if first else None,
+                started_at=self.started,
+                first_token_at=self.first_token_at if spec.stream else ended,
+                ended_at=ended,
+                api=spec.api,
+            )
+            first = False
+            self.service.metrics.call_ended(self.label, record)
+            await self.service.recorder.submit(record)
+
+    def _per_prompt(
+        self, prompts: list[list[int]], choices: list[ChoiceRecord]
+    ) -> list[tuple[list[int], list[ChoiceRecord]]]:
+        """(prompt ids, choices) of each record: one, or one per prompt of a completions call with several
+        (`prompts` then holds each choice's prompt, and choice i*n+j is choice j of prompt i)."""
+        per = self.spec.choices_per_prompt
+        if not per or len(choices) <= per:
+            return [(prompts[0], choices)]
+        records: dict[int, tuple[list[int], list[ChoiceRecord]]] = {}
+        for i, choice in enumerate(choices):
+            prompt = prompts[i] if i < len(prompts) else []
+            _, mine = records.setdefault(choice.index // per, (prompt, []))
+            mine.append(msgspec.structs.replace(choice, index=choice.index % per))
+        return [records[k] for k in sorted(records)]
+
+    async def relay(self, upstream: aiohttp.ClientResponse) -> AsyncGenerator[bytes]:
+        """Pass the engine's SSE events on, as the API's client expects them.
+
+        Whatever the engine has sent by the time the gateway reads goes on as one write: events that
+        arrive together (the role and the first token, a burst under load) cost one syscall, not one each.
+        A client that goes away cancels this generator; closing the upstream response then closes the
+        connection, and vLLM aborts the request.
+        """
+        stream = _Stream(self.spec.wire)
+        pending = b""
+        recorded = False  # exactly once: at the engine's [DONE], else in `finally`
+        try:
+            async for data in upstream.content.iter_any():
+                *lines, pending = (pending + data).split(b"\n")
+                out = [event for line in lines if (event := stream.take(line, self))]
+                if stream.done and not recorded:
+                    # [DONE] is the client's end of answer: the call is journaled before the client gets it,
+                    # so an answered call survives a crash of the gateway (gateway/journal.py).
+                    recorded = True
+                    with anyio.CancelScope(shield=True):
+                        await self._record_stream(stream)
+                        out.append(await stream.wire.done())
+                if out:
+                    yield b"".join(out)
+                if stream.broken:  # its error event is out; the engine's request is closed in `finally`
+                    break
+            if pending and (event := stream.take(pending, self)):
+                yield event
+            if stream.done and not recorded:
+                recorded = True
+                with anyio.CancelScope(shield=True):
+                    await self._record_stream(stream)
+                    yield await stream.wire.done()
+            if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
+                stream.status, stream.error = "upstream_error", "the engine ended the stream early"
+                yield stream.wire.broken(OpenAIError(502, "The engine ended the stream early.", code="upstream_error"))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            stream.status, stream.error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
+            yield stream.wire.broken(
+                OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
+            )
+        finally:
+            # Shielded: a client that went away cancels this generator's scope, and the
+            # upstream close and the record must still happen.
+            with anyio.CancelScope(shield=True):
+                # Closing (not releasing) an unfinished response drops the connection: vLLM aborts.
+                if stream.status == "ok":
+                    upstream.release()
+                else:
+                    upstream.close()
+                if not recorded:
+                    await self._record_stream(stream)
+
+    async def _record_stream(self, stream: _Stream) -> None:
+        """Record the streamed call (once per call: see `relay`)."""
+        records = [stream.choices[i].record(i) for i in sorted(stream.choices)]
+        if stream.prompt_ids:  # chat: one prompt
+            prompts = [stream.prompt_ids]
+        else:  # completions: each choice's own
+            prompts = [stream.choices[i].prompt_ids or [] for i in sorted(stream.choices)]
+        http_status = 200 if stream.status != "cancelled" else 499
+        await self.finish(stream.status, http_status, stream.error, prompts, records, stream.usage)
+
+
+@dataclass
+class _Stream:
+    """What a streamed call has sent so far, and its outcome (`cancelled` until the engine's [DONE])."""
+
+    wire: Wire
+    choices: dict[int, StreamedChoice] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    status: CallStatus = "cancelled"
+    error: str | None = None
+    done: bool = False  # the engine's [DONE] came: the call is over, its record goes before the client's end
+    broken: bool = False  # the engine sent a line the gateway cannot read: the stream ends there
+
+    def take(self, line: bytes, call: _Call) -> bytes:
+        """One line of the engine's SSE stream -> the bytes the client gets for it (b"": nothing). A line that
+        is not what vLLM sends ends the stream: an error event, and nothing after it (`broken`)."""
+        if self.broken:
+            return b""
+        try:
+            return self._take(line, call)
+        except ENGINE_DATA_ERRORS as exc:
+            self.broken = True
+            self.status, self.error = "upstream_error", f"unreadable engine event: {type(exc).__name__}: {exc}"
+            return self.wire.broken(
+                OpenAIError(502, "The engine sent an event the gateway cannot read.", code="upstream_error")
+            )
+
+    def _take(self, line: bytes, call: _Call) -> bytes:
+        if not line.startswith(b"data: "):
+            return b""
+        data = line[6:].rstrip()
+        if data == b"[DONE]":
+            self.done = True
+            if self.status == "cancelled":  # vLLM sends [DONE] after an error event too: the error stands
+                self.status = "ok"
+            return b""  # the wire's closing events go out after the record (relay)
+        event = _decode(data)
+        if "error" in event and "choices" not in event:
+            self.status, self.error = "upstream_error", str((event.get("error") or {}).get("message"))
+            # vLLM's error event (e.g. its engine core died) has its HTTP status as an int `code`: re-shaped
+            # as the gateway's own errors are, code `upstream_error` for a 5xx.
+            code = event["error"].get("code") if isinstance(event["error"], dict) else None
+            return self.wire.broken(upstream_error(code if isinstance(code, int) and code >= 400 else 500, data))
+        if call.first_token_at is None:
+            call.first_token_at = time.time()
+        if event.get("prompt_token_ids"):
+            self.prompt_ids = event["prompt_token_ids"]
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            self.choices.setdefault(choice.get("index", 0), StreamedChoice()).add(choice)
+        return self.wire.event(event)

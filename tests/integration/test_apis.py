@@ -1,0 +1,494 @@
+"""Every API an agent app speaks, driven by the real clients, unmodified, through the gateway to a real vLLM.
+
+Each test reads its rollout back and checks token-exactness: the sampled token ids the gateway recorded decode
+to exactly the text the client received (never a re-tokenization of it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import anthropic
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import poll
+
+pytestmark = pytest.mark.engine
+
+INSTRUCTIONS = "You answer briefly."
+QUESTION = "What is the weather?"
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_SCHEMA, "strict": True}
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "input_schema": WEATHER_SCHEMA,
+    "strict": True,  # vLLM samples a tool's arguments under its schema only when strict
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def rollout(gateway, rollout_id: str) -> dict[str, Any]:
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sampled_by_call(recorded: dict[str, Any]) -> dict[str, list[int]]:
+    """Each call's sampled token ids, from the assembled sequences (what training would use)."""
+    out: dict[str, list[int]] = {}
+    for seq in recorded["sequences"]:
+        for call_id, (start, end) in zip(seq["call_ids"], seq["sampled_spans"], strict=True):
+            assert all(seq["sampled_mask"][start:end])
+            out[call_id] = seq["token_ids"][start:end]
+    return out
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Token ids as vLLM's detokenizer writes them: every token's text but the end-of-turn token that stopped
+    the generation (a random-weight model may sample `<|endoftext|>` mid-text, and vLLM keeps it)."""
+    return tokenizer.decode(ids, skip_special_tokens=False).removesuffix("<|im_end|>")
+
+
+def texts(recorded: dict[str, Any], tokenizer) -> list[str]:
+    """The decoded sampled text of each call, in call order."""
+    sampled = sampled_by_call(recorded)
+    return [decode(tokenizer, sampled[c["id"]]) for c in recorded["calls"]]
+
+
+def openai_client(gateway, rollout_id: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0)
+
+
+def forced_tool_call(create, **kwargs: Any) -> Any:
+    """A forced call of get_weather: guided decoding closes the JSON, though a random-weight model may pad it
+    with whitespace until the token limit on some seeds; the first seed that completes it wins."""
+    for seed in range(8):
+        result = create(seed=seed, **kwargs)
+        if result is not None:
+            return result
+    pytest.fail("no complete tool call in 8 seeded attempts")
+
+
+# ---------------------------------------------------------------- Responses, with the OpenAI SDK
+
+
+def test_responses_plain_is_recorded_token_exactly(engine_gateway, tokenizer) -> None:
+    rid = new_id("resp")
+    client = openai_client(engine_gateway, rid)
+    r = client.responses.create(model="my-agent", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=16)
+    assert r.status in ("completed", "incomplete") and r.model == "my-agent"
+    recorded = rollout(engine_gateway, rid)
+    (call,) = recorded["calls"]
+    assert (call["api"], call["status"], call["stream"]) == ("responses", "ok", False)
+    assert texts(recorded, tokenizer) == [r.output_text]
+    assert len(sampled_by_call(recorded)[call["id"]]) == r.usage.output_tokens
+    # What the model saw: the instructions as a system turn, then the input.
+    assert recorded["messages"][:2] == [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": QUESTION},
+    ]
+
+
+def test_responses_streamed_through_the_sdk_helper(engine_gateway, tokenizer) -> None:
+    rid = new_id("resp-stream")
+    client = openai_client(engine_gateway, rid)
+    # Cut off at the token limit, the stream ends as OpenAI's does: `response.incomplete` with the whole response.
+    with client.responses.stream(model="my-agent", input=QUESTION, max_output_tokens=16) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    assert "".join(deltas) == final.output_text
+    # Ended by the model (its end-of-turn token forced): `response.completed`, which the helper returns.
+    eos = {str(tokenizer.convert_tokens_to_ids("<|im_end|>")): 100}
+    with client.responses.stream(
+        model="my-agent", input=QUESTION, max_output_tokens=16, extra_body={"logit_bias": eos}
+    ) as stream:
+        done = stream.get_final_response()
+    assert (done.status, done.output_text) == ("completed", "")
+    recorded = rollout(engine_gateway, rid)
+    first, second = recorded["calls"]
+    assert [(c["api"], c["stream"]) for c in (first, second)] == [("responses", True), ("responses", True)]
+    assert texts(recorded, tokenizer) == [final.output_text, ""]
+    assert final.usage is not None and final.usage.output_tokens == len(sampled_by_call(recorded)[first["id"]])
+
+
+def test_responses_function_tool_gives_a_function_call_item(engine_gateway, tokenizer) -> None:
+    rid = new_id("resp-tool")
+    client = openai_client(engine_gateway, rid)
+
+    def create(seed: int) -> Any:
+        r = client.responses.create(
+            model="my-agent",
+            input=QUESTION,
+            tools=[RESPONSES_TOOL],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=200,
+            extra_body={"seed": seed},
+        )
+        calls = [item for item in r.output if item.type == "function_call"]
+        return r if calls and r.status == "completed" else None
+
+    r = forced_tool_call(create)
+    (item,) = [item for item in r.output if item.type == "function_call"]
+    assert item.name == "get_weather" and json.loads(item.arguments)["city"] in ("Paris", "Rome")
+    recorded = rollout(engine_gateway, rid)
+    last = recorded["calls"][-1]
+    assert last["api"] == "responses" and last["constrained"] is True
+    decoded = decode(tokenizer, sampled_by_call(recorded)[last["id"]])
+    assert "".join(item.arguments.split()) in "".join(decoded.split())
+
+
+def test_previous_response_id_continues_the_conversation_and_stored_responses_can_be_read(
+    engine_gateway, tokenizer
+) -> None:
+    rid = new_id("resp-chain")
+    client = openai_client(engine_gateway, rid)
+    first = client.responses.create(model="my-agent", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=8)
+    second = client.responses.create(
+        model="my-agent", previous_response_id=first.id, input="And tomorrow?", max_output_tokens=8
+    )
+    recorded = rollout(engine_gateway, rid)
+    assert [c["api"] for c in recorded["calls"]] == ["responses", "responses"]
+    assert texts(recorded, tokenizer) == [first.output_text, second.output_text]
+    # The second call saw the first turn (its input and its answer), without the first call's instructions:
+    # OpenAI does not carry instructions over.
+    assert recorded["messages"] == [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": second.output_text},
+    ]
+    got = client.responses.retrieve(first.id)
+    assert (got.id, got.output_text) == (first.id, first.output_text)
+    items = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["And tomorrow?"]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(first.id)
+    assert gone.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.responses.create(model="my-agent", previous_response_id=first.id, input="hi", max_output_tokens=2)
+    assert unknown.value.body == {
+        "message": f"Previous response with id '{first.id}' not found.",
+        "type": "not_found_error",
+        "param": "previous_response_id",
+        "code": "previous_response_not_found",
+    }
+    assert unknown.value.response.headers["X-ART-Rollout-Id"] == rid  # errors carry the rollout id too
+
+
+# ---------------------------------------------------------------- Completions and models, with the OpenAI SDK
+
+
+def test_completions_text_token_ids_n_and_stream(engine_gateway, tokenizer) -> None:
+    rid = new_id("cmpl")
+    client = openai_client(engine_gateway, rid)
+    text = client.completions.create(model="my-agent", prompt="Once upon a time", max_tokens=8, temperature=0)
+    prompt_ids = tokenizer.encode("Once upon a time")
+    ids = client.completions.create(model="my-agent", prompt=prompt_ids, max_tokens=8, temperature=0)
+    # The same prompt as text and as token ids: the same greedy answer.
+    assert ids.choices[0].text == text.choices[0].text
+    recorded = rollout(engine_gateway, rid)
+    assert [c["api"] for c in recorded["calls"]] == ["completions", "completions"]
+    assert texts(recorded, tokenizer) == [text.choices[0].text, ids.choices[0].text]
+    assert recorded["sequences"][-1]["token_ids"][: len(prompt_ids)] == prompt_ids
+
+    rid_n = new_id("cmpl-n")
+    two = openai_client(engine_gateway, rid_n).completions.create(
+        model="my-agent", prompt="Once upon a time", max_tokens=8, n=2
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    for choice in two.choices:
+        one = rollout(engine_gateway, f"{rid_n}/{choice.index}")
+        assert one["rollout_id"] == f"{rid_n}/{choice.index}"
+        assert texts(one, tokenizer) == [choice.text]
+
+    rid_s = new_id("cmpl-stream")
+    stream = openai_client(engine_gateway, rid_s).completions.create(
+        model="my-agent", prompt="Once upon a time", max_tokens=8, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    recorded = rollout(engine_gateway, rid_s)
+    assert (recorded["calls"][0]["api"], recorded["calls"][0]["stream"]) == ("completions", True)
+    assert texts(recorded, tokenizer) == [streamed]
+
+
+def test_completions_asked_for_token_ids_and_logprobs_get_them(engine_gateway) -> None:
+    client = openai_client(engine_gateway, new_id("cmpl-ids"))
+    plain = client.completions.create(model="my-agent", prompt="Hi", max_tokens=4)
+    assert plain.choices[0].logprobs is None and plain.model_dump()["choices"][0].get("token_ids") is None
+    asked = client.completions.create(
+        model="my-agent", prompt="Hi", max_tokens=4, logprobs=2, extra_body={"return_token_ids": True}
+    )
+    raw = asked.model_dump()["choices"][0]
+    assert len(raw["token_ids"]) == len(asked.choices[0].logprobs.token_logprobs) >= 1
+    assert all(len(top) <= 3 for top in asked.choices[0].logprobs.top_logprobs)
+
+
+def test_models_retrieve(engine_gateway) -> None:
+    client = openai.OpenAI(base_url=engine_gateway.base_url, api_key="unused", max_retries=0)
+    model = client.models.retrieve("my-agent")
+    assert (model.id, model.object) == ("my-agent", "model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+# ---------------------------------------------------------------- Anthropic's SDK
+
+
+def anthropic_client(gateway, rollout_id: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"{gateway.url}/rollouts/{rollout_id}", api_key="unused", max_retries=0)
+
+
+def test_anthropic_messages_plain_and_streamed(engine_gateway, tokenizer) -> None:
+    rid = new_id("msg")
+    client = anthropic_client(engine_gateway, rid)
+    message = client.messages.create(
+        model="my-agent", system=INSTRUCTIONS, messages=[{"role": "user", "content": QUESTION}], max_tokens=16
+    )
+    assert message.role == "assistant" and message.stop_reason in ("end_turn", "max_tokens")
+    text = "".join(block.text for block in message.content if block.type == "text")
+    with client.messages.stream(
+        model="my-agent", messages=[{"role": "user", "content": QUESTION}], max_tokens=16
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(b.text for b in final.content if b.type == "text") == streamed
+    recorded = rollout(engine_gateway, rid)
+    assert [(c["api"], c["stream"]) for c in recorded["calls"]] == [("messages", False), ("messages", True)]
+    assert texts(recorded, tokenizer) == [text, streamed]
+    assert final.usage.output_tokens == len(sampled_by_call(recorded)[recorded["calls"][1]["id"]])
+
+
+def test_anthropic_tool_use_then_tool_result(engine_gateway, tokenizer) -> None:
+    rid = new_id("msg-tool")
+    client = anthropic_client(engine_gateway, rid)
+    user = [{"role": "user", "content": QUESTION}]
+
+    def create(seed: int) -> Any:
+        m = client.messages.create(
+            model="my-agent",
+            messages=user,
+            tools=[ANTHROPIC_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            max_tokens=200,
+            extra_body={"seed": seed},
+        )
+        uses = [b for b in m.content if b.type == "tool_use"]
+        return m if m.stop_reason == "tool_use" and uses and "city" in uses[0].input else None
+
+    first = forced_tool_call(create)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Rome")
+    second = client.messages.create(
+        model="my-agent",
+        messages=[
+            *user,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+        ],
+        tools=[ANTHROPIC_TOOL],
+        max_tokens=8,
+    )
+    recorded = rollout(engine_gateway, rid)
+    last = recorded["calls"][-1]
+    assert last["api"] == "messages" and last["status"] == "ok"
+    # The tool result reached the model as a tool turn after the assistant's call.
+    assert recorded["messages"][-3]["tool_calls"][0]["id"] == use.id
+    assert recorded["messages"][-2] == {"role": "tool", "tool_call_id": use.id, "content": "sunny"}
+    text = "".join(b.text for b in second.content if b.type == "text")
+    assert texts(recorded, tokenizer)[-1] == text
+
+
+def test_anthropic_errors_are_in_anthropics_shape(engine_gateway) -> None:
+    client = anthropic_client(engine_gateway, new_id("msg-err"))
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert missing.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": "The model `nope` does not exist or you do not have access to it.",
+        },
+    }
+    r = httpx.post(f"{engine_gateway.base_url}/messages", json={"model": "my-agent", "messages": []})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- one rollout, several APIs
+
+
+def test_a_rollout_mixing_chat_responses_completions_and_messages_is_one_trajectory(engine_gateway, tokenizer) -> None:
+    """Calls of different APIs extend each other by token prefix exactly as chat calls do."""
+    rid = new_id("mixed")
+    client = openai_client(engine_gateway, rid)
+    the = tokenizer.convert_tokens_to_ids("the")
+    force_the = {"max_tokens": 1, "logit_bias": {str(the): 100}}
+    history = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model="my-agent", messages=history, **force_the)
+    assert chat.choices[0].message.content == "the"
+    # The next turn through the Responses API: the chat template renders "the" back as the same token, so this
+    # call's prompt extends the chat call's tokens and the two merge into one sequence.
+    response = client.responses.create(
+        model="my-agent",
+        instructions=INSTRUCTIONS,
+        input=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "the"},
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+        max_output_tokens=1,
+        extra_body={"logit_bias": {str(the): 100}},
+    )
+    assert response.output_text == "the"
+    # A completions call on the token ids so far, plus more: extends by construction.
+    so_far = rollout(engine_gateway, rid)["sequences"][0]["token_ids"]
+    more = tokenizer.encode("\nmore")
+    completion = client.completions.create(model="my-agent", prompt=so_far + more, max_tokens=4)
+    # And an Anthropic Messages call in the same rollout (a new conversation: a sequence of its own).
+    message = anthropic_client(engine_gateway, rid).messages.create(
+        model="my-agent", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    recorded = rollout(engine_gateway, rid)
+    assert [c["api"] for c in recorded["calls"]] == ["chat", "responses", "completions", "messages"]
+    ids = [c["id"] for c in recorded["calls"]]
+    merged, other = recorded["sequences"]
+    assert merged["call_ids"] == ids[:3] and merged["split_reason"] is None
+    assert other["call_ids"] == ids[3:]
+    sampled = sampled_by_call(recorded)
+    assert sampled[ids[0]] == sampled[ids[1]] == [the]
+    assert merged["token_ids"][: len(so_far) + len(more)] == so_far + more
+    assert texts(recorded, tokenizer) == ["the", "the", completion.choices[0].text, message.content[0].text]
+
+
+# ---------------------------------------------------------------- agent frameworks, default settings
+
+
+@pytest.fixture
+def openai_env(engine_gateway, monkeypatch) -> Iterator[str]:
+    """OPENAI_BASE_URL pointing at a rollout of the gateway, as an app configured by environment would."""
+    rid = new_id("env")
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{engine_gateway.url}/rollouts/{rid}/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    yield rid
+
+
+def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engine_gateway, openai_env, tokenizer):
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # traces would go to OpenAI's servers
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Current weather of a city."""
+        asked.append(city)
+        return "sunny"
+
+    for seed in range(8):
+        agent = Agent(
+            name="weather",
+            instructions=INSTRUCTIONS,
+            model="my-agent",
+            tools=[get_weather],
+            # Forced to call the tool first; the SDK resets tool_choice after a tool call, so the run ends.
+            model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, max_tokens=64, extra_body={"seed": seed}
+            ),
+        )
+        try:
+            result = Runner.run_sync(agent, QUESTION, max_turns=3, run_config=RunConfig(tracing_disabled=True))
+        except Exception:  # the model padded its JSON past the token limit on this seed: try another
+            continue
+        break
+    else:
+        pytest.fail("the agent never completed in 8 seeded attempts")
+    assert asked and asked[-1] in ("Paris", "Rome")
+    assert isinstance(result.final_output, str)
+    recorded = poll(lambda: rollout(engine_gateway, openai_env), 10, "the rollout")
+    calls = [c for c in recorded["calls"] if c["status"] == "ok"]
+    assert {c["api"] for c in recorded["calls"]} == {"responses"}
+    # The successful run's last two calls: the forced tool call, then the answer after the tool's result.
+    tool_turn, answer_turn = calls[-2:]
+    assert tool_turn["constrained"] is True and answer_turn["constrained"] is False
+    assert recorded["messages"][-2] == {
+        "role": "tool",
+        "tool_call_id": recorded["messages"][-3]["tool_calls"][0]["id"],
+        "content": "sunny",
+    }
+    assert texts(recorded, tokenizer)[-1] == result.final_output
+
+
+def test_pydantic_ai_default_openai_model(engine_gateway, openai_env, tokenizer) -> None:
+    from pydantic_ai import Agent
+
+    agent = Agent("openai:my-agent", instructions=INSTRUCTIONS)
+    result = agent.run_sync(QUESTION, model_settings={"max_tokens": 8})
+    recorded = rollout(engine_gateway, openai_env)
+    (call,) = recorded["calls"]
+    assert call["api"] == "responses" and call["status"] == "ok"
+    assert texts(recorded, tokenizer) == [result.output]
+
+
+def test_langchain_responses_mode(engine_gateway, openai_env, tokenizer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="my-agent", use_responses_api=True, max_tokens=8, max_retries=0)
+    reply = llm.invoke(QUESTION)
+    recorded = rollout(engine_gateway, openai_env)
+    (call,) = recorded["calls"]
+    assert call["api"] == "responses"
+    assert texts(recorded, tokenizer) == [reply.text]
+
+
+def test_llama_index_openai_like_defaults(engine_gateway, openai_env, tokenizer) -> None:
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model="my-agent", api_base=os.environ["OPENAI_BASE_URL"], api_key="unused", max_tokens=8)
+    reply = llm.complete("Once upon a time")
+    recorded = rollout(engine_gateway, openai_env)
+    (call,) = recorded["calls"]
+    assert call["api"] == "completions"  # OpenAILike's default: not a chat model
+    assert texts(recorded, tokenizer) == [reply.text]
+
+
+def test_litellm_text_completion(engine_gateway, openai_env, tokenizer, monkeypatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price map download
+    import litellm
+
+    reply = litellm.text_completion(
+        model="openai/my-agent",
+        api_base=os.environ["OPENAI_BASE_URL"],
+        api_key="unused",
+        prompt="Once upon a time",
+        max_tokens=8,
+    )
+    recorded = rollout(engine_gateway, openai_env)
+    (call,) = recorded["calls"]
+    assert call["api"] == "completions"
+    assert texts(recorded, tokenizer) == [reply.choices[0].text]
