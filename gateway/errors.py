@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -204,11 +204,18 @@ SERVED_ENDPOINTS = (
 )
 
 
-def handle_http_exception(request: Request, exc: HTTPException) -> Response[bytes]:
-    """Litestar's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+def from_http_exception(request: Request, exc: HTTPException) -> OpenAIError:
+    """Litestar's own errors (unknown route, wrong method, body too large, a query parameter of the wrong type)
+    in OpenAI's shape."""
     status = exc.status_code
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     message = exc.detail or "error"
+    param = None
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        first = exc.extra[0]
+        if isinstance(first, dict) and first.get("key"):  # a path or query parameter Litestar could not parse
+            param, code = str(first["key"]), "invalid_type"
+            message = f"Invalid '{param}': {first.get('message') or 'wrong type'}."
     if status == 413:
         message = "Request body is too large."
     elif status == 404:
@@ -218,7 +225,11 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response[byte
             f"It serves: {', '.join(SERVED_ENDPOINTS)}; "
             "the inference endpoints also under /rollouts/{rollout_id}/v1/...."
         )
-    return OpenAIError(status, message, code=code).to_response()
+    return OpenAIError(status, message, param=param, code=code)
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response[bytes]:
+    return from_http_exception(request, exc).to_response()
 
 
 def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:

@@ -114,7 +114,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "artgw_requests", "Chat completion calls by model and outcome.", ["model", "status"], registry=r
+            "artgw_requests", "Inference calls (every API) by model and outcome.", ["model", "status"], registry=r
         )
         self.duration = Histogram(
             "artgw_request_duration_seconds", "End-to-end call latency.", ["model"], buckets=LATENCY_BUCKETS, registry=r

@@ -113,6 +113,12 @@ class ResponsesService:
                     code="previous_response_not_found",
                 ) from None
         chat = to_chat(request, history)
+        if not chat["messages"]:
+            raise invalid_request(
+                "Nothing to answer: 'input' is empty, and there are no instructions and no previous response.",
+                param="input",
+                code="empty_array",
+            )
         route = self.calls.registry.resolve(request.model)
         upstream_body, _ = upstream_request(chat, route)
         wire = ResponsesWire(self, request, key, history)
@@ -131,7 +137,9 @@ class ResponsesService:
     async def input_items(self, response_id: str, *, limit: int, order: str, after: str | None) -> dict[str, Any]:
         """A page of the response's input items, as OpenAI lists them (newest first unless `order=asc`)."""
         if not 1 <= limit <= MAX_ITEMS_PAGE:
-            raise invalid_request(f"'limit' must be between 1 and {MAX_ITEMS_PAGE}.", param="limit")
+            raise invalid_request(
+                f"'limit' must be between 1 and {MAX_ITEMS_PAGE}.", param="limit", code="invalid_value"
+            )
         if order not in ("asc", "desc"):
             raise invalid_request("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
         items = (await self.store.get(response_id)).input_items

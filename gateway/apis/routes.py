@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 from litestar.params import Parameter
 from litestar.types import ASGIApp
 
@@ -22,7 +23,7 @@ from gateway.apis.responses_service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import EventStream, JSONBody, Receive
 from gateway.chat import ChatService
 from gateway.completions import CompletionsService
-from gateway.errors import OpenAIError, from_store_error
+from gateway.errors import OpenAIError, from_http_exception, from_store_error
 from gateway.openapi import (
     anthropic_errors,
     chat_operation,
@@ -46,7 +47,11 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
     """One inference call: its rollout (path prefix, header, or made up), then the API's service."""
     key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
     try:
-        return await create(await request.body(), key, request.receive)
+        try:
+            body = await request.body()
+        except HTTPException as exc:  # too large (Litestar's): as the API's own errors, with the rollout id
+            raise from_http_exception(request, exc) from None
+        return await create(body, key, request.receive)
     except StoreError as exc:  # a stored response that isn't there, say
         error = from_store_error(exc)
         error.headers = {ROLLOUT_HEADER: key.rollout_id}

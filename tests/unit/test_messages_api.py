@@ -92,7 +92,7 @@ def test_error_type_follows_the_status(status: int, kind: str) -> None:
 def test_openai_errors_keep_their_status_and_lead_with_the_param() -> None:
     not_found = from_openai_error(model_not_found("gpt-x"))
     assert (not_found.status, not_found.type) == (404, "not_found_error")
-    assert not_found.message == "model: The model `gpt-x` does not exist or you do not have access to it."
+    assert not_found.message == "The model `gpt-x` does not exist or you do not have access to it."
     starting = from_openai_error(OpenAIError(503, "The engine is starting; retry shortly.", code="engine_unavailable"))
     assert (starting.status, starting.type, starting.message) == (
         503,
