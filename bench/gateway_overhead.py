@@ -44,6 +44,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -524,6 +525,27 @@ class WrkResult:
         return self.connect, self.read, self.write, self.timeout
 
 
+def _pooled(runs: list[WrkResult]) -> WrkResult:
+    """Several runs of one target as one: requests over seconds, the median p50 and p99, the mean CPU."""
+    if len(runs) == 1:
+        return runs[0]
+    cpus = [r.cpu_pct for r in runs if r.cpu_pct is not None]
+    return WrkResult(
+        target=runs[0].target,
+        connections=runs[0].connections,
+        requests=sum(r.requests for r in runs),
+        seconds=sum(r.seconds for r in runs),
+        non2xx=sum(r.non2xx for r in runs),
+        connect=sum(r.connect for r in runs),
+        read=sum(r.read for r in runs),
+        write=sum(r.write for r in runs),
+        timeout=sum(r.timeout for r in runs),
+        p50_ms=statistics.median(r.p50_ms for r in runs),
+        p99_ms=statistics.median(r.p99_ms for r in runs),
+        cpu_pct=statistics.fmean(cpus) if cpus else None,
+    )
+
+
 def progress(r: WrkResult) -> None:
     cpu = f"  (gateway CPU {r.cpu_pct:.0f}%)" if r.cpu_pct is not None else ""
     say(f"  c={r.connections:<4} {r.target:8} {r.rps:>9,.0f} req/s  p50 {r.p50_ms:.3f} ms  p99 {r.p99_ms:.3f} ms{cpu}")
@@ -681,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--artgw", default=default_artgw(), help="the artgw executable to benchmark")
     parser.add_argument(
         "--no-install", action="store_true", help="never apt-get install wrk/nginx when they are missing"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --baseline: pairs of runs per concurrency, baseline and current in swapped order every "
+        "round, pooled (req/s over all runs, median p50/p99); 3 or more to see past the order bias",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs, configs)")
     parser.add_argument(
@@ -901,17 +930,26 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         direct = run_wrk(children, direct_url, c, args.duration, f"bench-direct-c{c}", "direct")
         progress(direct)
         time.sleep(args.pause)
+        # With a baseline: --rounds pairs of runs, the order swapped every round (the second gateway of a pair
+        # tends to come out ahead on this VM), pooled into one result each.
+        olds: list[WrkResult] = []
+        vias: list[WrkResult] = []
+        for k in range(args.rounds if baseline is not None else 1):
+            pair = [("baseline", baseline, olds), ("gateway", gateway, vias)]
+            for target, gw, into in pair if k % 2 == 0 else pair[::-1]:
+                if gw is None:
+                    continue
+                run = _through(children, gw, c, args.duration, target)
+                progress(run)
+                into.append(run)
+                time.sleep(args.pause)
         if baseline is not None:
-            old = _through(children, baseline, c, args.duration, "baseline")
+            old = _pooled(olds)
             base_calls_made += old.requests
-            progress(old)
             base_results.append(old)
-            time.sleep(args.pause)
-        via = _through(children, gateway, c, args.duration, "gateway")
+        via = _pooled(vias)
         calls_made += via.requests
-        progress(via)
         results.append((direct, via))
-        time.sleep(args.pause)
     busy = other_load(before, time.monotonic() - measure_started, children.sessions())
 
     stopped = gateway.stop()
