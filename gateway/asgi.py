@@ -1,4 +1,4 @@
-"""The chat endpoint's answers as bare ASGI apps: the hot path skips the framework's response machinery.
+"""The inference endpoints' answers as bare ASGI apps: the hot path skips the framework's response machinery.
 
 Litestar's own `Stream` costs ~0.5 ms before the first event reaches the client (response building, an
 anyio task group per stream); these write the status line and the bytes and nothing else, which is what
@@ -8,11 +8,10 @@ keeps the gateway's added time to first token under a millisecond (bench/stream_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 def _headers(content_type: bytes, extra: dict[str, str]) -> Headers:
@@ -35,34 +34,31 @@ class JSONBody:
         await send({"type": "http.response.body", "body": self.body})
 
 
-class HangUpWatch:
-    """Cancels the current task when the client hangs up (the request body already read).
+# The scope key under which the gateway's server (gateway/server.py) puts each request's HangUp.
+HANG_UP = "artgw.hang_up"
 
-    For an answer that is not streamed: while the gateway waits for the engine nothing is sent, so only
-    `receive()` tells that the client has gone. The cancellation always lands at the await the task is parked
-    on (asyncio delivers it there), so the caller knows exactly where a hang-up can cut in; `stop()` before
-    the last await that matters makes the rest of the call uninterruptible by the client.
+
+class HangUp:
+    """Tells a call that is not streamed that its client hung up: the server's protocol fires it when the
+    connection is lost, and cancels the task parked in `task` (the call waiting for the engine).
+
+    No task or receive() per call: while the gateway waits for the engine nothing is sent, and uvicorn only
+    learns of the hang-up in `connection_lost`. The cancellation lands at the await the task is parked on
+    (asyncio delivers it there), so the caller knows exactly where a hang-up can cut in; clearing `task`
+    before the last await that matters makes the rest of the call uninterruptible by the client.
     """
 
-    __slots__ = ("gone", "task", "watcher")
+    __slots__ = ("gone", "task")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self) -> None:
         self.gone = False
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.watcher: asyncio.Future[None] | None = asyncio.ensure_future(self._watch(receive))
+        self.task: asyncio.Task[Any] | None = None
 
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    def fire(self) -> None:
         self.gone = True
-        self.task.cancel()
-
-    def stop(self) -> None:
-        if self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
 
 
 class EventStream:

@@ -17,7 +17,7 @@ from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
 from gateway.adapters import Route
-from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
 from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
 
@@ -167,10 +167,10 @@ class ChatService:
         self.calls = calls
         self.registry = calls.registry
 
-    async def complete(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+    async def complete(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_chat_request(body)
         route = self.registry.resolve(head.model)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)
         spec = EngineRequest("chat", "/v1/chat/completions", upstream_body, request, route, bool(head.stream), wire)
-        return await self.calls.run(spec, key, receive)
+        return await self.calls.run(spec, key, hang_up)

@@ -22,7 +22,7 @@ import anyio
 import msgspec
 
 from gateway.adapters import AdapterRegistry, Route
-from gateway.asgi import EventStream, HangUpWatch, JSONBody, Receive
+from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
@@ -216,18 +216,21 @@ class EngineCalls:
         self.recorder = recorder
         self.engine_state = engine_state
 
-    async def run(self, call_in: EngineRequest, key: RolloutKey, receive: Receive | None) -> JSONBody | EventStream:
-        """Answer one accepted call. `receive` (the request's ASGI receive, body already read) lets a call that
-        is not streamed notice the client hanging up while the engine works: the engine's request is then
-        closed (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
+    async def run(self, call_in: EngineRequest, key: RolloutKey, hang_up: HangUp | None) -> JSONBody | EventStream:
+        """Answer one accepted call. `hang_up` (the server's, gateway/server.py) lets a call that is not
+        streamed notice the client hanging up while the engine works: the engine's request is then closed
+        (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, key, call_in, time.time())
         self.recorder.begin(key.rollout_id)
         self.metrics.call_started(call.label)
-        if call_in.stream or receive is None:
+        if call_in.stream or hang_up is None:
             return await self._answer(call)
         # The relay of a stream watches for a hang-up itself (gateway/asgi.py); a plain answer is watched here.
-        hang_up = HangUpWatch(receive)
+        if hang_up.gone:  # gone while its body was read
+            await call.finish("cancelled", 499, "the client hung up before the answer")
+            return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
+        hang_up.task = asyncio.current_task()
         try:
             return await self._answer(call, hang_up)
         except asyncio.CancelledError:
@@ -237,9 +240,9 @@ class EngineCalls:
             await call.finish("cancelled", 499, "the client hung up before the answer")
             return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
         finally:
-            hang_up.stop()
+            hang_up.task = None
 
-    async def _answer(self, call: _Call, hang_up: HangUpWatch | None = None) -> JSONBody | EventStream:
+    async def _answer(self, call: _Call, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         spec = call.spec
         try:
             upstream = await self.session.post(
@@ -279,7 +282,7 @@ class EngineCalls:
             if hang_up is not None:
                 # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
                 # is whole and the call is recorded as answered.
-                hang_up.stop()
+                hang_up.task = None
             choices = [choice_record(c) for c in payload.get("choices") or ()]
             prompts = _prompt_ids(payload)
         except asyncio.CancelledError:

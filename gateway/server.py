@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.asgi import HANG_UP, HangUp
+
 log = logging.getLogger("artgw.gateway")
 
 # What the connection is waiting for; `_NOTHING` while the app handles a request (a response may stream for
@@ -102,6 +104,10 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self._expect(_IDLE, self.idle_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            hang_up = self.cycle.scope.get(HANG_UP)
+            if isinstance(hang_up, HangUp):
+                hang_up.fire()
         self._phase = _NOTHING
         if self._timer is not None:
             self._timer.cancel()
@@ -114,6 +120,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[HANG_UP] = HangUp()  # type: ignore[literal-required]  # read by gateway/proxy.py
         self._expect(_HEAD, self.header_timeout)
 
     def on_headers_complete(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
-from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.chat import upstream_request
 from gateway.errors import OpenAIError
 from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
@@ -44,7 +44,7 @@ class MessagesService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
 
-    async def create(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+    async def create(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
         request = parse_request(body)
         chat = to_chat(request)
@@ -53,4 +53,4 @@ class MessagesService:
         spec = EngineRequest(
             "messages", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), MessagesWire(request)
         )
-        return await self.calls.run(spec, key, receive)
+        return await self.calls.run(spec, key, hang_up)

@@ -24,7 +24,7 @@ from gateway.apis.responses import (
     to_chat,
     to_response,
 )
-from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.chat import upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
@@ -99,7 +99,7 @@ class ResponsesService:
         self.store = store
         self.unsaved = 0  # stored responses the store refused
 
-    async def create(self, body: bytes, key: RolloutKey, receive: Receive | None = None) -> JSONBody | EventStream:
+    async def create(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         request = parse_request(body)
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
@@ -125,7 +125,7 @@ class ResponsesService:
         spec = EngineRequest(
             "responses", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), wire
         )
-        return await self.calls.run(spec, key, receive)
+        return await self.calls.run(spec, key, hang_up)
 
     async def get(self, response_id: str) -> dict[str, Any]:
         return (await self.store.get(response_id)).response

@@ -20,7 +20,7 @@ from litestar.types import ASGIApp
 from gateway.apis.messages import AnthropicError, from_openai_error
 from gateway.apis.messages_service import MessagesService
 from gateway.apis.responses_service import MAX_ITEMS_PAGE, ResponsesService
-from gateway.asgi import EventStream, JSONBody, Receive
+from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
 from gateway.chat import ChatService
 from gateway.completions import CompletionsService
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
@@ -35,7 +35,7 @@ from gateway.openapi import (
 from gateway.proxy import ROLLOUT_HEADER, RolloutKey, rollout_key
 from store.errors import StoreError
 
-Create = Callable[[bytes, RolloutKey, Receive | None], Awaitable[JSONBody | EventStream]]
+Create = Callable[[bytes, RolloutKey, HangUp | None], Awaitable[JSONBody | EventStream]]
 INFERENCE_ERRORS = errors(400, 404, 408, 413, 500, 502, 503, 504)
 
 
@@ -51,7 +51,7 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
             body = await request.body()
         except HTTPException as exc:  # too large (Litestar's): as the API's own errors, with the rollout id
             raise from_http_exception(request, exc) from None
-        return await create(body, key, request.receive)
+        return await create(body, key, request.scope.get(HANG_UP))  # type: ignore[call-overload]
     except StoreError as exc:  # a stored response that isn't there, say
         error = from_store_error(exc)
         error.headers = {ROLLOUT_HEADER: key.rollout_id}
