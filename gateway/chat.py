@@ -76,7 +76,7 @@ def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
                 code="invalid_value",
             )
     for i, tool in enumerate(head.tools or ()):
-        problem = _schema_problem(bytes(tool.function.parameters))
+        problem = schema_problem(bytes(tool.function.parameters))
         if problem is not None:
             raise invalid_request(
                 f"Invalid schema for function '{tool.function.name}': {problem}",
@@ -87,8 +87,9 @@ def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _schema_problem(raw: bytes) -> str | None:
-    """What is wrong with a tool's `parameters` (None: a valid JSON Schema object, or none given)."""
+def schema_problem(raw: bytes) -> str | None:
+    """What is wrong with a tool's `parameters` (None: a valid JSON Schema object, or none given). Cached by the
+    encoded schema: agents send the same tools on every call. Every API's tools are checked by it."""
     if raw in (b"", b"null"):
         return None
     schema = _decode(raw)

@@ -22,16 +22,14 @@ What does not translate, and what is done instead:
 
 from __future__ import annotations
 
-import functools
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from jsonschema import Draft202012Validator, SchemaError
-from jsonschema.validators import validator_for
 
+from gateway.chat import schema_problem
 from gateway.errors import OpenAIError, decode_body
 
 _encode = msgspec.json.encode
@@ -287,7 +285,7 @@ def _check_tools(request: MessagesRequest) -> None:
             )
         if tool.input_schema is None:
             raise _invalid(f"tools.{i}.input_schema: Field required")
-        problem = _schema_problem(_encode(tool.input_schema))
+        problem = schema_problem(_encode(tool.input_schema))
         if problem is not None:
             raise _invalid(f"tools.{i}.input_schema: {problem}")
         if tool.name in names:
@@ -303,19 +301,6 @@ def _check_tools(request: MessagesRequest) -> None:
             raise _invalid("tool_choice.name: Field required")
         if choice.name not in names:
             raise _invalid(f"tool_choice.name: no tool named '{choice.name}' among `tools`.")
-
-
-@functools.lru_cache(maxsize=1024)
-def _schema_problem(raw: bytes) -> str | None:
-    """What is wrong with a tool's `input_schema` as a JSON Schema (None: nothing). Cached by the bytes:
-    agents send the same tools every call."""
-    schema = _decode(raw)
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        return exc.message + (f" (at '{where}')." if where else ".")
-    return None
 
 
 # -----------------------------------------------------------------------------

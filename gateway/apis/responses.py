@@ -11,7 +11,6 @@ and event with them and run the SDK's stream helper over the bytes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import uuid
 from collections.abc import Iterable
@@ -19,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
-from jsonschema import Draft202012Validator, SchemaError
-from jsonschema.validators import validator_for
 
+from gateway.chat import schema_problem
 from gateway.errors import OpenAIError, decode_body, invalid_request
 
 _encode = msgspec.json.encode
@@ -254,26 +252,13 @@ def _check_tool(tool: Tool, where: str) -> None:
     if tool.name is None:
         raise _missing(f"{where}.name")
     if tool.parameters is not None:
-        problem = _schema_problem(_encode(tool.parameters))
+        problem = schema_problem(_encode(tool.parameters))
         if problem is not None:
             raise invalid_request(
                 f"Invalid schema for function '{tool.name}': {problem}",
                 param=f"{where}.parameters",
                 code="invalid_function_parameters",
             )
-
-
-@functools.lru_cache(maxsize=1024)
-def _schema_problem(raw: bytes) -> str | None:
-    """What is wrong with a tool's `parameters` as a JSON Schema (None: nothing). Keyed by the encoded schema:
-    agents send the same tools on every call. The same check the chat route makes, with the Responses param."""
-    schema = msgspec.json.decode(raw)
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        return exc.message + (f" (at '{where}')." if where else ".")
-    return None
 
 
 def _check_tool_choice(request: ResponsesRequest) -> None:
