@@ -12,12 +12,16 @@ and the variable. The metadata is plain data, so gateway/ and trainer/ need no i
 - "option": False: not a user option (the CLI computes it, or only code sets it).
 - "aliases": extra flags kept for compatibility, e.g. ("--max-wait",).
 - "inverse_env": a variable that turns a bool *off* when true, e.g. ARTGW_NO_MIGRATE.
+- "flag": the flag when it is not `--field-name` (a plural field with a singular, repeated flag); the
+  variable follows the flag: `"flag": "--model-name"` reads ARTGW_MODEL_NAME.
+- "repeat": True, for a `tuple[str, ...]`: the flag is given once per value (`--model-name a --model-name b`)
+  and the variable is a comma list (`ARTGW_MODEL_NAME=a,b`).
 
 Types: str, int, float (finite), bool, Path, `Literal[...]` (the choices), `tuple[str, ...]` (one
-shell-quoted string), and `X | None` of those ('' gives None; 'none' too, except for strings). An empty
-environment variable counts as unset (compose writes `${X:-}`). Parsing only checks the type; the
-dataclass's `__post_init__` checks the values, so a bad value is rejected with its message, never
-clamped, whether it came from a flag, a variable or code.
+shell-quoted string, or a repeated flag with "repeat"), and `X | None` of those ('' gives None; 'none'
+too, except for strings). An empty environment variable counts as unset (compose writes `${X:-}`).
+Parsing only checks the type; the dataclass's `__post_init__` checks the values, so a bad value is
+rejected with its message, never clamped, whether it came from a flag, a variable or code.
 
 After `parse_args`, `resolve(args)` fills every registered option from the command line, the
 environment or the default, and `build(Settings, args)` makes the dataclass from what was given.
@@ -109,6 +113,14 @@ def _parse_words(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"expected one shell-quoted string, got {text!r} ({exc})") from None
 
 
+def _parse_list(text: str) -> tuple[str, ...]:
+    """A repeated option's variable: a comma list, blanks around the commas ignored, no empty item."""
+    items = tuple(item.strip() for item in text.split(","))
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
 def _parse_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -175,6 +187,7 @@ class Option:
     default: Any  # dataclasses.MISSING: required
     help: str
     inverse_env: str | None = None  # a variable that, when true, turns this bool off
+    repeat: bool = False  # a repeated flag (one value each); the variable is a comma list
     computed: str | None = None  # the command computes the default (this text says how); None until given
 
     @property
@@ -207,7 +220,7 @@ class Option:
             if not raw:  # unset or empty: compose's `${X:-}` writes an empty value for "not set"
                 continue
             try:
-                value = self.parse(raw)
+                value = _parse_list(raw) if self.repeat else self.parse(raw)
             except argparse.ArgumentTypeError as exc:
                 raise OptionError(f"{name}: {exc}") from None
             return True, (not value) if invert else value
@@ -240,6 +253,12 @@ def options_of(
                 f"{cls.__name__}.{f.name} has no help: give metadata={{'help': ...}} or mark it not an option"
             )
         parse, is_bool, choices = _converter(hints[f.name], f"{cls.__name__}.{f.name}")
+        repeat = bool(f.metadata.get("repeat"))
+        if repeat:
+            if parse is not _parse_words:
+                raise TypeError(f"{cls.__name__}.{f.name}: only a tuple[str, ...] can be a repeated option")
+            parse = str
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -250,14 +269,15 @@ def options_of(
             Option(
                 owner=cls,
                 name=f.name,
-                flags=("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())),
-                env=ENV_PREFIX + f.name.upper(),
+                flags=(flag, *f.metadata.get("aliases", ())),
+                env=ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper(),
                 parse=parse,
                 is_bool=is_bool,
                 choices=choices,
                 default=default,
                 help=text,
                 inverse_env=f.metadata.get("inverse_env"),
+                repeat=repeat,
                 computed=(computed or {}).get(f.name),
             )
         )
@@ -281,6 +301,8 @@ def add_options(
         common: dict[str, Any] = {"dest": option.name, "default": argparse.SUPPRESS, "help": option.help_text()}
         if option.is_bool:
             parser.add_argument(*option.flags, action=argparse.BooleanOptionalAction, **common)
+        elif option.repeat:
+            parser.add_argument(*option.flags, action="append", type=option.parse, metavar="NAME", **common)
         else:
             metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.name.upper()
             parser.add_argument(*option.flags, type=option.parse, metavar=metavar, **common)
@@ -297,6 +319,8 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
     for option in getattr(args, _REGISTRY, ()):
         if hasattr(args, option.name):
             given_names.add(option.name)
+            if option.repeat:  # argparse appends to a list
+                setattr(args, option.name, tuple(getattr(args, option.name)))
             continue
         found, value = option.from_env(environ)
         if found:

@@ -20,7 +20,9 @@ import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.settings import valid_model_name
 from store.adapters import (
     AdapterRow,
     adapter_history,
@@ -30,6 +32,8 @@ from store.adapters import (
     set_status,
 )
 from store.groups import LeaseLost, count_by_state
+from store.models import active_models, add_models
+from store.models import retire_model as retire_in_store
 from store.types import GroupState, StepMetrics
 
 log = logging.getLogger("artgw.adapters")
@@ -60,14 +64,23 @@ def adapter_name(model: str, step: int) -> str:
 class AdapterRegistry:
     """In-memory view of the served adapters; the store keeps the history."""
 
-    def __init__(self, base_model: str | None, trainable: list[str]) -> None:
+    def __init__(self, base_model: str | None, trainable: list[str], base_model_path: str | None = None) -> None:
         self.base_model = base_model  # None until a running engine has told us
+        self.base_model_path = base_model_path  # the weights' path or hub id (a trainer loads the same)
         self.models = {name: TrainableModel(name) for name in trainable}
 
-    def resolve(self, requested: str) -> Route:
-        """Map the `model` field of a request to the engine's model name."""
+    def resolve(self, requested: str, caller: Caller = ANONYMOUS) -> Route:
+        """Map the `model` field of a request to the engine's model name. A model the caller's key does not
+        cover is `model_not_found`, exactly like one that does not exist."""
         if self.base_model is None:
             raise OpenAIError(503, "The engine is starting; retry shortly.", code="engine_unavailable")
+        route = self._find(requested)
+        if route is None or not caller.covers(route.model or route.upstream_model):
+            raise model_not_found(requested)
+        return route
+
+    def _find(self, requested: str) -> Route | None:
+        assert self.base_model is not None
         model = self.models.get(requested)
         if model is not None:
             return self._route(model, model.served_step)
@@ -78,7 +91,7 @@ class AdapterRegistry:
                 return self._route(model, step)
         if requested == self.base_model:
             return Route(self.base_model, None, None)
-        raise model_not_found(requested)
+        return None
 
     def _route(self, model: TrainableModel, step: int) -> Route:
         assert self.base_model is not None
@@ -88,30 +101,33 @@ class AdapterRegistry:
     def served_steps(self) -> dict[str, int]:
         return {name: model.served_step for name, model in self.models.items()}
 
-    def model_list(self) -> dict[str, Any]:
-        """The body of `GET /v1/models`."""
+    def model_list(self, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+        """The body of `GET /v1/models`: what the caller's key may use."""
         data = [
             {"id": model_id, "object": "model", "created": 0, "owned_by": "artgw", "root": root}
-            for model_id, root in self.model_ids()
+            for model_id, root in self.model_ids(caller)
         ]
         return {"object": "list", "data": data}
 
-    def model_card(self, model_id: str) -> dict[str, Any]:
+    def model_card(self, model_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
         """The body of `GET /v1/models/{id}` (404 `model_not_found` for a model the gateway does not serve)."""
-        for card in self.model_list()["data"]:
+        for card in self.model_list(caller)["data"]:
             if card["id"] == model_id:
                 return card  # type: ignore[no-any-return]
         raise model_not_found(model_id)
 
-    def model_ids(self) -> list[tuple[str, str]]:
+    def model_ids(self, caller: Caller = ANONYMOUS) -> list[tuple[str, str]]:
         """(id, root) pairs for `GET /v1/models`: trainable names, their loaded steps, the base."""
         if self.base_model is None:
             return []
         out: list[tuple[str, str]] = []
         for model in self.models.values():
+            if not caller.covers(model.name):
+                continue
             out.append((model.name, self.base_model))
             out.extend((adapter_name(model.name, s), self.base_model) for s in sorted(model.loaded_steps))
-        out.append((self.base_model, self.base_model))
+        if caller.covers(self.base_model):
+            out.append((self.base_model, self.base_model))
         return out
 
 
@@ -142,11 +158,13 @@ class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ModelStatus(msgspec.Struct, frozen=True):
     name: str
-    base_model: str | None
+    base_model: str | None  # the name vLLM serves the base weights under
+    base_model_path: str | None  # the weights' path or hub id, as the engine loaded them (what a trainer loads)
     served_step: int
     loaded_steps: list[int]
     groups: dict[GroupState, int]  # state -> count
     steps: list[AdapterRow]  # newest first
+    retired: bool = False
     object: str = "art.model"
 
 
@@ -243,32 +261,73 @@ class AdapterService:
         async with self.store.connect() as conn:
             rows = await loaded_adapters(conn)
         async with self._lock:
-            for row in rows:
-                model = self.registry.models.get(row.model)
-                if model is None:
-                    continue
-                newest = sorted(r.step for r in rows if r.model == row.model)[-self.keep :]
-                if row.step not in newest:
-                    continue
-                ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
-                if ok:
-                    model.loaded_steps.add(row.step)
-                    model.served_step = max(model.served_step, row.step)
-                else:
-                    log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
+            for model in self.registry.models.values():
+                await self._load_lineage(model, rows)
+
+    async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow]) -> None:
+        """Load the newest `keep` of a model's serving steps into the engine (under the lock)."""
+        for row in [r for r in rows if r.model == model.name][-self.keep :]:
+            ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
+            if ok:
+                model.loaded_steps.add(row.step)
+                model.served_step = max(model.served_step, row.step)
+            else:
+                log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
+
+    # ------------------------------------------------------------ the set of models (admin)
+
+    async def add_model(self, name: str) -> tuple[ModelStatus, bool]:
+        """Serve a new trainable model (or bring a retired one back, with its adapters); (status, created)."""
+        if not valid_model_name(name):
+            raise invalid_request(
+                "Invalid model name: 1 to 128 characters, no '@' or '/', no spaces around it.", param="name"
+            )
+        if name == self.registry.base_model:
+            raise invalid_request(f"`{name}` is the base model's name.", param="name")
+        async with self._lock:
+            created = name not in self.registry.models
+            if created:
+                async with self.store.begin() as conn:
+                    await add_models(conn, [name])
+                    rows = await loaded_adapters(conn)
+                model = self.registry.models.setdefault(name, TrainableModel(name))
+                if self.registry.base_model is not None:  # else sync_engine loads it once the engine is up
+                    await self._load_lineage(model, rows)
+        return await self.status(name), created
+
+    async def retire_model(self, name: str) -> ModelStatus:
+        """Stop serving and training a model: its adapters leave the engine, its data stays in the store."""
+        model = self._model(name)
+        async with self._lock:
+            async with self.store.begin() as conn:
+                await retire_in_store(conn, name)
+            self.registry.models.pop(name, None)
+            for step in sorted(model.loaded_steps):
+                ok, text = await self._engine("unload", {"lora_name": adapter_name(name, step)})
+                if not ok:
+                    log.warning("could not unload %s@%s on retiring it: %s", name, step, text[:300])
+        status = await self._status_of(model)
+        return msgspec.structs.replace(status, served_step=0, loaded_steps=[], retired=True)
 
     async def follow_store(self, every: float = 2.0) -> None:
-        """Replicas share one engine and one store: pick up steps another replica committed."""
+        """Replicas share one engine and one store: pick up models another replica added or retired, and
+        steps it committed."""
         while True:
             await asyncio.sleep(every)
             try:
                 async with self.store.connect() as conn:
                     rows = await loaded_adapters(conn)
+                    active = set(await active_models(conn))
             except Exception as exc:  # a store hiccup: try again next round
                 log.warning("could not read adapters from the store: %s", exc)
                 continue
             if self._lock.locked():  # this replica is committing a step itself
                 continue
+            for name in list(self.registry.models):
+                if name not in active:
+                    del self.registry.models[name]  # retired elsewhere (which unloaded its adapters)
+            for name in active:
+                self.registry.models.setdefault(name, TrainableModel(name))
             for model in self.registry.models.values():
                 steps = {r.step for r in rows if r.model == model.name}
                 if steps and max(steps) > model.served_step:
@@ -277,14 +336,23 @@ class AdapterService:
                     model.loaded_steps = steps
                     model.served_step = max(steps)
 
-    async def status(self, name: str) -> ModelStatus:
-        model = self._model(name)
+    async def status(self, name: str, caller: Caller = ANONYMOUS) -> ModelStatus:
+        """A model's served step, adapters, groups and step history (404 for a model the caller's key lacks)."""
+        caller.check_model(name)
+        return await self._status_of(self._model(name))
+
+    def list_models(self, caller: Caller = ANONYMOUS) -> list[str]:
+        return sorted(name for name in self.registry.models if caller.covers(name))
+
+    async def _status_of(self, model: TrainableModel) -> ModelStatus:
+        name = model.name
         async with self.store.connect() as conn:
             history = await adapter_history(conn, name)
             counts = await count_by_state(conn)
         return ModelStatus(
             name=name,
             base_model=self.registry.base_model,
+            base_model_path=self.registry.base_model_path,
             served_step=model.served_step,
             loaded_steps=sorted(model.loaded_steps),
             groups={state: n for (m, state), n in counts.items() if m == name},

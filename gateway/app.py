@@ -18,8 +18,11 @@ from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis import routes as inference
 from gateway.apis.responses_service import ResponsesService
+from gateway.auth import Caller
 from gateway.errors import exception_handlers
 from gateway.groups.service import GroupService
+from gateway.guards import metrics_reader, request_caller, scoped
+from gateway.keys import KeyService
 from gateway.openapi import errors
 from gateway.provide import Services, provide_services
 from gateway.rollouts import RolloutService
@@ -52,6 +55,10 @@ def _adapters(state: State) -> AdapterService:
     return _services(state).adapters
 
 
+def _keys(state: State) -> KeyService:
+    return _services(state).keys
+
+
 DEPENDENCIES = {
     name: Provide(provider, sync_to_thread=False)
     for name, provider in (
@@ -61,23 +68,38 @@ DEPENDENCIES = {
         ("groups", _groups),
         ("adapters", _adapters),
         ("responses", _responses),
+        ("keys", _keys),
+        ("caller", request_caller),  # whom the route's guard let in
     )
 }
+INFER = {"guards": [scoped], "opt": {"scope": "infer"}}
 
 # ---------------------------------------------------------------- handlers
 
 
-@get(["/v1/models", "/rollouts/{rollout_id:str}/v1/models"], responses=errors(400, 500))
-async def list_models(registry: AdapterRegistry, rollout_id: str | None = None) -> dict[str, Any]:
-    return registry.model_list()
+@get(["/v1/models", "/rollouts/{rollout_id:str}/v1/models"], responses=errors(400, 401, 403, 500), **INFER)
+async def list_models(registry: AdapterRegistry, caller: Caller, rollout_id: str | None = None) -> dict[str, Any]:
+    """The models the key may use: its trainable models, their loaded steps, and the base if it covers it."""
+    return registry.model_list(caller)
 
 
-@get(["/v1/models/{model_id:str}", "/rollouts/{rollout_id:str}/v1/models/{model_id:str}"], responses=errors(400, 404))
-async def retrieve_model(registry: AdapterRegistry, model_id: str, rollout_id: str | None = None) -> dict[str, Any]:
-    return registry.model_card(model_id)
+@get(
+    ["/v1/models/{model_id:str}", "/rollouts/{rollout_id:str}/v1/models/{model_id:str}"],
+    responses=errors(400, 401, 403, 404),
+    **INFER,
+)
+async def retrieve_model(
+    registry: AdapterRegistry, caller: Caller, model_id: str, rollout_id: str | None = None
+) -> dict[str, Any]:
+    return registry.model_card(model_id, caller)
 
 
-@get("/metrics", media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""), responses=errors(500))
+@get(
+    "/metrics",
+    media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""),
+    responses=errors(401, 500),
+    guards=[metrics_reader],
+)
 async def metrics(services: Services) -> Response[bytes]:
     # Litestar adds the charset itself.
     body = await services.metrics.scrape(services.store.engine, services.recorder, services.registry.served_steps())

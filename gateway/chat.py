@@ -19,7 +19,7 @@ from jsonschema.validators import validator_for
 from gateway.adapters import Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
-from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -168,10 +168,10 @@ class ChatService:
         self.calls = calls
         self.registry = calls.registry
 
-    async def complete(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
+    async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_chat_request(body)
-        route = self.registry.resolve(head.model)
+        route = self.registry.resolve(head.model, origin.caller)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)
         spec = EngineRequest("chat", "/v1/chat/completions", upstream_body, request, route, bool(head.stream), wire)
-        return await self.calls.run(spec, key, hang_up)
+        return await self.calls.run(spec, origin, hang_up)

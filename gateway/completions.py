@@ -14,7 +14,7 @@ import msgspec
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.chat import MAX_N, MAX_TOP_LOGPROBS
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
-from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 
 _encode = msgspec.json.encode
 
@@ -117,9 +117,9 @@ class CompletionsService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
 
-    async def complete(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
+    async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_completion_request(body)
-        route = self.calls.registry.resolve(head.model)
+        route = self.calls.registry.resolve(head.model, origin.caller)
         upstream = dict(request)
         upstream["model"] = route.upstream_model
         upstream["return_token_ids"] = True
@@ -136,4 +136,4 @@ class CompletionsService:
             CompletionsWire(request, head.model),
             choices_per_prompt=(head.n or 1) if several else 0,
         )
-        return await self.calls.run(spec, key, hang_up)
+        return await self.calls.run(spec, origin, hang_up)

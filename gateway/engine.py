@@ -69,7 +69,8 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free one, chosen when the supervisor is made
     max_lora_rank: int = 16
-    max_loras: int = 4
+    max_loras: int = 4  # adapters in one batch (vLLM's LoRA slots)
+    max_cpu_loras: int | None = None  # adapters kept ready in memory (None: max_loras); the rest load on demand
     max_model_len: int = 4096
     extra_args: Sequence[str] = ()
     log_path: Path = Path("engine.log")
@@ -110,6 +111,7 @@ class EngineConfig:
             str(self.max_lora_rank),
             "--max-loras",
             str(self.max_loras),
+            *(("--max-cpu-loras", str(self.max_cpu_loras)) if self.max_cpu_loras else ()),
             "--max-model-len",
             str(self.max_model_len),
             "--enable-auto-tool-choice",

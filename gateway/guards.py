@@ -1,25 +1,54 @@
-"""Who may call what: Litestar guards on the routes (handlers never check keys themselves)."""
+"""Who may call what: Litestar guards on the routes (handlers never check keys themselves).
+
+A route says what it needs: `guards=[admin_only]`, or `guards=[scoped], opt={"scope": "read"}`. `scoped`
+leaves the `Caller` in the request's scope, where the `caller` dependency hands it to the handler (to
+filter listings to the key's models). The inference routes check their keys in gateway/apis/routes.py,
+on the data path, without Litestar's DI.
+"""
 
 from __future__ import annotations
 
-import hmac
+from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
+from litestar.types import Scope
 
+from gateway.auth import Caller, KeyRing, bearer, same_secret
 from gateway.errors import OpenAIError
 
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+CALLER = "artgw.caller"  # the request scope's key for the Caller a guard found
 
 
-def admin_only(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """Admin endpoints: `Authorization: Bearer <admin key>`; with no key configured, this machine only."""
-    key = connection.app.state.services.settings.admin_key
-    if key is None:
-        host = connection.client.host if connection.client else ""
-        if host not in _LOOPBACK:
-            raise OpenAIError(403, "Admin endpoints need --admin-key when called from another host.")
+def _keys(connection: ASGIConnection[Any, Any, Any, Any]) -> KeyRing:
+    return connection.app.state.services.keyring  # type: ignore[no-any-return]
+
+
+def admin_only(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """The admin key, always (whatever --auth says; no exception for loopback clients)."""
+    connection.scope[CALLER] = _keys(connection).admin(connection.headers)  # type: ignore[literal-required]
+
+
+def scoped(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """A key with the route's `opt["scope"]` (infer, reward, read); the admin key has every scope."""
+    caller = _keys(connection).caller(connection.headers)
+    caller.check_scope(handler.opt["scope"])
+    connection.scope[CALLER] = caller  # type: ignore[literal-required]
+
+
+def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """`/metrics`: open, unless --metrics-key is set; then that key or the admin key."""
+    services = connection.app.state.services
+    expected = services.settings.metrics_key
+    if expected is None:
         return
-    given = connection.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):  # constant time
-        raise OpenAIError(401, "Admin endpoints need `Authorization: Bearer <admin key>`.", code="invalid_admin_key")
+    given = bearer(connection.headers)
+    if given is not None and (same_secret(given, expected) or services.keyring.admin_key_matches(given)):
+        return
+    raise OpenAIError(401, "/metrics needs `Authorization: Bearer <metrics key>`.", code="invalid_api_key")
+
+
+def request_caller(scope: Scope) -> Caller:
+    """The `caller` dependency: whom the route's guard let in (a KeyError here is a route without a guard)."""
+    caller: Caller = scope[CALLER]  # type: ignore[literal-required]
+    return caller

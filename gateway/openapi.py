@@ -54,12 +54,13 @@ class AnthropicError(msgspec.Struct, frozen=True):
 
 _WHEN = {
     400: "Invalid request: malformed JSON, a missing or invalid field (named in `param`)",
-    401: "Missing or wrong admin key (`Authorization: Bearer <admin key>`)",
-    403: "Admin endpoint called from another host while no admin key is configured",
-    404: "Unknown model, rollout, group or route",
+    401: "Missing or unknown API key (`Authorization: Bearer <key>` or `x-api-key`), or not the admin key",
+    403: "The API key lacks the scope this endpoint needs (infer, reward, read), or a client key on an admin endpoint",
+    404: "Unknown model, rollout, group or route, or one the API key does not cover",
     408: "The request head or body was not received in time (the connection is then closed)",
     409: "Conflicts with what exists (a rollout already in a group, a group id reused with other content, ...)",
     413: "Request body larger than --max-body-bytes",
+    429: "The API key's requests or tokens per minute are used up: retry after `Retry-After` seconds",
     500: "The gateway hit an internal error (a bug: it is logged with its traceback)",
     502: "The engine failed, answered something unreadable, or is unreachable",
     503: "The engine is (re)starting, or the store is unavailable: retry shortly",

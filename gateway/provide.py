@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis.messages_service import MessagesService
 from gateway.apis.responses_service import ResponsesService
+from gateway.auth import KeyRing, load_admin_key
 from gateway.chat import ChatService
 from gateway.completions import CompletionsService
 from gateway.engine import (
@@ -36,12 +37,14 @@ from gateway.engine import (
 )
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
+from gateway.keys import KeyService
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import EngineCalls
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
 from store.db import create_sync_sqlite_engine
+from store.models import active_models, add_models
 from store.provide import Store, open_store
 from store.responses import ResponseStore
 
@@ -61,17 +64,18 @@ class UpstreamEngine:
 
     async def start(self) -> None:
         await wait_until_ready(self.url, self.startup_timeout)
-        self.adapters.registry.base_model = await self._base_model()
+        registry = self.adapters.registry
+        registry.base_model, registry.base_model_path = await self._base_model()
         await self.adapters.sync_engine()
         self.state = "ready"
 
-    async def _base_model(self) -> str:
-        """The model entry that is not a LoRA adapter."""
+    async def _base_model(self) -> tuple[str, str]:
+        """The model entry that is not a LoRA adapter: (its served name, the path or hub id it was loaded from)."""
         answer = await self.client.get("/v1/models", timeout=10.0)
         answer.raise_for_status()
         for entry in answer.json()["data"]:
             if not entry.get("parent"):
-                return str(entry["id"])
+                return str(entry["id"]), str(entry.get("root") or entry["id"])
         raise EngineFailed("the upstream engine serves no base model")
 
     async def stop(self) -> None:
@@ -87,6 +91,8 @@ class Services:
         *,
         settings: Settings,
         store: Store,
+        keyring: KeyRing,
+        keys: KeyService,
         registry: AdapterRegistry,
         recorder: Recorder,
         chat: ChatService,
@@ -103,6 +109,8 @@ class Services:
     ) -> None:
         self.settings = settings
         self.store = store
+        self.keyring = keyring  # who is calling (gateway/auth.py)
+        self.keys = keys
         self.registry = registry
         self.recorder = recorder
         self.chat = chat
@@ -160,7 +168,9 @@ class Services:
             return
         log.info("engine ready in %.1fs", self.engine.ready_seconds or 0)
         s = self.settings
-        print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  model={s.model_name}", flush=True)
+        models = ",".join(self.registry.models)
+        auth = "required" if s.auth_required else "off"
+        print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
 
 
 @asynccontextmanager
@@ -180,9 +190,18 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
         ) as session,
     ):
+        # The models of the command line join the store's set; the gateway serves the whole set.
+        async with store.engine.begin() as conn:
+            await add_models(conn, settings.model_names)
+            trainable = await active_models(conn)
+        admin_key, made = load_admin_key(settings.admin_key, settings.admin_key_path)
+        if made:
+            print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
+        keyring = KeyRing(store.engine, admin_key=admin_key, required=settings.auth_required)
+        await keyring.refresh()
         # With --upstream the base model's name is asked of the engine once it answers.
         base_name = served_base_name(settings.base_model) if settings.base_model is not None else None
-        registry = AdapterRegistry(base_name, [settings.model_name])
+        registry = AdapterRegistry(base_name, trainable, base_model_path=settings.base_model)
         metrics = GatewayMetrics()
         recorder = Recorder(
             store.engine,
@@ -209,6 +228,9 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
                     served_name=base_name,
                     port=settings.engine_port,
                     max_lora_rank=settings.max_lora_rank,
+                    # Slots for every model's newest steps; an adapter not in a slot is loaded on demand.
+                    max_loras=settings.max_loras or max(4, 2 * len(trainable)),
+                    max_cpu_loras=max(settings.max_loras, 4, 3 * len(trainable)),
                     max_model_len=settings.max_model_len,
                     extra_args=settings.engine_args,
                     log_path=settings.data_dir / "engine.log",
@@ -228,10 +250,13 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             recorder=recorder,
             engine_state=lambda: engine.state,
             metrics=metrics,
+            limits=keyring.limits,
         )
         services = Services(
             settings=settings,
             store=store,
+            keyring=keyring,
+            keys=KeyService(store.engine, keyring, registry),
             registry=registry,
             recorder=recorder,
             chat=ChatService(calls),
@@ -251,6 +276,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         background = [
             asyncio.create_task(services.bring_up_engine(), name="engine-bring-up"),
             asyncio.create_task(adapters.follow_store(), name="adapters-follow-store"),
+            asyncio.create_task(keyring.follow(), name="keys-follow-store"),
         ]
         try:
             yield services

@@ -23,6 +23,7 @@ import msgspec
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
+from gateway.auth import ANONYMOUS, Caller, RateLimits
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
@@ -37,16 +38,19 @@ _encode = msgspec.json.encode
 
 
 @dataclass(frozen=True, slots=True)
-class RolloutKey:
+class CallOrigin:
+    """Where a call comes from: the rollout it belongs to and the caller (API key) that made it."""
+
     rollout_id: str
     explicit: bool  # False when the gateway made the id up
+    caller: Caller = ANONYMOUS
 
 
-def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
+def call_origin(header: str | None, path_id: str | None, caller: Caller = ANONYMOUS) -> CallOrigin:
     """The rollout a call belongs to: the path prefix wins over the header; neither → a new id."""
     given = path_id if path_id is not None else header
     if given is None:
-        return RolloutKey(f"r-{uuid.uuid4().hex}", explicit=False)
+        return CallOrigin(f"r-{uuid.uuid4().hex}", False, caller)
     if not _ROLLOUT_ID.match(given):
         raise invalid_request(
             "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
@@ -54,7 +58,7 @@ def rollout_key(header: str | None, path_id: str | None) -> RolloutKey:
             param=ROLLOUT_HEADER,
             code="invalid_rollout_id",
         )
-    return RolloutKey(given, explicit=True)
+    return CallOrigin(given, True, caller)
 
 
 # What reading a malformed engine answer raises: not JSON, or JSON without the fields vLLM always sends.
@@ -205,8 +209,10 @@ class EngineCalls:
         recorder: Recorder,
         engine_state: EngineStateOf,
         metrics: GatewayMetrics,
+        limits: RateLimits | None = None,
     ) -> None:
         self.metrics = metrics
+        self.limits = limits or RateLimits()  # a finished call's tokens count against its key's minute
         # aiohttp on the data path: httpx's connection pool rescans every connection per request
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
         self.session = session
@@ -216,20 +222,20 @@ class EngineCalls:
         self.recorder = recorder
         self.engine_state = engine_state
 
-    async def run(self, call_in: EngineRequest, key: RolloutKey, hang_up: HangUp | None) -> JSONBody | EventStream:
+    async def run(self, call_in: EngineRequest, origin: CallOrigin, hang_up: HangUp | None) -> JSONBody | EventStream:
         """Answer one accepted call. `hang_up` (the server's, gateway/server.py) lets a call that is not
         streamed notice the client hanging up while the engine works: the engine's request is then closed
         (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
         # Accepted: from here on, every path records this call exactly once.
-        call = _Call(self, key, call_in, time.time())
-        self.recorder.begin(key.rollout_id)
+        call = _Call(self, origin, call_in, time.time())
+        self.recorder.begin(origin.rollout_id)
         self.metrics.call_started(call.label)
         if call_in.stream or hang_up is None:
             return await self._answer(call)
         # The relay of a stream watches for a hang-up itself (gateway/asgi.py); a plain answer is watched here.
         if hang_up.gone:  # gone while its body was read
             await call.finish("cancelled", 499, "the client hung up before the answer")
-            return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
+            return JSONBody(b"", {ROLLOUT_HEADER: origin.rollout_id}, status=499)  # nobody reads it
         hang_up.task = asyncio.current_task()
         try:
             return await self._answer(call, hang_up)
@@ -238,7 +244,7 @@ class EngineCalls:
                 raise  # not the client: the server is stopping this task
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             await call.finish("cancelled", 499, "the client hung up before the answer")
-            return JSONBody(b"", {ROLLOUT_HEADER: key.rollout_id}, status=499)  # nobody reads it
+            return JSONBody(b"", {ROLLOUT_HEADER: origin.rollout_id}, status=499)  # nobody reads it
         finally:
             hang_up.task = None
 
@@ -258,7 +264,7 @@ class EngineCalls:
             else:  # cancelled: the client (or a shutdown) gave up on the call
                 await call.finish("cancelled", 499, "cancelled before the engine answered")
             raise
-        headers = {ROLLOUT_HEADER: call.key.rollout_id}
+        headers = {ROLLOUT_HEADER: call.origin.rollout_id}
         if upstream.status != 200:
             try:
                 payload = await upstream.read()
@@ -330,9 +336,9 @@ def _prompt_ids(payload: dict[str, Any]) -> list[list[int]]:
 class _Call:
     """One call in flight: relays a stream and builds the record(s) when the call ends."""
 
-    def __init__(self, service: EngineCalls, key: RolloutKey, spec: EngineRequest, started: float) -> None:
+    def __init__(self, service: EngineCalls, origin: CallOrigin, spec: EngineRequest, started: float) -> None:
         self.service = service
-        self.key = key
+        self.origin = origin
         self.spec = spec
         self.started = started
         self.first_token_at: float | None = None
@@ -356,12 +362,16 @@ class _Call:
         ended = time.time()
         spec = self.spec
         parts = self._per_prompt(prompts or [[]], choices or [])
+        caller = self.origin.caller
+        if caller.tpm is not None:  # the tokens the engine spent, as recorded: prompt + sampled
+            spent = sum(len(ids) + sum(len(c.token_ids) for c in mine) for ids, mine in parts)
+            self.service.limits.charge(caller, spent)
         first = True
         for prompt_ids, part_choices in parts:
             record = CallRecord(
                 call_id=uuid.uuid4().hex,
-                rollout_id=self.key.rollout_id,
-                rollout_explicit=self.key.explicit,
+                rollout_id=self.origin.rollout_id,
+                rollout_explicit=self.origin.explicit,
                 model=spec.route.model,
                 step=spec.route.step,
                 upstream_model=spec.route.upstream_model,
@@ -377,6 +387,7 @@ class _Call:
                 first_token_at=self.first_token_at if spec.stream else ended,
                 ended_at=ended,
                 api=spec.api,
+                key_id=self.origin.caller.key_id,
             )
             first = False
             self.service.metrics.call_ended(self.label, record)

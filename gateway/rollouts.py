@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
 from store.errors import NotFound
@@ -25,15 +26,17 @@ class RolloutService:
         await self.settle([rollout_id])
         return await self.reader.find(rollout_id, choice=choice)
 
-    async def get(self, rollout_id: str, *, choice: int | None = None) -> Trajectory:
+    async def get(self, rollout_id: str, *, choice: int | None = None, caller: Caller = ANONYMOUS) -> Trajectory:
         """The rollout once its answered calls are in the store (read-your-writes, waiting up to settle_seconds).
 
         404 either way when it is not there, but saying which: unknown, or answered and still on its way to
         the store (a slow or locked store), which a client should retry."""
         settled = await self.settle([rollout_id])
         trajectory = await self.reader.find(rollout_id, choice=choice)
-        if trajectory is not None:
+        if trajectory is not None and caller.covers(trajectory.model):
             return trajectory
+        if trajectory is not None:  # another key's model: as if it did not exist
+            raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         if not settled or self.recorder.in_flight(rollout_id):
             raise OpenAIError(
                 404,
@@ -42,5 +45,17 @@ class RolloutService:
             )
         raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
 
-    async def page(self, *, model: str | None, since: float | None, limit: int, cursor: str | None) -> RolloutPage:
-        return await self.reader.page(model=model, since=since, limit=limit, cursor=cursor)
+    async def page(
+        self,
+        *,
+        model: str | None,
+        since: float | None,
+        limit: int,
+        cursor: str | None,
+        key_id: str | None = None,
+        caller: Caller = ANONYMOUS,
+    ) -> RolloutPage:
+        """A page of rollouts, of the caller's models only (`key_id`: made with that key)."""
+        return await self.reader.page(
+            model=model, since=since, limit=limit, cursor=cursor, models=caller.models, key_id=key_id
+        )

@@ -14,6 +14,14 @@ from typing import Literal, get_args
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
+AuthMode = Literal["required", "off"]
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
+
+
+def valid_model_name(name: str) -> bool:
+    """A trainable model's name: what clients put in `model`, and `NAME@K` names its steps."""
+    return 0 < len(name) <= 128 and "@" not in name and "/" not in name and name.strip() == name
 
 
 def served_base_name(base_model: str) -> str:
@@ -28,8 +36,14 @@ def _positive(value: float) -> bool:
 
 @dataclass(frozen=True)
 class Settings:
-    model_name: str = field(
-        default="my-agent", metadata={"help": "the trainable model name clients put in 'model' (no '@' or '/')"}
+    model_names: tuple[str, ...] = field(
+        default=("my-agent",),
+        metadata={
+            "help": "a trainable model clients put in 'model' (no '@' or '/'); repeat for several on one base "
+            "(more at runtime: POST /v1/art/models)",
+            "flag": "--model-name",
+            "repeat": True,
+        },
     )
     base_model: str | None = field(
         default=None, metadata={"help": "model path or hub id: the gateway starts and supervises vLLM with it"}
@@ -62,7 +76,25 @@ class Settings:
     )
     admin_key: str | None = field(
         default=None,
-        metadata={"help": "bearer key guarding the /v1/art admin endpoints (none: loopback clients only)"},
+        metadata={
+            "help": "the admin key (all endpoints, admin ones included); better in the environment than on the "
+            "command line (none: the one in --admin-key-file, made on first start)"
+        },
+    )
+    admin_key_file: Path | None = field(
+        default=None,
+        metadata={"help": f"file holding the admin key, mode 0600 (none: DATA_DIR/{ADMIN_KEY_FILE})"},
+    )
+    auth: AuthMode | None = field(
+        default=None,
+        metadata={
+            "help": "required: every call needs a key (POST /v1/art/keys); off: only admin endpoints do, allowed "
+            "only when listening on loopback (none: off on loopback, required otherwise)"
+        },
+    )
+    metrics_key: str | None = field(
+        default=None,
+        metadata={"help": "bearer key /metrics asks for (the admin key works too; none: /metrics is open)"},
     )
     engine_port: int = field(
         default=0, metadata={"help": "port of the supervised vLLM server (0: a free port chosen at start)"}
@@ -71,6 +103,13 @@ class Settings:
         default=(), metadata={"help": "extra arguments for the supervised vLLM, one shell-quoted string"}
     )
     max_lora_rank: int = field(default=16, metadata={"help": "vLLM's --max-lora-rank: the largest LoRA rank it loads"})
+    max_loras: int = field(
+        default=0,
+        metadata={
+            "help": "vLLM's --max-loras, adapters in one batch; more stay in memory (--max-cpu-loras: 3 per model) "
+            "and any other loads on demand (0: 2 per model at start, at least 4)"
+        },
+    )
     max_model_len: int = field(default=4096, metadata={"help": "vLLM's --max-model-len"})
     engine_startup_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for vLLM to start"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the engine's answer"})
@@ -124,8 +163,20 @@ class Settings:
     def __post_init__(self) -> None:
         if (self.base_model is None) == (self.upstream is None):
             raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
-        if not self.model_name or "@" in self.model_name or "/" in self.model_name:
-            raise ValueError(f"invalid --model-name {self.model_name!r}: no '@' or '/', not empty")
+        if not self.model_names:
+            raise ValueError("give at least one --model-name")
+        for name in self.model_names:
+            if not valid_model_name(name):
+                raise ValueError(f"invalid --model-name {name!r}: 1-128 characters, no '@' or '/'")
+        if len(set(self.model_names)) != len(self.model_names):
+            raise ValueError(f"--model-name given twice: {', '.join(self.model_names)}")
+        if self.auth == "off" and self.host not in LOOPBACK_HOSTS:
+            raise ValueError(
+                f"--auth off is for a gateway on loopback only; it listens on {self.host!r} (use --auth required)"
+            )
+        for flag, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
+            if key is not None and len(key) < 16:
+                raise ValueError(f"{flag} must be at least 16 characters")
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
             raise ValueError(f"--upstream must be an http:// or https:// URL, got {self.upstream!r}")
         if not self.host:
@@ -135,6 +186,7 @@ class Settings:
                 raise ValueError(f"{flag} must be a port number (0-65535), got {port}")
         for flag, count in (
             ("--max-lora-rank", self.max_lora_rank),
+            ("--max-loras", self.max_loras + 1),  # 0 (auto) is fine
             ("--max-model-len", self.max_model_len),
             ("--max-body-bytes", self.max_body_bytes),
             ("--recorder-queue-size", self.recorder_queue_size),
@@ -161,6 +213,14 @@ class Settings:
             )
         if self.log_level not in get_args(LogLevel):
             raise ValueError(f"--log-level must be one of {', '.join(get_args(LogLevel))}, got {self.log_level!r}")
+
+    @property
+    def auth_required(self) -> bool:
+        return self.auth == "required" or (self.auth is None and self.host not in LOOPBACK_HOSTS)
+
+    @property
+    def admin_key_path(self) -> Path:
+        return self.admin_key_file or self.data_dir / ADMIN_KEY_FILE
 
     @property
     def db_url(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -81,6 +81,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
             {
                 "id": record.rollout_id,
                 "model": record.model,
+                "key_id": record.key_id,
                 "explicit": record.rollout_explicit,
                 "call_count": 0,
                 "first_call_at": record.started_at,
@@ -91,6 +92,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
         agg["first_call_at"] = min(agg["first_call_at"], record.started_at)
         agg["last_call_at"] = max(agg["last_call_at"], record.started_at)
         agg["model"] = agg["model"] or record.model
+        agg["key_id"] = agg["key_id"] or record.key_id
     stmt = insert(rollouts)
     stmt = stmt.on_conflict_do_update(
         index_elements=["id"],
@@ -103,6 +105,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
             if conn.dialect.name == "sqlite"
             else sa.func.greatest(rollouts.c.last_call_at, stmt.excluded.last_call_at),
             "model": sa.func.coalesce(rollouts.c.model, stmt.excluded.model),
+            "key_id": sa.func.coalesce(rollouts.c.key_id, stmt.excluded.key_id),
         },
     )
     # Sorted: concurrent writers (several gateway replicas) take row locks in the same order.
@@ -139,20 +142,28 @@ class RolloutRow(msgspec.Struct, frozen=True):
     call_count: int
     first_call_at: float
     last_call_at: float
+    key_id: str | None = None
 
 
 async def list_rollouts(
     conn: AsyncConnection,
     *,
     model: str | None = None,
+    models: Collection[str] | None = None,
+    key_id: str | None = None,
     since: float | None = None,
     limit: int = 100,
     after: tuple[float, str] | None = None,
 ) -> list[RolloutRow]:
-    """Rollouts by (last_call_at, id), oldest first; `after` is the keyset cursor of the previous page."""
+    """Rollouts by (last_call_at, id), oldest first; `after` is the keyset cursor of the previous page.
+    `models`: only rollouts of these models (an API key's); `key_id`: only those made with that key."""
     query = sa.select(rollouts).order_by(rollouts.c.last_call_at, rollouts.c.id).limit(limit)
     if model is not None:
         query = query.where(rollouts.c.model == model)
+    if models is not None:
+        query = query.where(rollouts.c.model.in_(list(models)))
+    if key_id is not None:
+        query = query.where(rollouts.c.key_id == key_id)
     if since is not None:
         query = query.where(rollouts.c.last_call_at >= since)
     if after is not None:

@@ -245,6 +245,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "upstream_model": record.upstream_model,
         "stream": record.stream,
         "api": record.api,
+        "key_id": record.key_id,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
@@ -426,6 +427,7 @@ def expand(rows: Sequence[Mapping[str, Any]], explicit: bool) -> list[CallRecord
                 first_token_at=row["first_token_at"],
                 ended_at=row["ended_at"],
                 api=row.get("api") or "chat",
+                key_id=row.get("key_id"),
             )
         )
     return records

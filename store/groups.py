@@ -16,7 +16,7 @@ and the lease owner where a trainer holds it), so a group is trained at most onc
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -143,10 +143,14 @@ async def list_group_ids(
     state: GroupState | None,
     limit: int,
     after: tuple[float, str] | None,
+    models: Collection[str] | None = None,
 ) -> list[tuple[float, str]]:
+    """(created_at, id) of a page of groups; `models`: only groups of these (what an API key covers)."""
     query = sa.select(groups.c.created_at, groups.c.id).order_by(groups.c.created_at, groups.c.id).limit(limit)
     if model is not None:
         query = query.where(groups.c.model == model)
+    if models is not None:
+        query = query.where(groups.c.model.in_(list(models)))
     if state is not None:
         query = query.where(groups.c.state == state)
     if after is not None:

@@ -46,3 +46,4 @@ class CallRecord(msgspec.Struct, frozen=True):
     first_token_at: float | None
     ended_at: float
     api: Api = "chat"
+    key_id: str | None = None  # the API key that made the call (its id, never the secret); None: no key

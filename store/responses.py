@@ -26,7 +26,7 @@ class StoredResponse(msgspec.Struct, frozen=True):
     created_at: float
 
 
-def _not_found(response_id: str) -> NotFound:
+def response_not_found(response_id: str) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.", param="response_id", code="response_not_found")
 
 
@@ -42,11 +42,11 @@ class ResponseStore:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).one_or_none()
         if row is None:
-            raise _not_found(response_id)
+            raise response_not_found(response_id)
         return msgspec.convert({str(k): v for k, v in row._asdict().items()}, StoredResponse)
 
     async def delete(self, response_id: str) -> None:
         async with self.engine.begin() as conn:
             deleted = (await conn.execute(sa.delete(responses).where(responses.c.id == response_id))).rowcount
         if not deleted:
-            raise _not_found(response_id)
+            raise response_not_found(response_id)

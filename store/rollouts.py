@@ -7,7 +7,7 @@ unknown rollout is `NotFound`, a bad cursor or limit `Invalid`.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -62,19 +62,33 @@ class RolloutReader:
             raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         return trajectory
 
-    async def page(self, *, model: str | None, since: float | None, limit: int, cursor: str | None) -> RolloutPage:
+    async def page(
+        self,
+        *,
+        model: str | None,
+        since: float | None,
+        limit: int,
+        cursor: str | None,
+        models: Collection[str] | None = None,
+        key_id: str | None = None,
+    ) -> RolloutPage:
+        """`models`: only rollouts of these (what an API key covers); `key_id`: only those made with that key."""
         check_limit(limit)
         after = decode_cursor_pair(cursor) if cursor else None
         async with self.engine.connect() as conn:
-            rows = await list_rollouts(conn, model=model, since=since, limit=limit, after=after)
+            rows = await list_rollouts(
+                conn, model=model, models=models, key_id=key_id, since=since, limit=limit, after=after
+            )
         last = rows[-1] if len(rows) == limit else None
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 
-    async def export(self, *, model: str | None, since: float | None) -> AsyncIterator[Trajectory]:
-        """Every rollout of `model` since `since`, assembled, page by page."""
+    async def export(
+        self, *, model: str | None, since: float | None, key_id: str | None = None
+    ) -> AsyncIterator[Trajectory]:
+        """Every rollout of `model` since `since` (made with `key_id`, if given), assembled, page by page."""
         cursor = None
         while True:
-            page = await self.page(model=model, since=since, limit=200, cursor=cursor)
+            page = await self.page(model=model, since=since, limit=200, cursor=cursor, key_id=key_id)
             for row in page.data:
                 yield await self.get(row.id)
             if page.next_cursor is None:

@@ -23,6 +23,7 @@ rollouts = sa.Table(
     sa.Column("call_count", sa.Integer, nullable=False),
     sa.Column("first_call_at", sa.Float, nullable=False),
     sa.Column("last_call_at", sa.Float, nullable=False, index=True),
+    sa.Column("key_id", sa.String(64), nullable=True, index=True),  # the API key of its first call (not secret)
 )
 
 # One row per call that reached the gateway, exactly once, in the compact form of store/codec.py: stored
@@ -38,6 +39,7 @@ calls = sa.Table(
     sa.Column("upstream_model", sa.String(512), nullable=False),
     sa.Column("stream", sa.Boolean, nullable=False),
     sa.Column("api", sa.String(16), nullable=False, server_default="chat"),  # store.records.Api
+    sa.Column("key_id", sa.String(64), nullable=True),  # the API key that made it (its id; NULL: no key)
     sa.Column("status", sa.String(32), nullable=False),  # store.records.CallStatus
     sa.Column("http_status", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
@@ -137,4 +139,31 @@ responses = sa.Table(
     sa.Column("input_items", sa.JSON, nullable=False),
     sa.Column("messages", sa.JSON, nullable=False),  # chat messages: the history, this input, this output
     sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# The trainable models: the set every replica serves, added and retired at runtime (a retired model's data
+# stays; it is no longer served or trained).
+models = sa.Table(
+    "models",
+    metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("retired_at", sa.Float, nullable=True),
+)
+
+# Client API keys. The secret is never stored: its SHA-256 (keys are 256-bit random, so a fast hash is
+# enough), and its first characters to tell keys apart in a listing.
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("secret_sha256", sa.String(64), nullable=False, unique=True),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("models", sa.JSON, nullable=True),  # the models it may use; NULL: every model
+    sa.Column("scopes", sa.JSON, nullable=False),  # store.keys.Scope values
+    sa.Column("rpm", sa.Integer, nullable=True),  # requests per minute; NULL: no limit
+    sa.Column("tpm", sa.Integer, nullable=True),  # tokens per minute; NULL: no limit
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
 )

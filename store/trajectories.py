@@ -50,6 +50,7 @@ class CallSummary(msgspec.Struct, frozen=True):
     superseded: bool = False  # retried later with the identical request: training uses the last attempt
     choice: int | None = None  # which choice the rollout continued with (n > 1)
     constrained: bool = False  # sampled under a grammar: see `sampled_under_grammar`
+    key_id: str | None = None  # the API key that made the call (its id)
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -177,6 +178,7 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
         CallSummary(
             id=c.call_id,
             api=c.api,
+            key_id=c.key_id,
             status=c.status,
             step=c.step,
             stream=c.stream,

@@ -16,7 +16,7 @@ from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.chat import upstream_request
 from gateway.errors import OpenAIError
-from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 
 _encode = msgspec.json.encode
 
@@ -44,13 +44,13 @@ class MessagesService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
 
-    async def create(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
+    async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
         request = parse_request(body)
         chat = to_chat(request)
-        route = self.calls.registry.resolve(request.model)
+        route = self.calls.registry.resolve(request.model, origin.caller)
         upstream_body, _ = upstream_request(chat, route)
         spec = EngineRequest(
             "messages", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), MessagesWire(request)
         )
-        return await self.calls.run(spec, key, hang_up)
+        return await self.calls.run(spec, origin, hang_up)

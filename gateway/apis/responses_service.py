@@ -25,11 +25,12 @@ from gateway.apis.responses import (
     to_response,
 )
 from gateway.asgi import EventStream, HangUp, JSONBody
+from gateway.auth import ANONYMOUS, Caller
 from gateway.chat import upstream_request
 from gateway.errors import OpenAIError, invalid_request
-from gateway.proxy import EngineCalls, EngineRequest, RolloutKey
+from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound
-from store.responses import ResponseStore, StoredResponse
+from store.responses import ResponseStore, StoredResponse, response_not_found
 
 log = logging.getLogger("artgw.gateway")
 _encode = msgspec.json.encode
@@ -41,10 +42,10 @@ class ResponsesWire:
     """The engine's chat answer as a Responses object or event stream; a `store: true` response is kept before
     the client gets its end (the object, or `response.completed`), so a follow-up can name it at once."""
 
-    def __init__(self, service: ResponsesService, request: ResponsesRequest, key: RolloutKey, history: list) -> None:
+    def __init__(self, service: ResponsesService, request: ResponsesRequest, origin: CallOrigin, history: list) -> None:
         self.service = service
         self.request = request
-        self.key = key
+        self.origin = origin
         self.history = history
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = time.time()
@@ -79,7 +80,7 @@ class ResponsesWire:
             return
         stored = StoredResponse(
             id=self.id,
-            rollout_id=self.key.rollout_id,
+            rollout_id=self.origin.rollout_id,
             model=self.request.model,
             response=response,
             input_items=input_items(self.request, self.id),
@@ -99,12 +100,12 @@ class ResponsesService:
         self.store = store
         self.unsaved = 0  # stored responses the store refused
 
-    async def create(self, body: bytes, key: RolloutKey, hang_up: HangUp | None = None) -> JSONBody | EventStream:
+    async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         request = parse_request(body)
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             try:
-                history = (await self.store.get(request.previous_response_id)).messages
+                history = (await self._stored(request.previous_response_id, origin.caller)).messages
             except NotFound:
                 raise OpenAIError(
                     404,
@@ -119,22 +120,32 @@ class ResponsesService:
                 param="input",
                 code="empty_array",
             )
-        route = self.calls.registry.resolve(request.model)
+        route = self.calls.registry.resolve(request.model, origin.caller)
         upstream_body, _ = upstream_request(chat, route)
-        wire = ResponsesWire(self, request, key, history)
+        wire = ResponsesWire(self, request, origin, history)
         spec = EngineRequest(
             "responses", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), wire
         )
-        return await self.calls.run(spec, key, hang_up)
+        return await self.calls.run(spec, origin, hang_up)
 
-    async def get(self, response_id: str) -> dict[str, Any]:
-        return (await self.store.get(response_id)).response
+    async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
+        """The stored response, if the caller's key covers its model; else not found, as if it did not exist."""
+        stored = await self.store.get(response_id)
+        if not caller.covers_id(stored.model):
+            raise response_not_found(response_id)
+        return stored
 
-    async def delete(self, response_id: str) -> dict[str, Any]:
+    async def get(self, response_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+        return (await self._stored(response_id, caller)).response
+
+    async def delete(self, response_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+        await self._stored(response_id, caller)
         await self.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    async def input_items(self, response_id: str, *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    async def input_items(
+        self, response_id: str, *, limit: int, order: str, after: str | None, caller: Caller = ANONYMOUS
+    ) -> dict[str, Any]:
         """A page of the response's input items, as OpenAI lists them (newest first unless `order=asc`)."""
         if not 1 <= limit <= MAX_ITEMS_PAGE:
             raise invalid_request(
@@ -142,7 +153,7 @@ class ResponsesService:
             )
         if order not in ("asc", "desc"):
             raise invalid_request("'order' must be 'asc' or 'desc'.", param="order", code="invalid_value")
-        items = (await self.store.get(response_id)).input_items
+        items = (await self._stored(response_id, caller)).input_items
         if order == "desc":
             items = items[::-1]
         if after is not None:

@@ -21,9 +21,11 @@ from gateway.apis.messages import AnthropicError, from_openai_error
 from gateway.apis.messages_service import MessagesService
 from gateway.apis.responses_service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
+from gateway.auth import Caller, KeyRing
 from gateway.chat import ChatService
 from gateway.completions import CompletionsService
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
+from gateway.guards import scoped
 from gateway.openapi import (
     anthropic_errors,
     chat_operation,
@@ -32,11 +34,11 @@ from gateway.openapi import (
     messages_operation,
     responses_operation,
 )
-from gateway.proxy import ROLLOUT_HEADER, RolloutKey, rollout_key
+from gateway.proxy import ROLLOUT_HEADER, CallOrigin, call_origin
 from store.errors import StoreError
 
-Create = Callable[[bytes, RolloutKey, HangUp | None], Awaitable[JSONBody | EventStream]]
-INFERENCE_ERRORS = errors(400, 404, 408, 413, 500, 502, 503, 504)
+Create = Callable[[bytes, CallOrigin, HangUp | None], Awaitable[JSONBody | EventStream]]
+INFERENCE_ERRORS = errors(400, 401, 403, 404, 408, 413, 429, 500, 502, 503, 504)
 
 
 def _services(state: State) -> Any:
@@ -44,20 +46,25 @@ def _services(state: State) -> Any:
 
 
 async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: str | None) -> ASGIApp:
-    """One inference call: its rollout (path prefix, header, or made up), then the API's service."""
-    key = rollout_key(request.headers.get(ROLLOUT_HEADER), rollout_id)
+    """One inference call: its key (401, 403, 429 before anything else), its rollout (path prefix, header, or
+    made up), then the API's service."""
+    keys: KeyRing = _services(request.app.state).keyring
+    caller = keys.caller(request.headers)
+    caller.check_scope("infer")
+    keys.limits.admit(caller)
+    origin = call_origin(request.headers.get(ROLLOUT_HEADER), rollout_id, caller)
     try:
         try:
             body = await request.body()
         except HTTPException as exc:  # too large (Litestar's): as the API's own errors, with the rollout id
             raise from_http_exception(request, exc) from None
-        return await create(body, key, request.scope.get(HANG_UP))  # type: ignore[call-overload]
+        return await create(body, origin, request.scope.get(HANG_UP))  # type: ignore[call-overload]
     except StoreError as exc:  # a stored response that isn't there, say
         error = from_store_error(exc)
-        error.headers = {ROLLOUT_HEADER: key.rollout_id}
+        error.headers = {ROLLOUT_HEADER: origin.rollout_id}
         raise error from None
     except (OpenAIError, AnthropicError) as exc:
-        exc.headers = {ROLLOUT_HEADER: key.rollout_id}
+        exc.headers = {ROLLOUT_HEADER: origin.rollout_id}
         raise
 
 
@@ -100,28 +107,34 @@ async def create_response(request: Request[Any, Any, Any], rollout_id: str | Non
 RESPONSE_PATHS = ["/v1/responses/{response_id:str}", "/rollouts/{rollout_id:str}/v1/responses/{response_id:str}"]
 
 
-@get(RESPONSE_PATHS, responses=errors(400, 404, 500, 503))
-async def get_response(responses: ResponsesService, response_id: str, rollout_id: str | None = None) -> dict[str, Any]:
-    return await responses.get(response_id)
+INFER = {"guards": [scoped], "opt": {"scope": "infer"}}
 
 
-@delete(RESPONSE_PATHS, status_code=200, responses=errors(400, 404, 500, 503))
-async def delete_response(
-    responses: ResponsesService, response_id: str, rollout_id: str | None = None
+@get(RESPONSE_PATHS, responses=errors(400, 401, 403, 404, 500, 503), **INFER)
+async def get_response(
+    responses: ResponsesService, caller: Caller, response_id: str, rollout_id: str | None = None
 ) -> dict[str, Any]:
-    return await responses.delete(response_id)
+    return await responses.get(response_id, caller)
 
 
-@get([path + "/input_items" for path in RESPONSE_PATHS], responses=errors(400, 404, 500, 503))
+@delete(RESPONSE_PATHS, status_code=200, responses=errors(400, 401, 403, 404, 500, 503), **INFER)
+async def delete_response(
+    responses: ResponsesService, caller: Caller, response_id: str, rollout_id: str | None = None
+) -> dict[str, Any]:
+    return await responses.delete(response_id, caller)
+
+
+@get([path + "/input_items" for path in RESPONSE_PATHS], responses=errors(400, 401, 403, 404, 500, 503), **INFER)
 async def list_input_items(
     responses: ResponsesService,
+    caller: Caller,
     response_id: str,
     rollout_id: str | None = None,
     limit: int = Parameter(default=20, schema_extra={"minimum": 1, "maximum": MAX_ITEMS_PAGE}),
     order: str = Parameter(default="desc", schema_extra={"enum": ["asc", "desc"]}),
     after: str | None = None,
 ) -> dict[str, Any]:
-    return await responses.input_items(response_id, limit=limit, order=order, after=after)
+    return await responses.input_items(response_id, limit=limit, order=order, after=after, caller=caller)
 
 
 def _anthropic_response(exc: AnthropicError) -> Response[bytes]:
@@ -137,7 +150,7 @@ def _anthropic_response(exc: AnthropicError) -> Response[bytes]:
     ["/v1/messages", "/rollouts/{rollout_id:str}/v1/messages"],
     status_code=200,
     operation_class=messages_operation,
-    responses=anthropic_errors(400, 404, 408, 413, 500, 502, 503, 504),
+    responses=anthropic_errors(400, 401, 403, 404, 408, 413, 429, 500, 502, 503, 504),
 )
 async def create_message(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
     """Anthropic's Messages API: every error on this route in Anthropic's shape."""

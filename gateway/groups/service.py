@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.adapters import AdapterRegistry
+from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
@@ -88,8 +89,11 @@ class GroupService:
 
     # ------------------------------------------------------------ create
 
-    async def create(self, spec: GroupCreate, idempotency_key: str | None = None) -> tuple[GroupOut, bool]:
+    async def create(
+        self, spec: GroupCreate, idempotency_key: str | None = None, caller: Caller = ANONYMOUS
+    ) -> tuple[GroupOut, bool]:
         """Create a group (or return the one this same request created before). Returns (group, created)."""
+        caller.check_model(spec.model)
         self._validate(spec)
         group_id = spec.group_id or idempotency_key or f"g-{uuid.uuid4().hex}"
         if not _GROUP_ID.match(group_id):
@@ -99,7 +103,7 @@ class GroupService:
         if existing is not None:
             return self._replay(existing, digest), False
 
-        await self._check_rollouts(spec)
+        await self._check_rollouts(spec, caller)
         members = []
         for position, item in enumerate(spec.rollouts):
             rollout_id, choice = split_ref(item.rollout_id)
@@ -186,7 +190,7 @@ class GroupService:
         if spec.ruler is not None:
             _check_judge(spec.ruler)
 
-    async def _check_rollouts(self, spec: GroupCreate) -> None:
+    async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> None:
         refs = [r.rollout_id for r in spec.rollouts]
         rollout_ids = sorted({split_ref(r)[0] for r in refs})
         await self.rollouts.settle(rollout_ids, self.settle_seconds)
@@ -200,7 +204,7 @@ class GroupService:
         for i, ref in enumerate(refs):
             rollout_id, choice = split_ref(ref)
             trajectory = await self.rollouts.reader.find(rollout_id, choice=choice)
-            if trajectory is None:
+            if trajectory is None or not caller.covers(trajectory.model):  # another key's model: unknown here
                 raise invalid_request(
                     f"Unknown rollout `{rollout_id}`: no call with this rollout id has been recorded.",
                     param=f"rollouts[{i}].rollout_id",
@@ -256,20 +260,25 @@ class GroupService:
             rows = await load_groups(conn, [group_id])
         return rows[0] if rows else None
 
-    async def get(self, group_id: str) -> GroupOut:
+    async def get(self, group_id: str, caller: Caller = ANONYMOUS) -> GroupOut:
         row = await self._row(group_id)
-        if row is None:
+        if row is None or not caller.covers(row.model):
             raise OpenAIError(404, f"No group `{group_id}`.", code="group_not_found")
         return group_out(row)
 
-    async def page(self, *, model: str | None, state: str | None, limit: int, cursor: str | None) -> GroupPage:
+    async def page(
+        self, *, model: str | None, state: str | None, limit: int, cursor: str | None, caller: Caller = ANONYMOUS
+    ) -> GroupPage:
+        """A page of groups, of the caller's models only."""
         if state is not None and state not in GROUP_STATES:
             raise invalid_request(f"'state' must be one of {', '.join(GROUP_STATES)}.", param="state")
         check_limit(limit)
         after = decode_cursor_pair(cursor) if cursor else None
         group_state = cast(GroupState | None, state)  # checked just above
         async with self.engine.connect() as conn:
-            keys = await list_group_ids(conn, model=model, state=group_state, limit=limit, after=after)
+            keys = await list_group_ids(
+                conn, model=model, state=group_state, limit=limit, after=after, models=caller.models
+            )
             rows = await load_groups(conn, [gid for _, gid in keys])
         next_cursor = encode_cursor_pair(*keys[-1]) if len(keys) == limit else None
         return GroupPage([group_out(r) for r in rows], next_cursor)

@@ -1,0 +1,279 @@
+"""Who is calling: the admin key, client API keys, and each key's rate limits.
+
+Every request names its key as `Authorization: Bearer <key>` (what the OpenAI SDK's `api_key` sends) or
+`x-api-key` (Anthropic's SDK). `KeyRing.caller` turns that into a `Caller`: the admin (everything), a
+client key (its models and scopes), or, with `--auth off`, anonymous. The live keys sit in memory, by
+the SHA-256 of their secret, and are re-read from the store every second: a key revoked on any replica
+stops working on every replica within about a second. Guards (gateway/guards.py) and the inference
+handlers (gateway/apis/routes.py) ask it; handlers never look at keys themselves.
+
+Rate limits are token buckets per key and per replica: `rpm` requests and `tpm` tokens a minute, both
+refilled continuously, so a key is back to its full minute 60 s after it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.errors import OpenAIError, model_not_found
+from store.keys import SCOPES, ApiKey, Scope, live_keys, secret_hash
+
+log = logging.getLogger("artgw.auth")
+
+REFRESH_SECONDS = 1.0  # how often the live keys are re-read: revocation reaches every replica within ~1 s
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who made a request, and what it may do."""
+
+    key_id: str | None  # the client key's id (recorded with each call); None: the admin, or anonymous
+    models: frozenset[str] | None  # the models it may use; None: every model
+    scopes: frozenset[Scope]
+    admin: bool = False
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def covers(self, model: str | None) -> bool:
+        """May it use (or see the data of) `model`? Base-model calls (`None`) only for every-model callers."""
+        return self.models is None or (model is not None and model in self.models)
+
+    def covers_id(self, model_id: str) -> bool:
+        """`covers` for a model id as clients write it: `NAME` or a pinned step `NAME@K`."""
+        return self.covers(model_id) or ("@" in model_id and self.covers(model_id.rpartition("@")[0]))
+
+    def check_model(self, model: str, shown: str | None = None) -> None:
+        """404 `model_not_found`, worded as for a model that does not exist: a key learns nothing of others'."""
+        if not self.covers(model):
+            raise model_not_found(shown or model)
+
+    def check_scope(self, scope: Scope) -> None:
+        if scope not in self.scopes:
+            has = ", ".join(sorted(self.scopes)) or "none"
+            raise OpenAIError(
+                403, f"This API key lacks the `{scope}` scope needed here (it has: {has}).", code="missing_scope"
+            )
+
+
+ADMIN = Caller(key_id=None, models=None, scopes=frozenset(SCOPES), admin=True)
+ANONYMOUS = Caller(key_id=None, models=None, scopes=frozenset(SCOPES))  # --auth off, no key
+
+
+def client_caller(key: ApiKey) -> Caller:
+    return Caller(
+        key_id=key.id,
+        models=frozenset(key.models) if key.models is not None else None,
+        scopes=frozenset(key.scopes),
+        rpm=key.rpm,
+        tpm=key.tpm,
+    )
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>`, else `x-api-key: <key>`."""
+    authorization = headers.get("authorization")
+    if authorization:
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return authorization.strip()  # a malformed header is a wrong key, not no key
+    return headers.get("x-api-key") or None
+
+
+def invalid_key(given: str | None) -> OpenAIError:
+    if given is None:
+        message = (
+            "You didn't provide an API key. Send it as `Authorization: Bearer <key>` (the OpenAI SDK's api_key) "
+            "or `x-api-key`; an admin makes keys with POST /v1/art/keys or `artgw keys create`."
+        )
+    else:
+        shown = f"{given[:7]}...{given[-4:]}" if len(given) > 14 else "(hidden)"
+        message = f"Incorrect API key provided: {shown}."
+    return OpenAIError(401, message, code="invalid_api_key")
+
+
+def same_secret(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())  # constant time
+
+
+class KeyRing:
+    """The live keys of this replica, checked in memory; `follow()` keeps them in step with the store."""
+
+    def __init__(self, store: AsyncEngine, *, admin_key: str, required: bool) -> None:
+        self.store = store
+        self.admin_key = admin_key
+        self.required = required  # --auth required: no key, no call
+        self._by_hash: dict[str, Caller] = {}
+        self.limits = RateLimits()
+
+    def caller(self, headers: Mapping[str, str]) -> Caller:
+        """The caller a request's headers name; 401 `invalid_api_key` for a missing or unknown key when
+        auth is required (with --auth off, an unknown key is anonymous: SDKs insist on sending some key)."""
+        given = bearer(headers)
+        if given is not None:
+            if same_secret(given, self.admin_key):
+                return ADMIN
+            # A dict lookup by the secret's hash: what is compared is a hash, which tells nothing of the secret.
+            found = self._by_hash.get(secret_hash(given))
+            if found is not None:
+                return found
+        if self.required:
+            raise invalid_key(given)
+        return ANONYMOUS
+
+    def admin_key_matches(self, given: str) -> bool:
+        return same_secret(given, self.admin_key)
+
+    def admin(self, headers: Mapping[str, str]) -> Caller:
+        """The admin, or 401 (no key or a wrong one) / 403 (a client key): admin endpoints, whatever --auth."""
+        given = bearer(headers)
+        if given is not None and same_secret(given, self.admin_key):
+            return ADMIN
+        if given is not None and secret_hash(given) in self._by_hash:
+            raise OpenAIError(
+                403, "This endpoint needs the admin key; a client API key cannot use it.", code="admin_only"
+            )
+        raise OpenAIError(
+            401,
+            "This endpoint needs the admin key: `Authorization: Bearer <admin key>` (its file is printed when "
+            "`artgw serve` starts).",
+            code="invalid_api_key",
+        )
+
+    def replace(self, keys: list[tuple[str, ApiKey]]) -> None:
+        self._by_hash = {digest: client_caller(key) for digest, key in keys}
+
+    def forget(self, key_id: str) -> None:
+        """Revoked here: gone from this replica at once (the others on their next refresh)."""
+        self._by_hash = {d: c for d, c in self._by_hash.items() if c.key_id != key_id}
+
+    def add(self, digest: str, key: ApiKey) -> None:
+        self._by_hash = {**self._by_hash, digest: client_caller(key)}
+
+    async def refresh(self) -> None:
+        async with self.store.connect() as conn:
+            live = await live_keys(conn)
+        self.replace([(k.secret_sha256, k.key) for k in live])
+
+    async def follow(self, every: float = REFRESH_SECONDS) -> None:
+        """Re-read the keys forever; a store hiccup keeps the last good set (and is logged)."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.refresh()
+            except Exception as exc:
+                log.warning("could not re-read the API keys from the store: %s", exc)
+
+
+# ---------------------------------------------------------------- rate limits
+
+
+@dataclass(slots=True)
+class _Bucket:
+    per_minute: int
+    level: float  # what is left; the token bucket may go below 0 (a call's tokens are known only at its end)
+    at: float = field(default_factory=time.monotonic)
+
+    def refill(self, now: float) -> None:
+        self.level = min(float(self.per_minute), self.level + (now - self.at) * self.per_minute / 60.0)
+        self.at = now
+
+    def wait_for(self, need: float) -> float:
+        """Seconds until the bucket holds `need`."""
+        return (need - self.level) * 60.0 / self.per_minute
+
+
+class RateLimits:
+    """Requests and tokens per minute, per key, on this replica (N replicas: up to N times the limit)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Bucket] = {}
+        self._tokens: dict[str, _Bucket] = {}
+
+    @staticmethod
+    def _bucket(buckets: dict[str, _Bucket], key_id: str, per_minute: int, now: float) -> _Bucket:
+        bucket = buckets.get(key_id)
+        if bucket is None or bucket.per_minute != per_minute:
+            bucket = buckets[key_id] = _Bucket(per_minute, float(per_minute), now)
+        else:
+            bucket.refill(now)
+        return bucket
+
+    def admit(self, caller: Caller) -> None:
+        """Take one request from the caller's minute, or 429 `rate_limit_exceeded` with Retry-After."""
+        if caller.key_id is None or (caller.rpm is None and caller.tpm is None):
+            return
+        now = time.monotonic()
+        if caller.tpm is not None:
+            tokens = self._bucket(self._tokens, caller.key_id, caller.tpm, now)
+            if tokens.level <= 0:
+                raise _limited(f"{caller.tpm} tokens per minute", tokens.wait_for(1.0))
+        if caller.rpm is not None:
+            requests = self._bucket(self._requests, caller.key_id, caller.rpm, now)
+            if requests.level < 1:
+                raise _limited(f"{caller.rpm} requests per minute", requests.wait_for(1.0))
+            requests.level -= 1
+
+    def charge(self, caller: Caller, tokens: int) -> None:
+        """A finished call's tokens (prompt + completion) count against the caller's tokens per minute."""
+        if caller.key_id is None or caller.tpm is None or tokens <= 0:
+            return
+        self._bucket(self._tokens, caller.key_id, caller.tpm, time.monotonic()).level -= tokens
+
+
+def _limited(limit: str, seconds: float) -> OpenAIError:
+    wait = max(1, math.ceil(seconds))
+    error = OpenAIError(
+        429, f"Rate limit reached for this API key: {limit}. Try again in {wait} s.", code="rate_limit_exceeded"
+    )
+    error.headers = {"Retry-After": str(wait)}
+    return error
+
+
+# ---------------------------------------------------------------- the admin key
+
+
+def load_admin_key(given: str | None, path: Path) -> tuple[str, bool]:
+    """The admin key: `given` (--admin-key / ARTGW_ADMIN_KEY), else the one in `path`, else a new one written
+    there readable by its owner only (mode 0600). Returns (key, made). The key is never logged."""
+    if given is not None:
+        return given, False
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        key = ""
+    if key:
+        if path.stat().st_mode & 0o077:
+            log.warning("the admin key file %s is readable by others: chmod 600 it", path)
+        return key, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    # O_EXCL: two replicas starting at once on one data dir don't overwrite each other's key.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip(), False
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    return key, True
+
+
+def read_admin_key(given: str | None, path: Path) -> str | None:
+    """For commands on the gateway's machine (train, status, keys): `given`, else the key file, else None."""
+    if given:
+        return given
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
