@@ -69,6 +69,32 @@ class ExportOptions:
     since: float | None = field(
         default=None, metadata={"help": "only rollouts with a call at or after this unix time (none: all)"}
     )
+    key_id: str | None = field(
+        default=None, metadata={"help": "only rollouts made with this API key (its id, from `artgw keys list`)"}
+    )
+
+
+@dataclass(frozen=True)
+class KeyCreateOptions:
+    name: str = field(metadata={"help": "who or what the key is for (shown in listings)"})
+    models: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a model the key may use; repeat for several (none: every model)",
+            "flag": "--model",
+            "repeat": True,
+        },
+    )
+    scopes: tuple[str, ...] = field(
+        default=("infer",),
+        metadata={
+            "help": "what the key may do: infer, reward, read; repeat for several",
+            "flag": "--scope",
+            "repeat": True,
+        },
+    )
+    rpm: int | None = field(default=None, metadata={"help": "requests per minute, per replica (none: no limit)"})
+    tpm: int | None = field(default=None, metadata={"help": "tokens per minute, per replica (none: no limit)"})
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,8 @@ DEMO_HELP = {
 
 STORE_FIELDS = ("data_dir", "db")  # where the store is: the same for serve, migrate, export and train
 GATEWAY_FIELDS = ("host", "port")  # where the gateway listens: status and train reach it there
+# How a command on the gateway's machine finds the admin key: given, else the file `serve` keeps it in.
+ADMIN_FIELDS = ("data_dir", "admin_key", "admin_key_file")
 
 
 def _build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
@@ -131,6 +159,23 @@ def _store_url(args: argparse.Namespace) -> str:
     from store.provide import store_url
 
     return store_url(args.data_dir, args.db)
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    """--admin-key (better: ARTGW_ADMIN_KEY), else the key in --admin-key-file (DATA_DIR/admin_key)."""
+    from gateway.auth import read_admin_key
+    from gateway.settings import ADMIN_KEY_FILE
+
+    path = args.admin_key_file or args.data_dir / ADMIN_KEY_FILE
+    try:
+        return read_admin_key(args.admin_key, path)
+    except PermissionError:
+        raise CommandError(f"cannot read the admin key in {path}: run as its owner, or set ARTGW_ADMIN_KEY") from None
+
+
+def _admin_headers(args: argparse.Namespace) -> dict[str, str]:
+    key = admin_key(args)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def gateway_url(args: argparse.Namespace) -> str:
@@ -233,7 +278,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         count = 0
         # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
         async with open_store(_store_url(args)) as store:
-            async for trajectory in store.rollouts.export(model=chosen.model, since=chosen.since):
+            async for trajectory in store.rollouts.export(model=chosen.model, since=chosen.since, key_id=chosen.key_id):
                 sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
                 count += 1
         sys.stdout.flush()
@@ -250,6 +295,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         args,
         db=_store_url(args),
         gateway=gateway_url(args),
+        admin_key=admin_key(args),
         checkpoints=args.checkpoints if args.checkpoints is not None else args.data_dir / "checkpoints",
     )
 
@@ -289,23 +335,13 @@ class _ModelStatus(msgspec.Struct, kw_only=True):
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    import httpx
     from rich.console import Console
     from rich.table import Table
 
     from store.types import StepMetrics
 
     gateway = gateway_url(args)
-    try:
-        answer = httpx.get(f"{gateway}/v1/art/models/{quote(args.model, safe='')}", timeout=STATUS_TIMEOUT)
-    except httpx.TimeoutException:
-        raise CommandError(f"the gateway at {gateway} did not answer within {STATUS_TIMEOUT:.0f} s") from None
-    except httpx.TransportError:
-        raise CommandError(
-            f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
-        ) from None
-    if answer.status_code != 200:
-        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}")
+    answer = _ask(args, "GET", f"/v1/art/models/{quote(args.model, safe='')}")
     try:
         status = msgspec.json.decode(answer.content, type=_ModelStatus)
         metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
@@ -330,6 +366,61 @@ def _cmd_status(args: argparse.Namespace) -> int:
             (row.error or "")[:60],
         )
     console.print(table)
+    return 0
+
+
+def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    """One admin request to the gateway (`status`, `keys`); a CommandError unless it answers 2xx."""
+    import httpx
+
+    gateway = gateway_url(args)
+    try:
+        answer = httpx.request(method, gateway + path, json=body, headers=_admin_headers(args), timeout=STATUS_TIMEOUT)
+    except httpx.TimeoutException:
+        raise CommandError(f"the gateway at {gateway} did not answer within {STATUS_TIMEOUT:.0f} s") from None
+    except httpx.TransportError:
+        raise CommandError(
+            f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
+        ) from None
+    if not answer.is_success:
+        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}")
+    return answer
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    chosen = _build(KeyCreateOptions, args)
+    body = {"name": chosen.name, "models": list(chosen.models) or None, "scopes": list(chosen.scopes)}
+    body |= {"rpm": chosen.rpm, "tpm": chosen.tpm}
+    made = _ask(args, "POST", "/v1/art/keys", body).json()
+    print(f"made key {made['id']} ({made['name']}); its secret, shown this once:", file=sys.stderr)
+    print(made["key"])  # alone on stdout: KEY=$(artgw keys create ...)
+    return 0
+
+
+def _cmd_keys_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    keys = _ask(args, "GET", "/v1/art/keys?include_revoked=true").json()["data"]
+    table = Table("id", "name", "prefix", "models", "scopes", "rpm", "tpm", "revoked")
+    for key in keys:
+        table.add_row(
+            key["id"],
+            key["name"],
+            key["prefix"] + "…",
+            ", ".join(key["models"]) if key["models"] is not None else "all",
+            ", ".join(key["scopes"]),
+            str(key["rpm"] or "-"),
+            str(key["tpm"] or "-"),
+            "yes" if key["revoked_at"] else "",
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    key = _ask(args, "DELETE", f"/v1/art/keys/{quote(args.key_id, safe='')}").json()
+    print(f"revoked key {key['id']} ({key['name']})")
     return 0
 
 
@@ -486,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(
         train, TrainConfig, computed={"gateway": "http://HOST:PORT", "checkpoints": "DATA_DIR/checkpoints"}
     )
-    options.add_options(train, Settings, only=(*STORE_FIELDS, *GATEWAY_FIELDS))
+    options.add_options(train, Settings, only=(*STORE_FIELDS, *GATEWAY_FIELDS, "admin_key_file"))
 
     ruler_cmd = sub.add_parser(
         "ruler", help="RULER, the LLM judge, offline", description="RULER commands.", epilog=EPILOG
@@ -527,7 +618,30 @@ def build_parser() -> argparse.ArgumentParser:
         "The gateway is found as `artgw serve` listens (--host/--port), or by --gateway.",
     )
     options.add_options(status, TrainConfig, only=("model", "gateway"), computed={"gateway": "http://HOST:PORT"})
-    options.add_options(status, Settings, only=GATEWAY_FIELDS)
+    options.add_options(status, Settings, only=(*GATEWAY_FIELDS, *ADMIN_FIELDS))
+
+    keys = sub.add_parser(
+        "keys",
+        help="make, list and revoke client API keys (admin)",
+        description="Client API keys, through the gateway's admin API with the admin key (found as `artgw serve` "
+        "keeps it: ARTGW_ADMIN_KEY, else --admin-key-file, else DATA_DIR/admin_key).",
+        epilog=EPILOG,
+    )
+    keys.set_defaults(prog=keys.prog)
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    key_commands = (
+        ("create", _cmd_keys_create, "make a key; its secret is printed once, alone on stdout"),
+        ("list", _cmd_keys_list, "list the keys (never their secrets), revoked ones too"),
+        ("revoke", _cmd_keys_revoke, "revoke a key at once (every replica within about a second)"),
+    )
+    for name, func, text in key_commands:
+        command = _command(keys_sub, name, func, help=text, description=text[0].upper() + text[1:] + ".")
+        if name == "create":
+            options.add_options(command, KeyCreateOptions)
+        if name == "revoke":
+            command.add_argument("key_id", help="the key's id (key_...), from `artgw keys list`")
+        options.add_options(command, TrainConfig, only=("gateway",), computed={"gateway": "http://HOST:PORT"})
+        options.add_options(command, Settings, only=(*GATEWAY_FIELDS, *ADMIN_FIELDS))
     return parser
 
 

@@ -45,7 +45,8 @@ class TrainConfig:
         default="http://127.0.0.1:8000", metadata={"help": "URL of the gateway that loads the new adapters"}
     )
     admin_key: str | None = field(
-        default=None, metadata={"help": "the gateway's --admin-key (none: a gateway on this machine, no key)"}
+        default=None,
+        metadata={"help": "the gateway's admin key; better in the environment (none: the key in --admin-key-file)"},
     )
     checkpoints: Path = field(
         default=Path("data/checkpoints"), metadata={"help": "checkpoint root: CHECKPOINTS/<model>/<step>/"}

@@ -56,8 +56,9 @@ def test_every_field_is_an_option_with_help_and_variable(cls: type) -> None:
     assert set(declared) | not_options == {f.name for f in dataclasses.fields(cls)}
     assert not_options <= {"extra_env", "extra", "db"}, "only code-set fields may stay off the command line"
     for name, option in declared.items():
-        assert option.flag == "--" + name.replace("_", "-")
-        assert option.env == "ARTGW_" + name.upper()
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        assert option.flag == field.metadata.get("flag", "--" + name.replace("_", "-"))
+        assert option.env == "ARTGW_" + option.flag.removeprefix("--").replace("-", "_").upper()
         assert len(option.help) > 5
         assert option.env in option.help_text()
 
@@ -132,11 +133,13 @@ def test_environment_is_read_for_every_type() -> None:
             "ARTGW_DATA_DIR": "/srv/artgw",  # Path
             "ARTGW_LOG_LEVEL": "debug",  # Literal
             "ARTGW_ENGINE_ARGS": "--enforce-eager --chat-template '/a b.jinja'",  # tuple: one shell-quoted string
-            "ARTGW_ADMIN_KEY": "k",  # str | None
+            "ARTGW_ADMIN_KEY": "k" * 16,  # str | None
+            "ARTGW_MODEL_NAME": "a, b",  # a repeated option: a comma list
         }
     )
     assert (s.upstream, s.port, s.request_timeout, s.migrate) == ("http://vllm:8000", 9001, 5.5, False)
-    assert (s.data_dir, s.log_level, s.admin_key) == (Path("/srv/artgw"), "debug", "k")
+    assert (s.data_dir, s.log_level, s.admin_key) == (Path("/srv/artgw"), "debug", "k" * 16)
+    assert s.model_names == ("a", "b")
     assert s.engine_args == ("--enforce-eager", "--chat-template", "/a b.jinja")
 
 
@@ -169,6 +172,20 @@ def test_defaults_are_the_dataclass_defaults() -> None:
         gateway="http://127.0.0.1:8000",
         checkpoints=Path("data") / "checkpoints",
     )
+
+
+def test_a_repeated_flag_collects_its_values_and_beats_the_variable() -> None:
+    s = settings("--upstream", "http://x", "--model-name", "a", "--model-name", "b", env={"ARTGW_MODEL_NAME": "c"})
+    assert s.model_names == ("a", "b")
+    assert settings("--upstream", "http://x").model_names == ("my-agent",)
+    with pytest.raises(options.OptionError, match="ARTGW_MODEL_NAME: expected a comma-separated list"):
+        settings("--upstream", "http://x", env={"ARTGW_MODEL_NAME": "a,,b"})
+
+
+def test_auth_is_required_off_loopback_unless_said() -> None:
+    assert not settings("--upstream", "http://x").auth_required
+    assert settings("--upstream", "http://x", "--host", "0.0.0.0").auth_required
+    assert settings("--upstream", "http://x", "--auth", "required").auth_required
 
 
 def test_empty_variable_counts_as_unset() -> None:
@@ -257,6 +274,9 @@ def test_main_prints_one_line_and_exits_2_for_a_bad_value(
         (("--request-timeout", "0"), "--request-timeout must be a number of seconds > 0"),
         (("--max-body-bytes", "0"), "--max-body-bytes must be >= 1"),
         (("--model-name", "a/b"), "invalid --model-name"),
+        (("--model-name", "a", "--model-name", "a"), "--model-name given twice"),
+        (("--host", "0.0.0.0", "--auth", "off"), "--auth off is for a gateway on loopback only"),
+        (("--admin-key", "short"), "--admin-key must be at least 16 characters"),
         (("--upstream", "vllm:8000"), "--upstream must be an http"),
     ],
 )
