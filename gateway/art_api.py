@@ -120,7 +120,7 @@ async def model_status(adapters: AdapterService, caller: Caller, name: str) -> M
     return await adapters.status(name, caller)
 
 
-@get("/v1/art/models", responses=errors(401, 403), **READ)
+@get("/v1/art/models", responses=errors(400, 401, 403), **READ)
 async def list_models(adapters: AdapterService, caller: Caller) -> ModelList:
     """The trainable models the key covers."""
     return ModelList(adapters.list_models(caller))
@@ -158,12 +158,12 @@ async def create_key(request: Request, keys: KeyService) -> Response[KeyCreated]
     return Response(await keys.create(decode_body(await request.body(), KeyCreate)), status_code=201)
 
 
-@get("/v1/art/keys", responses=errors(401, 403, 500, 503), **ADMIN)
+@get("/v1/art/keys", responses=errors(400, 401, 403, 500, 503), **ADMIN)
 async def list_keys(keys: KeyService, include_revoked: bool = False) -> KeyList:
     return await keys.list_all(include_revoked)
 
 
-@delete("/v1/art/keys/{key_id:str}", status_code=200, responses=errors(401, 403, 404, 500, 503), **ADMIN)
+@delete("/v1/art/keys/{key_id:str}", status_code=200, responses=errors(400, 401, 403, 404, 500, 503), **ADMIN)
 async def revoke_key(keys: KeyService, key_id: str) -> ApiKey:
     """Revoke at once on this replica, on every other within about a second."""
     return await keys.revoke(key_id)

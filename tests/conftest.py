@@ -196,6 +196,16 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def admin_key(self) -> str:
+        """The key `serve` made on its first start (mode 0600 in its data dir)."""
+        return (self.data_dir / "admin_key").read_text().strip()
+
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers of an admin request."""
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
     def stop(self) -> int:
         stop_group(self.proc)
         return int(self.proc.returncode)

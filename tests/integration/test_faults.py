@@ -109,7 +109,7 @@ def test_locked_store_is_a_prompt_503_while_inference_and_reads_go_on(gateway_fa
 
         # An adapter the engine loaded but the store could not commit is unloaded again.
         spec = {"step": 1, "path": str(adapter_dir(tmp_path))}
-        r = httpx.post(f"{gateway.base_url}/art/models/my-agent/adapters", json=spec, timeout=60)
+        r = httpx.post(f"{gateway.base_url}/art/models/my-agent/adapters", json=spec, headers=gateway.admin, timeout=60)
         assert (r.status_code, r.json()) == (503, STORE_UNAVAILABLE)
         assert httpx.get(f"{stub_url}/loras").json() == {
             "loaded": [],

@@ -79,7 +79,8 @@ def post(gateway: Any, path: str, body: Any, **headers: str) -> httpx.Response:
     return httpx.post(
         f"{gateway.base_url}{path}",
         content=content,
-        headers={"content-type": "application/json", **headers},
+        # The admin key too: admin routes need it, and the others take it (it has every scope).
+        headers={"content-type": "application/json", **gateway.admin, **headers},
         timeout=30,
     )
 
