@@ -12,6 +12,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.openapi.spec import Components, SecurityScheme
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import art_api
@@ -129,6 +130,14 @@ OPENAPI_CONFIG = OpenAPIConfig(
     version="0.1.0",
     path="/schema",
     render_plugins=[JsonRenderPlugin(), SwaggerRenderPlugin()],
+    # A key either way (gateway/auth.py); /healthz and /readyz need none, /metrics only with --metrics-key.
+    components=Components(
+        security_schemes={
+            "bearer": SecurityScheme(type="http", scheme="bearer", description="an API key, or the admin key"),
+            "x-api-key": SecurityScheme(type="apiKey", name="x-api-key", security_scheme_in="header"),
+        }
+    ),
+    security=[{"bearer": []}, {"x-api-key": []}],
 )
 
 
