@@ -14,16 +14,26 @@ against the targets: added p50 < 1 ms at one connection; gateway throughput
 not one record lost.
 
     .venv/bin/python bench/gateway_overhead.py --duration 5
-    .venv/bin/python bench/gateway_overhead.py --duration 5 --baseline HEAD~3
+    .venv/bin/python bench/gateway_overhead.py --duration 5 --baseline HEAD~3 --rounds 3
+    .venv/bin/python bench/gateway_overhead.py --duration 5 --auth-compare --rounds 3
 
 With --baseline REV it also exports that git revision's tree (`git archive REV |
 tar -x` into the temp dir: no worktree, the repo untouched) and runs a second
 gateway from it, on the same Python with PYTHONPATH (and cwd) set to that tree,
 behind its own upstream port and with its own store. Each concurrency then runs
-direct, baseline gateway, current gateway, one after the other with the same
-pause, and the report adds a side-by-side table, the record check of both and
-`not slower than baseline: PASS/FAIL` (one run each way: a single comparison,
-not a statistic; the tolerances are in --help).
+direct, then baseline and current gateway --rounds times, the order swapped
+every round, the same pause between runs; the report adds a side-by-side table
+(pooled runs), the record check of both and `not slower than baseline:
+PASS/FAIL` (a single comparison, not a statistic; the tolerances are in --help).
+
+With --auth-compare (not with --baseline) the two gateways are both the
+current tree, the same way: one `--auth off`, called with no key, and one
+`--auth required`, called with one client key made at start through
+`POST /v1/art/keys` (the admin key from its data dir; wrk sends
+`Authorization: Bearer <key>`). The report puts auth off and auth on side by
+side with their ratios, checks the records of both (and that every auth-on
+record carries the key's id in `calls.key_id`) and prints `auth on within 10%
+of auth off: PASS/FAIL`; the main table is then the auth-on gateway's.
 
 Needs `wrk` and (preferably) `nginx`; installs the Debian packages with
 apt-get if they are missing (unless --no-install). Every child process is
@@ -71,6 +81,10 @@ from fixed_upstream import CHAT_BODY, MODELS_BODY, NOT_FOUND_BODY  # noqa: E402
 # baseline's at every concurrency, and its p50 at one connection at most this much above the baseline's.
 BASELINE_MIN_RPS_RATIO = 0.95
 BASELINE_P50_SLACK_MS = 0.05
+# --auth-compare: auth on (one client key) is "within 10% of auth off" when its req/s is at least this share of
+# auth off's at every concurrency, and its p50 at one connection at most this much above auth off's.
+AUTH_MIN_RPS_RATIO = 0.90
+AUTH_P50_SLACK_MS = 0.05
 # How the baseline gateway is started: its tree's own `artgw serve`, found first on PYTHONPATH.
 BASELINE_MAIN = "import sys; from artgw.cli import main; sys.exit(main())"
 # Run in the baseline's environment: where artgw and every package of both trees resolve from.
@@ -86,6 +100,39 @@ print(json.dumps({"artgw": artgw.__file__, "cli": artgw.cli.__file__, "found": f
 
 def say(msg: str = "") -> None:
     print(msg, flush=True)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two gateways side by side: a reference ("old" slot) and the one judged against it ("new" slot)."""
+
+    old: str  # how the report names each slot
+    new: str
+    old_name: str  # each slot's Gateway name: its wrk target, data dir and log file
+    new_name: str
+    verdict: str  # the verdict line's name
+    min_rps_ratio: float  # new req/s >= this share of old's, at every concurrency
+    p50_slack_ms: float  # new p50 <= old p50 + this, at concurrency 1
+
+
+BASELINE = Comparison(
+    old="baseline",
+    new="current",
+    old_name="baseline",
+    new_name="gateway",
+    verdict="not slower than baseline",
+    min_rps_ratio=BASELINE_MIN_RPS_RATIO,
+    p50_slack_ms=BASELINE_P50_SLACK_MS,
+)
+AUTH = Comparison(
+    old="auth off",
+    new="auth on",
+    old_name="auth-off",
+    new_name="auth-on",
+    verdict=f"auth on within {1 - AUTH_MIN_RPS_RATIO:.0%} of auth off",
+    min_rps_ratio=AUTH_MIN_RPS_RATIO,
+    p50_slack_ms=AUTH_P50_SLACK_MS,
+)
 
 
 # ---------------------------------------------------------------- child processes
@@ -143,10 +190,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: bytes | None = None, timeout: float = 5.0, key: str | None = None
+) -> tuple[int, bytes]:
     request = urllib.request.Request(url, data=body, method=method)
     if body is not None:
         request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, answer.read()
@@ -314,7 +365,11 @@ def tree_env(tree: Path) -> dict[str, str]:
 
 
 class Gateway:
-    """`artgw serve`: the installed `artgw`, or (source=TREE) `python -c ...` run from an exported tree."""
+    """`artgw serve`: the installed `artgw`, or (source=TREE) `python -c ...` run from an exported tree.
+
+    auth: None passes no --auth (the tree's default); "required" also makes one client key once it is up
+    (`api_key`, `key_id`), which every call through it then sends.
+    """
 
     def __init__(
         self,
@@ -325,6 +380,7 @@ class Gateway:
         name: str = "gateway",
         source: Path | None = None,
         python: str = sys.executable,
+        auth: str | None = None,
     ) -> None:
         self.children = children
         self.artgw = artgw
@@ -332,14 +388,21 @@ class Gateway:
         self.name = name
         self.source = source
         self.python = python
+        self.auth = auth
         self.port = free_port()
         self.data_dir = workdir / f"{name}-data"
         self.log = workdir / f"{name}.log"
         self.proc: subprocess.Popen[Any] | None = None
+        self.api_key: str | None = None  # the client key calls send (auth required)
+        self.key_id: str | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def label(self) -> str:
+        return "gateway" if self.name == "gateway" else f"{self.name} gateway"
 
     def start(self) -> None:
         args = [
@@ -355,6 +418,8 @@ class Gateway:
             "--log-level",
             "warning",
         ]
+        if self.auth is not None:
+            args += ["--auth", self.auth]
         label = f"{self.name + ':':9}"
         kwargs: dict[str, Any] = {}
         if self.source is None:
@@ -366,11 +431,35 @@ class Gateway:
             say(f"{label} cd {self.source} && PYTHONPATH={self.source} {shlex.join(cmd)}")
         self.proc = self.children.start(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, **kwargs)
         try:
-            what = "the gateway" if self.source is None else f"the {self.name} gateway"
-            wait_http_ok(f"{self.url}/readyz", self.proc, 60, what)
+            wait_http_ok(f"{self.url}/readyz", self.proc, 60, f"the {self.label}")
         except RuntimeError:
             say(self.log_tail())
             raise
+        if self.auth == "required":
+            self.api_key, self.key_id = self._make_key()
+            say(
+                f"{label} client key {self.key_id} made with POST /v1/art/keys (scopes: infer); "
+                "wrk sends Authorization: Bearer <key>"
+            )
+
+    def admin_key(self) -> str:
+        """What `artgw serve` uses: ARTGW_ADMIN_KEY, else the file (ARTGW_ADMIN_KEY_FILE or DATA_DIR/admin_key)."""
+        if os.environ.get("ARTGW_ADMIN_KEY"):
+            return os.environ["ARTGW_ADMIN_KEY"]
+        path = Path(os.environ.get("ARTGW_ADMIN_KEY_FILE") or self.data_dir / "admin_key")
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise RuntimeError(f"the {self.label}'s admin key file cannot be read: {exc}") from None
+
+    def _make_key(self) -> tuple[str, str]:
+        """One client key (scope infer), made by the admin over HTTP as a deployment would: (secret, id)."""
+        body = json.dumps({"name": "bench", "scopes": ["infer"]}).encode()
+        status, data = http("POST", f"{self.url}/v1/art/keys", body, key=self.admin_key())
+        made = json.loads(data) if status == 201 else {}
+        if status != 201 or not made.get("key") or not made.get("id"):
+            raise RuntimeError(f"POST /v1/art/keys on the {self.label} answered {status} {data[:300]!r}")
+        return str(made["key"]), str(made["id"])
 
     def log_tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -401,6 +490,15 @@ class Gateway:
     @property
     def stopped_cleanly(self) -> bool:
         return self.proc is not None and self.proc.returncode in (0, -signal.SIGTERM)
+
+
+def key_id_counts(data_dir: Path) -> Counter[str | None]:
+    """Rows in `calls` by `key_id` (None: made without a key)."""
+    db = data_dir / "artgw.sqlite"
+    if not db.exists():
+        return Counter()
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return Counter(dict(conn.execute("SELECT key_id, count(*) FROM calls GROUP BY key_id").fetchall()))
 
 
 def store_counts(data_dir: Path) -> tuple[int, Counter[str], int]:
@@ -551,16 +649,23 @@ def progress(r: WrkResult) -> None:
     say(f"  c={r.connections:<4} {r.target:8} {r.rps:>9,.0f} req/s  p50 {r.p50_ms:.3f} ms  p99 {r.p99_ms:.3f} ms{cpu}")
 
 
-def run_wrk(children: Children, url: str, connections: int, seconds: int, rollout_id: str, target: str) -> WrkResult:
+def run_wrk(
+    children: Children,
+    url: str,
+    connections: int,
+    seconds: int,
+    rollout_id: str,
+    target: str,
+    api_key: str | None = None,
+) -> WrkResult:
+    """One wrk run of bench/wrk_chat.lua; with `api_key`, every request sends `Authorization: Bearer <key>`."""
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "--latency"]
     cmd += ["-s", str(WRK_SCRIPT), url]
-    proc = children.start(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "BENCH_ROLLOUT_ID": rollout_id},
-        text=True,
-    )
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_API_KEY"}  # no key unless this run's
+    env["BENCH_ROLLOUT_ID"] = rollout_id
+    if api_key is not None:
+        env["BENCH_API_KEY"] = api_key
+    proc = children.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
         out, _ = proc.communicate(timeout=seconds + 60)
     except subprocess.TimeoutExpired:
@@ -708,25 +813,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=1,
-        help="with --baseline: pairs of runs per concurrency, baseline and current in swapped order every "
-        "round, pooled (req/s over all runs, median p50/p99); 3 or more to see past the order bias",
+        help="with --baseline or --auth-compare: pairs of runs per concurrency, the two gateways in swapped "
+        "order every round, pooled (req/s over all runs, median p50/p99); 3 or more to see past the order bias",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs, configs)")
     parser.add_argument(
         "--pause", type=float, default=1.0, help="seconds of idle between runs (the recorder catches up)"
     )
-    parser.add_argument(
+    compare = parser.add_mutually_exclusive_group()
+    compare.add_argument(
         "--baseline",
         metavar="REV",
         help=(
             "a git revision (HEAD~3, a commit hash, a tag) to compare with: its tree is exported with "
             "`git archive REV | tar -x` into the temp dir and served by a second gateway (the same Python as "
             "--artgw, PYTHONPATH and cwd = that tree; checked at start), behind its own upstream port, with its "
-            "own store; per concurrency: direct, baseline, current. Adds a side-by-side table, the baseline's "
+            "own store; per concurrency: direct, then baseline and current (--rounds pairs, order swapped every "
+            "round). Adds a side-by-side table, the baseline's "
             f"record check and 'not slower than baseline: PASS/FAIL': PASS when the current req/s >= "
             f"{BASELINE_MIN_RPS_RATIO:.0%}% of the baseline's at every concurrency and its p50 at concurrency 1 "
             f"<= the baseline's + {BASELINE_P50_SLACK_MS} ms, with no non-2xx or socket errors in the current's "
-            "runs (one run each: a single comparison); without it, no comparison"
+            "runs (a single comparison, not a statistic); without it or --auth-compare, no comparison"
+        ),
+    )
+    compare.add_argument(
+        "--auth-compare",
+        action="store_true",
+        help=(
+            "compare auth off with auth on, both gateways the current tree (--artgw): one `--auth off`, "
+            "called with no key, and one `--auth required`, called with one client key (scope infer) made at "
+            "start with POST /v1/art/keys and the admin key from its data dir, each behind its own upstream "
+            "port, with its own store; per concurrency: direct, then both (--rounds pairs, order swapped every "
+            "round). Adds a side-by-side table with ratios (auth on / auth off), the record check of both, how "
+            "many auth-on records carry the key id (calls.key_id), and 'auth on within "
+            f"{1 - AUTH_MIN_RPS_RATIO:.0%}% of auth off: PASS/FAIL': PASS when auth on's req/s >= "
+            f"{AUTH_MIN_RPS_RATIO:.0%}% of auth off's at every concurrency and its p50 at concurrency 1 <= auth "
+            f"off's + {AUTH_P50_SLACK_MS} ms, with no non-2xx or socket errors in auth on's runs"
         ),
     )
     return parser
@@ -773,18 +895,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_answer(gateway: Gateway) -> None:
-    """One call: the gateway must answer like the upstream, token fields hidden."""
-    status, data = http("POST", f"{gateway.url}/v1/chat/completions", CHAT_REQUEST)
+    """One call: the gateway must answer like the upstream, token fields hidden; with auth required, a call
+    without a key must get 401 (so that the key is what lets the bench's calls through)."""
+    status, data = http("POST", f"{gateway.url}/v1/chat/completions", CHAT_REQUEST, key=gateway.api_key)
     answer = json.loads(data) if status == 200 else {}
     if status != 200 or answer.get("model") != MODEL_NAME or answer.get("prompt_token_ids") is not None:
-        who = "gateway" if gateway.source is None else f"{gateway.name} gateway"
-        raise RuntimeError(f"the {who}'s answer is wrong: {status} {data[:300]!r}")
+        raise RuntimeError(f"the {gateway.label}'s answer is wrong: {status} {data[:300]!r}")
+    if gateway.auth == "required":
+        status, data = http("POST", f"{gateway.url}/v1/chat/completions", CHAT_REQUEST)
+        if status != 401:
+            raise RuntimeError(f"the {gateway.label} answered a call without a key {status}, not 401: {data[:300]!r}")
 
 
 def _through(children: Children, gateway: Gateway, connections: int, seconds: int, target: str) -> WrkResult:
-    """One wrk run through a gateway, with the gateway's CPU use over it."""
+    """One wrk run through a gateway (with its key, if it has one), with the gateway's CPU use over it."""
     cpu0 = gateway.cpu_seconds()
-    result = run_wrk(children, gateway.url, connections, seconds, f"bench-{target}-c{connections}", target)
+    rollout = f"bench-{target}-c{connections}"
+    result = run_wrk(children, gateway.url, connections, seconds, rollout, target, gateway.api_key)
     result.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / result.seconds
     return result
 
@@ -830,10 +957,29 @@ def _account(
     return no_loss, f"{records:,} records, {calls_made:,} calls made, {served:,} served upstream, {spilled} spilled"
 
 
-def _baseline_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> str:
-    """(direct, baseline, current) per concurrency, side by side."""
-    headers = ["conc", "baseline req/s", "current req/s", "current/baseline", "baseline p50 ms", "current p50 ms"]
-    headers += ["baseline added p50 ms", "current added p50 ms", "CPU baseline / current"]
+def _keyed(gateway: Gateway, records: int) -> tuple[bool, str]:
+    """Print how many of a gateway's records carry its client key's id (none, for a gateway called without a
+    key); returns (as expected, detail)."""
+    by_key = key_id_counts(gateway.data_dir)
+    others = {k: n for k, n in by_key.items() if k is not None and k != gateway.key_id}
+    if gateway.key_id is not None:
+        carried = by_key.get(gateway.key_id, 0)
+        detail = f"{carried:,} of {records:,} records carry key id {gateway.key_id}"
+        ok = records > 0 and carried == records
+    else:
+        carried = sum(n for k, n in by_key.items() if k is not None)
+        detail = f"{carried:,} of {records:,} records carry a key id"
+        ok = carried == 0
+    extra = f"; without a key id: {by_key.get(None, 0):,}" + (f"; other key ids: {others}" if others else "")
+    say(f"key ids (calls.key_id): {detail}{extra}")
+    return ok, detail
+
+
+def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comparison) -> str:
+    """(direct, old slot, new slot) per concurrency, side by side."""
+    old, new = cmp.old, cmp.new
+    headers = ["conc", f"{old} req/s", f"{new} req/s", f"{new}/{old} req/s", f"{old} p50 ms", f"{new} p50 ms"]
+    headers += [f"{new}/{old} p50", f"{old} added p50 ms", f"{new} added p50 ms", f"CPU {old} / {new}"]
     rows = [
         [
             str(d.connections),
@@ -842,6 +988,7 @@ def _baseline_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> str:
             f"{g.rps / b.rps:.1%}" if b.rps else "-",
             f"{b.p50_ms:.3f}",
             f"{g.p50_ms:.3f}",
+            f"{g.p50_ms / b.p50_ms:.1%}" if b.p50_ms else "-",
             f"{b.p50_ms - d.p50_ms:+.3f}",
             f"{g.p50_ms - d.p50_ms:+.3f}",
             f"{b.cpu_pct:.0f}% / {g.cpu_pct:.0f}%",
@@ -851,29 +998,30 @@ def _baseline_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> str:
     return table(headers, rows)
 
 
-def _not_slower(runs: list[tuple[WrkResult, WrkResult, WrkResult]]) -> tuple[bool, list[str]]:
-    """Is the current gateway not slower than the baseline? (verdict, one line per criterion)."""
+def _compare_verdict(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comparison) -> tuple[bool, list[str]]:
+    """Does the new slot hold up against the old one? (verdict, one line per criterion)."""
+    old, new = cmp.old, cmp.new
     ratios = [(d.connections, g.rps / b.rps if b.rps else 0.0) for d, b, g in runs]
-    rps_ok = all(r >= BASELINE_MIN_RPS_RATIO for _, r in ratios)
+    rps_ok = all(r >= cmp.min_rps_ratio for _, r in ratios)
     lines = [
-        f"{verdict(rps_ok)}  current req/s >= {BASELINE_MIN_RPS_RATIO:.0%} of the baseline's at every "
+        f"{verdict(rps_ok)}  {new} req/s >= {cmp.min_rps_ratio:.0%} of {old}'s at every "
         f"concurrency: {', '.join(f'{r:.1%} at {c}' for c, r in ratios)}"
     ]
-    p50_name = f"current p50 <= baseline p50 + {BASELINE_P50_SLACK_MS:.2f} ms at concurrency 1"
+    p50_name = f"{new} p50 <= {old} p50 + {cmp.p50_slack_ms:.2f} ms at concurrency 1"
     at_one = [(b, g) for d, b, g in runs if d.connections == 1]
     p50_ok: bool | None = None
     if at_one:
         b, g = at_one[0]
-        p50_ok = g.p50_ms <= b.p50_ms + BASELINE_P50_SLACK_MS
+        p50_ok = g.p50_ms <= b.p50_ms + cmp.p50_slack_ms
         diff = g.p50_ms - b.p50_ms
         lines.append(f"{verdict(p50_ok)}  {p50_name}: {g.p50_ms:.3f} vs {b.p50_ms:.3f} ms ({diff:+.3f})")
     else:
         lines.append(f"{verdict(None)}  {p50_name}: concurrency 1 not run")
     # A gateway that answers errors fast would look quick: the compared runs must be clean.
     clean = all(g.non2xx == 0 and not any(g.error_counts) for _, _, g in runs)
-    lines.append(f"{verdict(clean)}  current gateway: no non-2xx, socket errors or timeouts in the compared runs")
+    lines.append(f"{verdict(clean)}  {new} gateway: no non-2xx, socket errors or timeouts in the compared runs")
     if any(b.non2xx or any(b.error_counts) for _, b, _ in runs):
-        lines.append("note  the baseline gateway had non-2xx or socket errors (see the runs table)")
+        lines.append(f"note  the {old} gateway had non-2xx or socket errors (see the runs table)")
     return rps_ok and p50_ok is not False and clean, lines
 
 
@@ -881,13 +1029,14 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     started_at = dt.datetime.now().astimezone()
     say(f"machine:  {machine()}; load average {os.getloadavg()[0]:.2f}")
     say(f"tools:    {tool_versions()}")
+    cmp = BASELINE if args.baseline else AUTH if args.auth_compare else None
     baseline_tree, baseline_rev, python = None, "", artgw_python(args.artgw)
     if args.baseline:
         baseline_tree = workdir / "baseline"
         baseline_rev = export_tree(args.baseline, baseline_tree)
         say(f"baseline: {args.baseline} = {baseline_rev}, exported to {baseline_tree} (git archive | tar -x)")
         say(f"baseline: {check_tree_imports(python, baseline_tree)}")
-    n = 1 if baseline_tree is None else 2  # gateways behind the upstream, each on its own port
+    n = 1 if cmp is None else 2  # gateways behind the upstream, each on its own port
     upstream: NginxUpstream | PythonUpstream = (
         NginxUpstream(children, workdir, gateways=n) if use_nginx else PythonUpstream(children, workdir, n)
     )
@@ -895,15 +1044,26 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     direct_url = f"http://127.0.0.1:{upstream.direct_port}"
     if not use_nginx and args.upstream == "auto":
         say("upstream: nginx is not available: falling back to the Python stub (much slower than nginx)")
-    behind = f":{upstream.gateway_port} (behind the gateway)"
-    if baseline_tree is not None:
-        behind += f", :{upstream.gateway_ports[1]} (behind the baseline gateway)"
-    say(f"upstream: {upstream.kind} at {direct_url} (direct), {behind}")
-    gateway = Gateway(children, args.artgw, upstream.gateway_port, workdir)
-    gateway.start()
+    # The new slot (the current tree: the gateway; auth on) and, with a comparison, the old one (baseline; auth off).
+    gateway = Gateway(
+        children,
+        args.artgw,
+        upstream.gateway_port,
+        workdir,
+        name=cmp.new_name if cmp else "gateway",
+        auth="required" if args.auth_compare else None,
+    )
     baseline: Gateway | None = None
     if baseline_tree is not None:
         baseline = Gateway(children, args.artgw, upstream.gateway_ports[1], workdir, "baseline", baseline_tree, python)
+    elif args.auth_compare:
+        baseline = Gateway(children, args.artgw, upstream.gateway_ports[1], workdir, AUTH.old_name, auth="off")
+    behind = f":{upstream.gateway_port} (behind the {gateway.label})"
+    if baseline is not None:
+        behind += f", :{upstream.gateway_ports[1]} (behind the {baseline.label})"
+    say(f"upstream: {upstream.kind} at {direct_url} (direct), {behind}")
+    gateway.start()
+    if baseline is not None:
         baseline.start()
 
     # One call each way: the gateway must answer like the upstream, token fields hidden.
@@ -919,32 +1079,34 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     warm = base_warm = None
     if args.warmup:
         if baseline is not None:
-            say(f"warmup:   {args.warmup}s through the baseline gateway at 32 connections")
-            base_warm = run_wrk(children, baseline.url, 32, args.warmup, "bench-warmup", "baseline")
+            say(f"warmup:   {args.warmup}s through the {baseline.label} at 32 connections")
+            base_warm = run_wrk(
+                children, baseline.url, 32, args.warmup, "bench-warmup", baseline.name, baseline.api_key
+            )
             base_calls_made += base_warm.requests
             time.sleep(args.pause)
-        say(f"warmup:   {args.warmup}s through the gateway at 32 connections")
-        warm = run_wrk(children, gateway.url, 32, args.warmup, "bench-warmup", "gateway")
+        say(f"warmup:   {args.warmup}s through the {gateway.label} at 32 connections")
+        warm = run_wrk(children, gateway.url, 32, args.warmup, "bench-warmup", gateway.name, gateway.api_key)
         calls_made += warm.requests
         time.sleep(args.pause)
 
-    # Per concurrency: direct, [baseline,] current, one after the other, so machine noise hits all alike.
+    # Per concurrency: direct, [old slot,] new slot, one after the other, so machine noise hits all alike.
     results: list[tuple[WrkResult, WrkResult]] = []
     base_results: list[WrkResult] = []
     for c in args.concurrency:
         direct = run_wrk(children, direct_url, c, args.duration, f"bench-direct-c{c}", "direct")
         progress(direct)
         time.sleep(args.pause)
-        # With a baseline: --rounds pairs of runs, the order swapped every round (the second gateway of a pair
+        # With a comparison: --rounds pairs of runs, the order swapped every round (the second gateway of a pair
         # tends to come out ahead on this VM), pooled into one result each.
         olds: list[WrkResult] = []
         vias: list[WrkResult] = []
         for k in range(args.rounds if baseline is not None else 1):
-            pair = [("baseline", baseline, olds), ("gateway", gateway, vias)]
-            for target, gw, into in pair if k % 2 == 0 else pair[::-1]:
+            pair = [(baseline, olds), (gateway, vias)]
+            for gw, into in pair if k % 2 == 0 else pair[::-1]:
                 if gw is None:
                     continue
-                run = _through(children, gw, c, args.duration, target)
+                run = _through(children, gw, c, args.duration, gw.name)
                 progress(run)
                 into.append(run)
                 time.sleep(args.pause)
@@ -970,6 +1132,9 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         f"{args.duration}s per run, wrk -t1, upstream: {upstream.kind}"
     )
     say()
+    if args.auth_compare:
+        say(f"gateway = the {gateway.label} (--auth required, one client key); auth off is compared below")
+        say()
     headers = ["conc", "direct req/s", "gateway req/s", "ratio", "direct p50/p99 ms"]
     headers += ["gateway p50/p99 ms", "added p50 ms", "gateway CPU"]
     rows = [
@@ -987,7 +1152,8 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     ]
     say(table(headers, rows))
     say()
-    compared = [(d, b, g) for (d, g), b in zip(results, base_results, strict=False)]  # empty without --baseline
+    # (direct, old slot, new slot) per concurrency; empty without a comparison.
+    compared = [(d, b, g) for (d, g), b in zip(results, base_results, strict=False)]
     runs: list[tuple[WrkResult, ...]] = [*compared] if compared else [*results]
     err_rows = [
         [f"{r.target} c={r.connections}", f"{r.requests:,}", str(r.non2xx), *map(str, r.error_counts)]
@@ -997,40 +1163,50 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     say(table(["run", "responses", "non-2xx", "connect", "read", "write", "timeout"], err_rows))
     say()
 
-    if compared:
-        short = baseline_rev.split()[0]
-        named = "" if short.startswith(args.baseline) or args.baseline.startswith(short) else f" ({args.baseline})"
-        say(f"### Baseline {short}{named} vs the current tree")
+    each_way = f"{args.rounds} run{'s' if args.rounds > 1 else ''} each way"
+    if cmp is not None and compared:
+        if args.baseline:
+            short = baseline_rev.split()[0]
+            named = "" if short.startswith(args.baseline) or args.baseline.startswith(short) else f" ({args.baseline})"
+            say(f"### Baseline {short}{named} vs the current tree")
+        else:
+            say(f"### Auth off (no key) vs auth on (one client key, {gateway.key_id}), both the current tree")
         say()
-        say(_baseline_table(compared))
+        say(_compare_table(compared, cmp))
         say()
         say(
-            "one run per gateway and concurrency, interleaved (direct, baseline, current, same pause between): "
-            "a single comparison, not a statistic; added p50 = p50 - direct p50 of the same concurrency"
+            f"per gateway and concurrency {each_way} after the direct run, the order swapped every round, the "
+            f"same pause between runs, pooled (req/s over all runs, median p50): a single comparison, not a "
+            f"statistic; added p50 = p50 - direct p50 of the same concurrency"
         )
         say()
-        say("current gateway:")
+        say(f"{gateway.label if args.auth_compare else 'current gateway'}:")
 
     no_loss, loss_detail = _account(
-        "gateway",
+        gateway.label,
         calls_made,
         [g for _, g in results] + ([warm] if warm else []),
         upstream.gateway_calls(),
         counts,
         stopped,
     )
+    keyed: list[tuple[bool, str]] = []
+    if args.auth_compare:
+        keyed.append(_keyed(gateway, counts[0]))
     base_no_loss, base_loss_detail = None, ""
     if baseline is not None:
         say()
-        say(f"baseline gateway ({baseline_rev.split()[0]}):")
+        say(f"{baseline.label} ({baseline_rev.split()[0] if args.baseline else 'no key sent'}):")
         base_no_loss, base_loss_detail = _account(
-            "baseline gateway",
+            baseline.label,
             base_calls_made,
             base_results + ([base_warm] if base_warm else []),
             upstream.gateway_calls(baseline.upstream_port),
             base_counts,
             base_stopped,
         )
+        if args.auth_compare:
+            keyed.append(_keyed(baseline, base_counts[0]))
     if busy:
         say(f"note: other processes used CPU during the runs: {', '.join(busy[:6])}")
     say()
@@ -1055,23 +1231,28 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         checks.append(("gateway >= 2,000 req/s at 32-256 (DESIGN)", all(r >= 2000 for _, r in mid), detail))
     else:
         checks.append(("gateway >= 2,000 req/s at 32-256 (DESIGN)", None, "no concurrency in 32-256 run"))
-    checks.append(("zero records lost", no_loss, loss_detail))
+    checks.append(
+        ("zero records lost" + ("" if gateway.name == "gateway" else f" ({gateway.label})"), no_loss, loss_detail)
+    )
     if baseline is not None:
-        checks.append(("zero records lost (baseline gateway)", base_no_loss, base_loss_detail))
-    say("targets:")
+        checks.append((f"zero records lost ({baseline.label})", base_no_loss, base_loss_detail))
+    if keyed:
+        (on_ok, on_detail), (off_ok, off_detail) = keyed
+        checks.append(("every auth-on record carries the key id", on_ok, on_detail))
+        checks.append(("no auth-off record carries a key id", off_ok, off_detail))
+    say("targets:" + (f" (gateway = the {gateway.label})" if args.auth_compare else ""))
     for name, ok, detail in checks:
         say(f"  {verdict(ok)}  {name}: {detail}")
-    if compared:
-        ok, lines = _not_slower(compared)
+    if cmp is not None and compared:
+        ok, lines = _compare_verdict(compared, cmp)
         say()
-        say(f"not slower than baseline: {verdict(ok)}")
+        say(f"{cmp.verdict}: {verdict(ok)}")
         for line in lines:
             say(f"  {line}")
-        say("  (one run each way, not a statistic: re-run before trusting a verdict near the tolerances)")
+        say(f"  ({each_way}, not a statistic: re-run with --rounds 3+ before trusting a verdict near the tolerances)")
     for gw in (gateway, baseline):
         if gw is not None and not gw.stopped_cleanly:
-            label = "gateway" if gw.source is None else f"{gw.name} gateway"
-            say(f"\n{label} log tail:\n{gw.log_tail()}")
+            say(f"\n{gw.label} log tail:\n{gw.log_tail()}")
     return 0
 
 

@@ -2,6 +2,9 @@
 --
 --   BENCH_ROLLOUT_ID=bench wrk -t1 -c32 -d10s --latency -s bench/wrk_chat.lua http://127.0.0.1:8000
 --
+-- With BENCH_API_KEY set (and not empty), every request carries `Authorization: Bearer <key>` (a gateway
+-- started with `--auth required`); without it, no Authorization header at all.
+--
 -- At the end it prints one line "BENCH_JSON {...}" (counts, errors, latency in
 -- microseconds) that bench/gateway_overhead.py parses.
 
@@ -10,6 +13,10 @@ wrk.path = "/v1/chat/completions"
 wrk.body = '{"model":"my-agent","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["X-ART-Rollout-Id"] = os.getenv("BENCH_ROLLOUT_ID") or "bench"
+local api_key = os.getenv("BENCH_API_KEY")
+if api_key and api_key ~= "" then
+   wrk.headers["Authorization"] = "Bearer " .. api_key
+end
 
 done = function(summary, latency, requests)
    local e = summary.errors
