@@ -5,6 +5,11 @@ tiny model → `artgw serve` (supervising vLLM on CPU, SQLite store under the da
 SDK → rewards posted to `POST /v1/art/groups` → the trainer's steps hot-loaded as `my-agent@N` →
 held-out evaluation before and after → a table, `results.json` and a reward-curve PNG in `--out`.
 
+Keys as a deployment uses them: the gateway runs with `--auth required`; once it is up, the demo reads
+the admin key `serve` made in the run's data dir (mode 0600; the trainer finds it there too) and makes
+one client key for `my-agent` with POST /v1/art/keys. The agent's OpenAI client sends that key as its
+`api_key`, and the same key posts the rewards and reads groups and status (scopes infer, reward, read).
+
 Everything it starts runs in its own process group, dies with the demo (PR_SET_PDEATHSIG), and is
 stopped on the way out, also on Ctrl-C or SIGTERM.
 """
@@ -37,6 +42,7 @@ from artgw import demo_task
 from artgw.demo_task import Episode, Scenario
 
 MODEL_NAME = "my-agent"
+CLIENT_SCOPES = ["infer", "reward", "read"]  # the agent calls the model, posts its rewards, reads groups
 
 
 @dataclass
@@ -205,6 +211,7 @@ class Demo:
         self.result = DemoResult(config=_jsonable(asdict(config)))
         self.children: list[Child] = []
         self.gateway_url = ""
+        self.api_key = ""  # the client key the demo makes once the gateway is up (never printed)
         self.logit_bias: dict[str, int] = {}
         self.nonce = uuid.uuid4().hex[:6]
         # Each run has its own store, checkpoints and logs: a rerun never meets a trained adapter.
@@ -215,6 +222,11 @@ class Demo:
 
     def log(self, message: str) -> None:
         self.console.log(message)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The headers of the demo's own requests: its client key, as any app sends one."""
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def _check_children(self) -> None:
         for child in self.children:
@@ -253,7 +265,7 @@ class Demo:
                 self._check_children()
                 if time.monotonic() > deadline:
                     raise DemoError(f"step {step}: groups not trained within {self.config.step_timeout:.0f}s")
-                groups = [httpx.get(f"{self.gateway_url}/v1/art/groups/{g}", timeout=10).json() for g in group_ids]
+                groups = [self._get(f"/v1/art/groups/{g}").json() for g in group_ids]
                 if all(g["state"] in ("trained", "failed") for g in groups):
                     trained = max((g["trained_step"] or 0 for g in groups), default=0)
                     served = self.served_step()
@@ -264,9 +276,21 @@ class Demo:
             progress.remove_task(task)
 
     def served_step(self) -> int:
-        answer = httpx.get(f"{self.gateway_url}/v1/art/models/{MODEL_NAME}", timeout=10)
-        answer.raise_for_status()
-        return int(answer.json()["served_step"])
+        return int(self._get(f"/v1/art/models/{MODEL_NAME}").json()["served_step"])
+
+    def _get(self, path: str) -> httpx.Response:
+        answer = httpx.get(f"{self.gateway_url}{path}", headers=self.auth, timeout=10)
+        if answer.status_code != 200:
+            raise DemoError(f"GET {path} answered {answer.status_code}: {answer.text[:300]}")
+        return answer
+
+    def post_group(self, episodes: list[Episode], group_id: str) -> dict[str, Any]:
+        """POST /v1/art/groups with the client key: one scenario's attempts and rewards (idempotent by id)."""
+        body = demo_task.group_body(MODEL_NAME, episodes, group_id=group_id)
+        answer = httpx.post(f"{self.gateway_url}/v1/art/groups", json=body, headers=self.auth, timeout=60)
+        if answer.status_code not in (200, 201):
+            raise DemoError(f"POST /v1/art/groups answered {answer.status_code}: {answer.text[:300]}")
+        return dict(answer.json())
 
     # ---- phases
 
@@ -308,6 +332,9 @@ class Demo:
                 "1024",
                 "--max-lora-rank",
                 str(max(16, c.lora_rank)),
+                # On loopback keys are optional by default; the demo asks for them, as a deployment does.
+                "--auth",
+                "required",
                 "--log-level",
                 "warning",
             ),
@@ -320,6 +347,34 @@ class Demo:
         )
         self.result.timings["engine_start_seconds"] = time.monotonic() - started
         self.log(f"gateway ready at {self.gateway_url}/v1 ({time.monotonic() - started:.0f}s, vLLM included)")
+        self.make_client_key()
+
+    def admin_key(self) -> str:
+        """The admin key as `artgw train` finds it: ARTGW_ADMIN_KEY, else the file `serve` made in the run's
+        data dir (ARTGW_ADMIN_KEY_FILE, else DATA_DIR/admin_key, mode 0600)."""
+        from gateway.auth import read_admin_key
+        from gateway.settings import ADMIN_KEY_FILE
+
+        path = Path(os.environ.get("ARTGW_ADMIN_KEY_FILE") or self.run_dir / ADMIN_KEY_FILE)
+        key = read_admin_key(os.environ.get("ARTGW_ADMIN_KEY") or None, path)
+        if key is None:
+            raise DemoError(f"the gateway is up but made no admin key in {path}")
+        return key
+
+    def make_client_key(self) -> None:
+        """A client key for the agent (POST /v1/art/keys with the admin key); its secret stays in memory."""
+        body = {"name": f"demo-{self.nonce}", "models": [MODEL_NAME], "scopes": CLIENT_SCOPES}
+        answer = httpx.post(
+            f"{self.gateway_url}/v1/art/keys",
+            json=body,
+            headers={"Authorization": f"Bearer {self.admin_key()}"},
+            timeout=10,
+        )
+        if answer.status_code != 201:
+            raise DemoError(f"POST /v1/art/keys answered {answer.status_code}: {answer.text[:300]}")
+        made = answer.json()
+        self.api_key = made["key"]
+        self.log(f"client key {made['id']} for {MODEL_NAME} ({', '.join(made['scopes'])}) made with the admin key")
 
     def start_trainer(self, model: Path) -> None:
         c = self.config
@@ -369,7 +424,7 @@ class Demo:
         import openai
 
         task = progress.add_task(description, total=len(jobs))
-        client = openai.AsyncOpenAI(base_url=f"{self.gateway_url}/v1", api_key="unused", max_retries=2, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.api_key, max_retries=2, timeout=120)
         try:
             return await demo_task.run_episodes(
                 client,
@@ -449,7 +504,7 @@ class Demo:
             if len(usable) < 2:
                 continue
             group_ids.append(f"g-{self.nonce}-{step}-{scenario_id}")
-            posted = demo_task.post_group(self.gateway_url, MODEL_NAME, usable, group_id=group_ids[-1])
+            posted = self.post_group(usable, group_ids[-1])
             no_signal += bool(posted.get("no_signal"))
         served = self.wait_for_step(progress, step, group_ids)
         rewards = [e.reward for e in episodes]

@@ -14,6 +14,8 @@ and the variable. The metadata is plain data, so gateway/ and trainer/ need no i
 - "inverse_env": a variable that turns a bool *off* when true, e.g. ARTGW_NO_MIGRATE.
 - "flag": the flag when it is not `--field-name` (a plural field with a singular, repeated flag); the
   variable follows the flag: `"flag": "--model-name"` reads ARTGW_MODEL_NAME.
+- "env": the variable when the derived one would clash with another command's (`keys create --model`
+  reads ARTGW_KEY_MODELS, not the trainer's ARTGW_MODEL).
 - "repeat": True, for a `tuple[str, ...]`: the flag is given once per value (`--model-name a --model-name b`)
   and the variable is a comma list (`ARTGW_MODEL_NAME=a,b`).
 
@@ -270,7 +272,7 @@ def options_of(
                 owner=cls,
                 name=f.name,
                 flags=(flag, *f.metadata.get("aliases", ())),
-                env=ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper(),
+                env=f.metadata.get("env") or ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper(),
                 parse=parse,
                 is_bool=is_bool,
                 choices=choices,

