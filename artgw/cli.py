@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -75,14 +76,22 @@ class ExportOptions:
 
 
 @dataclass(frozen=True)
+class StatusOptions:
+    model: str = field(default="my-agent", metadata={"help": "the trainable model to show"})
+
+
+@dataclass(frozen=True)
 class KeyCreateOptions:
-    name: str = field(metadata={"help": "who or what the key is for (shown in listings)"})
+    # Variables of their own (ARTGW_KEY_*): ARTGW_MODEL, say, is the trainer's, and a key made in the
+    # trainer's container must not silently take its models.
+    name: str = field(metadata={"help": "who or what the key is for (shown in listings)", "env": "ARTGW_KEY_NAME"})
     models: tuple[str, ...] = field(
         default=(),
         metadata={
             "help": "a model the key may use; repeat for several (none: every model)",
             "flag": "--model",
             "repeat": True,
+            "env": "ARTGW_KEY_MODELS",
         },
     )
     scopes: tuple[str, ...] = field(
@@ -91,10 +100,15 @@ class KeyCreateOptions:
             "help": "what the key may do: infer, reward, read; repeat for several",
             "flag": "--scope",
             "repeat": True,
+            "env": "ARTGW_KEY_SCOPES",
         },
     )
-    rpm: int | None = field(default=None, metadata={"help": "requests per minute, per replica (none: no limit)"})
-    tpm: int | None = field(default=None, metadata={"help": "tokens per minute, per replica (none: no limit)"})
+    rpm: int | None = field(
+        default=None, metadata={"help": "requests per minute, per replica (none: no limit)", "env": "ARTGW_KEY_RPM"}
+    )
+    tpm: int | None = field(
+        default=None, metadata={"help": "tokens per minute, per replica (none: no limit)", "env": "ARTGW_KEY_TPM"}
+    )
 
 
 @dataclass(frozen=True)
@@ -288,16 +302,40 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _base_model_from_gateway(args: argparse.Namespace, model: str) -> str:
+    """What the gateway's engine loaded (GET /v1/art/models/NAME: base_model_path): the weights to train on."""
+    try:
+        answer = _ask(args, "GET", f"/v1/art/models/{quote(model, safe='')}")
+    except CommandError as exc:
+        raise CommandError(f"--base-model not given and the gateway cannot tell it: {exc}") from None
+    try:
+        path = answer.json().get("base_model_path")
+    except (ValueError, AttributeError):
+        path = None
+    if not isinstance(path, str) or not path:
+        raise CommandError(
+            f"--base-model not given and {gateway_url(args)} does not say what its engine loaded "
+            "(is its engine up?); give --base-model or ARTGW_BASE_MODEL"
+        )
+    return path
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
-    """`artgw train`'s config: its options, plus the store, gateway and checkpoints found like `serve`'s."""
-    return _build(
+    """`artgw train`'s config: its options, plus the store, gateway and checkpoints found like `serve`'s, and
+    the base model the gateway's engine loaded unless --base-model says."""
+    config = _build(
         TrainConfig,
         args,
         db=_store_url(args),
         gateway=gateway_url(args),
         admin_key=admin_key(args),
         checkpoints=args.checkpoints if args.checkpoints is not None else args.data_dir / "checkpoints",
+        # Asked of the gateway only once every other value is good: a bad option is reported as such first.
+        base_model=args.base_model if args.base_model is not None else "",
     )
+    if args.base_model is None:
+        config = dataclasses.replace(config, base_model=_base_model_from_gateway(args, config.models[0]))
+    return config
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -341,7 +379,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from store.types import StepMetrics
 
     gateway = gateway_url(args)
-    answer = _ask(args, "GET", f"/v1/art/models/{quote(args.model, safe='')}")
+    answer = _ask(args, "GET", f"/v1/art/models/{quote(_build(StatusOptions, args).model, safe='')}")
     try:
         status = msgspec.json.decode(answer.content, type=_ModelStatus)
         metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
@@ -567,15 +605,23 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "train",
         _cmd_train,
-        help="run the GRPO trainer sidecar for one trainable model",
+        help="run the GRPO trainer sidecar for one or more trainable models",
         description="Claim ready groups from the store (leases: a dead trainer's groups return), train a LoRA "
         "step with GRPO on the recorded token ids, write CHECKPOINTS/NAME/<step>/, and have the gateway load "
         "it as NAME@<step> and point NAME at it. Groups count as trained only once the adapter serves. "
-        "Restarts resume from the newest committed checkpoint with its optimizer state. The store and the "
-        "gateway are found as `artgw serve` sets them up (--data-dir/--db, --host/--port), or by --gateway.",
+        "Restarts resume from the newest committed checkpoint with its optimizer state. With several --model "
+        "the trainer takes turns between them, each with its own LoRA, optimizer state and checkpoints. The "
+        "store and the gateway are found as `artgw serve` sets them up (--data-dir/--db, --host/--port), or by "
+        "--gateway; the base model is the one the gateway's engine loaded unless --base-model says.",
     )
     options.add_options(
-        train, TrainConfig, computed={"gateway": "http://HOST:PORT", "checkpoints": "DATA_DIR/checkpoints"}
+        train,
+        TrainConfig,
+        computed={
+            "gateway": "http://HOST:PORT",
+            "checkpoints": "DATA_DIR/checkpoints",
+            "base_model": "what the gateway's engine loaded (GET /v1/art/models/NAME)",
+        },
     )
     options.add_options(train, Settings, only=(*STORE_FIELDS, *GATEWAY_FIELDS, "admin_key_file"))
 
@@ -617,7 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print what GET /v1/art/models/NAME says: served step, group counts by state, step metrics. "
         "The gateway is found as `artgw serve` listens (--host/--port), or by --gateway.",
     )
-    options.add_options(status, TrainConfig, only=("model", "gateway"), computed={"gateway": "http://HOST:PORT"})
+    options.add_options(status, StatusOptions)
+    options.add_options(status, TrainConfig, only=("gateway",), computed={"gateway": "http://HOST:PORT"})
     options.add_options(status, Settings, only=(*GATEWAY_FIELDS, *ADMIN_FIELDS))
 
     keys = sub.add_parser(

@@ -118,7 +118,7 @@ def ours_step_fn(args: argparse.Namespace, case: Case, model, batch: dict[str, A
     from trainer.train import StepData, make_optimizer, train_step
 
     config = TrainConfig(
-        model="bench", base_model=str(args.model_dir), db="sqlite://", pack_tokens_per_row=case.row_width
+        models=("bench",), base_model=str(args.model_dir), db="sqlite://", pack_tokens_per_row=case.row_width
     )
     optimizer = make_optimizer(model, config)
     sequences = [
@@ -183,7 +183,7 @@ def trl_step_fn(args: argparse.Namespace, model, tokenizer, batch: dict[str, Any
         processing_class=tokenizer,
     )
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch per step here
-    optimizer = make_optimizer(trainer.model, TrainConfig(model="bench", base_model=str(args.model_dir), db="x"))
+    optimizer = make_optimizer(trainer.model, TrainConfig(models=("bench",), base_model=str(args.model_dir), db="x"))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def step() -> tuple[float, dict[str, Any]]:
@@ -260,7 +260,7 @@ def setup_case(args: argparse.Namespace, case: Case):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    defaults = TrainConfig(model="bench", base_model=str(args.model_dir), db="x")
+    defaults = TrainConfig(models=("bench",), base_model=str(args.model_dir), db="x")
     base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     batch = make_batch(args, case.lengths, base)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,12 +246,18 @@ def start_gateway(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
 
 
 def start_trainer(
-    gateway: GatewayProcess, base_model: Path, *options: str, log_name: str = "trainer"
+    gateway: GatewayProcess,
+    base_model: Path | None,
+    *options: str,
+    log_name: str = "trainer",
+    models: Sequence[str] = ("my-agent",),
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """`artgw train` for `my-agent` against the gateway (its data dir: store and checkpoints), as a process of
-    its own session (SIGKILL reaches it and nothing else); returns it and its log file."""
+    """`artgw train` for `models` (one --model each) against the gateway (its data dir: store, checkpoints and
+    admin key), as a process of its own session (SIGKILL reaches it and nothing else); returns it and its log
+    file. `base_model` None: no --base-model, the trainer asks the gateway what its engine loaded."""
     log_path = gateway.data_dir / f"{log_name}.log"
-    command = [ARTGW, "train", "--model", "my-agent", "--base-model", str(base_model)]
+    command = [ARTGW, "train", *(arg for model in models for arg in ("--model", model))]
+    command += ["--base-model", str(base_model)] if base_model is not None else []
     command += ["--data-dir", str(gateway.data_dir), "--gateway", gateway.url, *options]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

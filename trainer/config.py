@@ -30,14 +30,20 @@ def _number(value: float) -> bool:
     return math.isfinite(value)
 
 
-# kw_only: `model` has a default (the CLI's "my-agent") while `base_model` and `db` stay required.
+# kw_only: `models` has a default (the CLI's "my-agent") while `base_model` and `db` stay required.
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     # -- what to train, where things are
-    model: str = field(
-        default="my-agent",
-        metadata={"help": "the trainable model name (the gateway's --model-name); groups are claimed for it"},
+    models: tuple[str, ...] = field(
+        default=("my-agent",),
+        metadata={
+            "help": "a trainable model (the gateway's --model-name) to claim groups for; repeat for several: "
+            "one trainer takes turns between them, each with its own LoRA, optimizer and checkpoints",
+            "flag": "--model",
+            "repeat": True,
+        },
     )
+    # The CLI asks the gateway (GET /v1/art/models/NAME: base_model_path) when it is not given.
     base_model: str = field(metadata={"help": "path or hub id of the base weights (the same vLLM serves)"})
     # The CLI builds it from --data-dir/--db, declared once on the gateway's Settings.
     db: str = field(metadata={"option": False})
@@ -68,7 +74,8 @@ class TrainConfig:
         default=600.0, metadata={"help": "a claim returns to `ready` if not committed within this long"}
     )
     max_steps: int | None = field(
-        default=None, metadata={"help": "stop after this many committed steps (none: run until stopped)"}
+        default=None,
+        metadata={"help": "stop after this many committed steps of each model (none: run until stopped)"},
     )
     # -- LoRA (defaults vLLM loads: no DoRA, no modules_to_save, rank <= the engine's --max-lora-rank)
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank (<= the gateway's --max-lora-rank)"})
@@ -128,6 +135,14 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, metadata={"option": False})
 
     def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("give at least one --model")
+        for name in self.models:
+            # The name is a directory under --checkpoints: nothing that leaves it (the gateway allows no '/').
+            if not name or "/" in name or "@" in name or name in (".", "..") or name.strip() != name:
+                raise ValueError(f"invalid --model {name!r}: a trainable model's name (no '@' or '/')")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"--model given twice: {', '.join(self.models)}")
         if self.groups_per_step < 1:
             raise ValueError(f"--groups-per-step must be >= 1, got {self.groups_per_step}")
         if not 1 <= self.min_groups_per_step <= self.groups_per_step:

@@ -1,14 +1,19 @@
 """`artgw train`: the GRPO sidecar. Claims ready groups, trains a LoRA step on their recorded tokens,
 writes a checkpoint, has the gateway serve it, and only then are the groups trained.
 
-Reads top to bottom: config → store and resume → model → optimizer → the loop. A step always runs in
+Reads top to bottom: config → store and resume → models → optimizers → the loop. A step always runs in
 the same order: claim → load trajectories → advantages → pack → forward/backward per micro-batch →
 clip → optimizer step → checkpoint → commit through the gateway → log.
 
-Exactly once: a step counts only when the gateway has loaded its adapter and, in the same store
-transaction, marked its groups trained (see store/adapters.py). A trainer that dies before that
-leaves its groups' leases to expire; on restart it resumes from the newest *committed* checkpoint and
-deletes any newer, uncommitted one, so no group is trained twice or lost.
+Several models (`--model a --model b`): each is a `Lineage` of its own (LoRA, optimizer state, step
+counter, resume point, CHECKPOINTS/<model>/), and the loop takes turns: it polls every model for
+claimable groups, trains the first whose batch is ready, then puts that model at the back of the line.
+Groups are claimed per model, so a step never mixes models; with one model this is the plain loop.
+
+Exactly once, per model: a step counts only when the gateway has loaded its adapter and, in the same
+store transaction, marked its groups trained (see store/adapters.py). A trainer that dies before that
+leaves its groups' leases to expire; on restart each model resumes from its own newest *committed*
+checkpoint and deletes any newer, uncommitted one, so no group is trained twice or lost.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import socket
 import statistics
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -171,27 +178,26 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.O
     )
 
 
-def checkpoint_dir(config: TrainConfig, step: int) -> Path:
-    return config.checkpoints / config.model / str(step)
+def checkpoint_dir(config: TrainConfig, name: str, step: int) -> Path:
+    return config.checkpoints / name / str(step)
 
 
-def save_checkpoint(model, optimizer, config: TrainConfig, step: int, metrics: StepMetrics) -> Path:
-    out = checkpoint_dir(config, step)
+def save_checkpoint(model, optimizer, config: TrainConfig, name: str, step: int, metrics: StepMetrics) -> Path:
+    out = checkpoint_dir(config, name, step)
     tmp = out.with_name(f".{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors: what vLLM loads
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "step.json").write_text(
-        json.dumps({"step": step, "metrics": msgspec.to_builtins(metrics), "config": config.to_json()}, indent=2)
-    )
+    saved = {"model": name, "step": step, "metrics": msgspec.to_builtins(metrics), "config": config.to_json()}
+    (tmp / "step.json").write_text(json.dumps(saved, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a checkpoint dir is complete or absent
     return out
 
 
-def discard_uncommitted(config: TrainConfig, committed: int) -> list[int]:
-    """Checkpoints newer than the last committed step never served: their groups will be trained again."""
-    root = config.checkpoints / config.model
+def discard_uncommitted(config: TrainConfig, name: str, committed: int) -> list[int]:
+    """`name`'s checkpoints newer than its last committed step never served: their groups will be trained again."""
+    root = config.checkpoints / name
     dropped = []
     for path in root.glob("*") if root.exists() else []:
         name = path.name.lstrip(".").removesuffix(".tmp")
@@ -288,12 +294,12 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
 
 
 def commit_through_gateway(
-    config: TrainConfig, step: int, path: Path, group_ids: list[str], owner: str, metrics: StepMetrics
+    config: TrainConfig, name: str, step: int, path: Path, group_ids: list[str], owner: str, metrics: StepMetrics
 ) -> None:
-    """Ask the gateway to serve the adapter; it marks the groups trained in the same transaction."""
+    """Ask the gateway to serve the adapter as `name`@`step`; it marks the groups trained in the same transaction."""
     headers = {"Authorization": f"Bearer {config.admin_key}"} if config.admin_key else {}
     answer = httpx.post(
-        f"{config.gateway.rstrip('/')}/v1/art/models/{config.model}/adapters",
+        f"{config.gateway.rstrip('/')}/v1/art/models/{quote(name, safe='')}/adapters",
         json={
             "step": step,
             "path": str(path.resolve()),
@@ -305,43 +311,99 @@ def commit_through_gateway(
         timeout=300,
     )
     if not answer.is_success:
-        raise RuntimeError(f"gateway refused step {step} ({answer.status_code}): {answer.text[:500]}")
+        raise RuntimeError(f"gateway refused {name} step {step} ({answer.status_code}): {answer.text[:500]}")
+
+
+# -----------------------------------------------------------------------------
+# one line of adapters per trainable model
+
+
+@dataclass
+class Lineage:
+    """One trainable model's own line of adapters: nothing in it is shared with another model."""
+
+    name: str  # the trainable model: groups are claimed for it, its adapters serve as NAME@K
+    model: Any  # PeftModel: its LoRA, on a base copy of its own
+    optimizer: torch.optim.Optimizer
+    step: int  # its newest committed step; the next one is step + 1
+    committed: AdapterRow | None  # that step's row: where a failed step goes back to (None: the base model)
+    claimed: list[str] = field(default_factory=list)  # groups claimed for its next step, not yet trained
+    deadline: float | None = None  # monotonic time after which min_groups_per_step is enough; None: not waiting
+    done: int = 0  # steps committed by this run (for --max-steps)
+
+    def ready(self, config: TrainConfig) -> bool:
+        """A full batch, or a small one once it has waited max_wait_seconds."""
+        assert self.deadline is not None, "only a waiting lineage can be ready"
+        if len(self.claimed) >= config.groups_per_step:
+            return True
+        return len(self.claimed) >= config.min_groups_per_step and time.monotonic() >= self.deadline
+
+    def finished(self, config: TrainConfig) -> bool:
+        return config.max_steps is not None and self.done >= config.max_steps
+
+
+def restore(
+    config: TrainConfig, device: torch.device, committed: AdapterRow | None
+) -> tuple[Any, torch.optim.Optimizer]:
+    """A model's policy and optimizer as its committed step left them (a fresh LoRA before step 1)."""
+    adapter = Path(committed.path) if committed is not None else None
+    model = load_policy(config, device, adapter)
+    optimizer = make_optimizer(model, config)
+    if adapter is not None and (adapter / "optimizer.pt").exists():
+        optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
+    return model, optimizer
 
 
 # -----------------------------------------------------------------------------
 # the loop
 
 
-async def wait_for_groups(store: AsyncEngine, config: TrainConfig, owner: str, stop: asyncio.Event) -> list[str]:
-    """Claim groups_per_step groups, or at least min_groups_per_step once max_wait_seconds have passed."""
-    claimed: list[str] = []
-    deadline = time.monotonic() + config.max_wait_seconds
-    with console.status(f"[bold]waiting for ready groups of {config.model}[/bold]") as status:
+async def wait_for_batch(
+    store: AsyncEngine, config: TrainConfig, lineages: list[Lineage], owner: str, stop: asyncio.Event
+) -> Lineage | None:
+    """Poll each model in turn, claiming its groups, until one has a batch: groups_per_step groups, or at least
+    min_groups_per_step once its max_wait_seconds have passed. None once stopped."""
+    for lineage in lineages:
+        if lineage.deadline is None:  # its wait starts now, as each of its steps ends
+            lineage.deadline = time.monotonic() + config.max_wait_seconds
+    names = ", ".join(lineage.name for lineage in lineages)
+    with console.status(f"[bold]waiting for ready groups of {names}[/bold]") as status:
         while not stop.is_set():
-            async with store.begin() as conn:
-                claimed += await claim_groups(
-                    conn,
-                    model=config.model,
-                    owner=owner,
-                    lease_seconds=config.lease_seconds,
-                    limit=config.groups_per_step - len(claimed),
-                )
-            status.update(f"[bold]{len(claimed)}/{config.groups_per_step} groups claimed for {config.model}[/bold]")
-            enough = len(claimed) >= config.groups_per_step
-            if enough or (len(claimed) >= config.min_groups_per_step and time.monotonic() >= deadline):
-                return claimed
-            if claimed:  # keep what we hold alive while waiting for more
+            for lineage in lineages:
                 async with store.begin() as conn:
-                    await renew_lease(conn, claimed, owner, config.lease_seconds)
+                    lineage.claimed += await claim_groups(
+                        conn,
+                        model=lineage.name,
+                        owner=owner,
+                        lease_seconds=config.lease_seconds,
+                        limit=config.groups_per_step - len(lineage.claimed),
+                    )
+                if lineage.ready(config):
+                    return lineage
+            counts = ", ".join(f"{lin.name} {len(lin.claimed)}/{config.groups_per_step}" for lin in lineages)
+            status.update(f"[bold]groups claimed: {counts}[/bold]")
+            held = [group_id for lineage in lineages for group_id in lineage.claimed]
+            if held:  # keep what we hold alive while waiting for more
+                async with store.begin() as conn:
+                    await renew_lease(conn, held, owner, config.lease_seconds)
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except TimeoutError:
                 pass
-    return claimed
+    return None
 
 
-def _metrics_table(step: int, metrics: StepMetrics) -> Table:
-    table = Table(title=f"step {step}", show_header=False, box=None)
+async def give_back(store: AsyncEngine, lineages: list[Lineage], owner: str) -> None:
+    """Return the groups claimed by these lineages to `ready`: nothing holds a claim it is not renewing."""
+    for lineage in lineages:
+        if lineage.claimed:
+            async with store.begin() as conn:
+                await release_groups(conn, lineage.claimed, owner)
+            lineage.claimed = []
+
+
+def _metrics_table(name: str, step: int, metrics: StepMetrics) -> Table:
+    table = Table(title=f"{name} step {step}", show_header=False, box=None)
     for key in ("loss", "reward_mean", "reward_std", "zero_signal_group_fraction", "kl", "grad_norm"):
         table.add_row(key, f"{getattr(metrics, key):.4f}")
     for key in ("groups", "trainable_tokens", "staleness"):
@@ -352,7 +414,7 @@ def _metrics_table(step: int, metrics: StepMetrics) -> Table:
 
 
 async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
-    """Train until stopped (or max_steps); returns the number of committed steps."""
+    """Train until stopped (or every model has max_steps); returns the number of committed steps, all models."""
     # StoreMissing if the gateway has not made it yet. The trainer is on no client's path: it waits out a
     # store stall (30 s a lock) rather than fail a step.
     async with open_store(config.db, wait_seconds=30.0) as store:
@@ -363,87 +425,108 @@ async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader
     torch.manual_seed(config.seed)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     device = pick_device(config)
+    console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}")
 
-    # ---- resume: from the newest committed step, never from an uncommitted checkpoint
-    committed = await _committed(store, config)
-    step = committed.step if committed is not None else 0
-    discarded = discard_uncommitted(config, step)
-    if discarded:
-        console.print(f"[yellow]discarded uncommitted checkpoints {discarded}[/yellow]")
-
-    def restore():
-        adapter = Path(committed.path) if committed is not None else None
-        model = load_policy(config, device, adapter)
-        optimizer = make_optimizer(model, config)
-        if adapter is not None and (adapter / "optimizer.pt").exists():
-            optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
-        return model, optimizer
-
-    # ---- model and optimizer
-    model, optimizer = restore()
+    # ---- resume and models, one lineage per model: each from its own newest committed step, never from an
+    # uncommitted checkpoint. Memory: each lineage loads a base copy of its own, simple and fine for a few
+    # small models; PEFT's several adapters on one base (set_adapter per step) would share it.
+    lineages: list[Lineage] = []
+    for name in config.models:
+        committed = await _committed(store, name)
+        step = committed.step if committed is not None else 0
+        discarded = discard_uncommitted(config, name, step)
+        if discarded:
+            console.print(f"[yellow]{name}: discarded uncommitted checkpoints {discarded}[/yellow]")
+        model, optimizer = restore(config, device, committed)
+        lineages.append(Lineage(name, model, optimizer, step, committed))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        console.print(f"  model={name} resume_step={step} trainable_params={trainable:,}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.base_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    console.print(
-        f"[bold]artgw train[/bold] model={config.model} base={config.base_model} device={device} "
-        f"resume_step={step} trainable_params={trainable:,} owner={owner}"
-    )
 
-    # ---- the loop
+    # ---- the loop: take turns, training whichever model has a batch ready
     done = 0
-    while not stop.is_set() and (config.max_steps is None or done < config.max_steps):
-        group_ids = await wait_for_groups(store, config, owner, stop)
-        if not group_ids:
+    while not stop.is_set():
+        waiting = [lineage for lineage in lineages if not lineage.finished(config)]
+        if not waiting:
             break
-        async with store.connect() as conn:
-            groups = await load_groups(conn, group_ids)
-        data, dropped = await load_step_data(rollouts, groups, config, step + 1)
-        for group_id, reason in dropped.items():
-            async with store.begin() as conn:
-                await drop_groups(conn, [group_id], owner, reason)
-            console.print(f"[yellow]dropped group {group_id}: {reason}[/yellow]")
-        if not data.group_ids:
-            continue
-        if not data.sequences:  # every advantage was 0 (or no token trainable): no new adapter
-            async with store.begin() as conn:
-                await finish_without_update(conn, data.group_ids, owner, step)
-            console.print(f"[yellow]{len(data.group_ids)} groups without learning signal: no step[/yellow]")
-            continue
-        step += 1
-        metrics = train_step(model, optimizer, data, config, device, pad_id)
-        path = save_checkpoint(model, optimizer, config, step, metrics)
-        if config.pause_before_commit:
-            await asyncio.sleep(config.pause_before_commit)
-        async with store.begin() as conn:  # a long step must not lose its claim just before the commit
-            await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
-        failure = await commit_step(store, config, step, path, data.group_ids, owner, metrics)
-        if failure is not None:
-            # The previous adapter keeps serving; the groups go back to `ready` and the model and
-            # optimizer back to the last committed step, so nothing of this step survives.
-            console.print(f"[red]step {step} failed: {failure}[/red]")
-            async with store.begin() as conn:
-                await release_groups(conn, data.group_ids, owner)
-            shutil.rmtree(path, ignore_errors=True)
-            step -= 1
-            model, optimizer = restore()
-            await asyncio.sleep(2.0)
-            continue
-        committed = await _committed(store, config)
-        done += 1
-        console.print(_metrics_table(step, metrics))
+        lineage = await wait_for_batch(store, config, waiting, owner, stop)
+        if lineage is None:
+            break
+        # The others' claims go back to `ready`: this step may outlast leases that nobody renews meanwhile.
+        # The loop claims them again (oldest first) when it next polls those models.
+        await give_back(store, [other for other in lineages if other is not lineage], owner)
+        # Taking turns: this model goes to the back of the line, so a busy model cannot starve the others.
+        lineages.remove(lineage)
+        lineages.append(lineage)
+        group_ids, lineage.claimed, lineage.deadline = lineage.claimed, [], None
+        if await train_one_step(store, rollouts, config, lineage, group_ids, owner, device, pad_id):
+            done += 1
+            lineage.done += 1
+    await give_back(store, lineages, owner)  # stopped while waiting: what was claimed is trained by the next run
     return done
 
 
-async def _committed(store: AsyncEngine, config: TrainConfig) -> AdapterRow | None:
+async def train_one_step(
+    store: AsyncEngine,
+    rollouts: RolloutReader,
+    config: TrainConfig,
+    lineage: Lineage,
+    group_ids: list[str],
+    owner: str,
+    device: torch.device,
+    pad_id: int,
+) -> bool:
+    """One step of one model on its claimed groups; True once committed (served, its groups trained)."""
     async with store.connect() as conn:
-        return await last_committed_step(conn, config.model)
+        groups = await load_groups(conn, group_ids)
+    step = lineage.step + 1
+    data, dropped = await load_step_data(rollouts, groups, config, step)
+    for group_id, reason in dropped.items():
+        async with store.begin() as conn:
+            await drop_groups(conn, [group_id], owner, reason)
+        console.print(f"[yellow]{lineage.name}: dropped group {group_id}: {reason}[/yellow]")
+    if not data.group_ids:
+        return False
+    if not data.sequences:  # every advantage was 0 (or no token trainable): no new adapter
+        async with store.begin() as conn:
+            await finish_without_update(conn, data.group_ids, owner, lineage.step)
+        console.print(f"[yellow]{lineage.name}: {len(data.group_ids)} groups without learning signal: no step[/yellow]")
+        return False
+    metrics = train_step(lineage.model, lineage.optimizer, data, config, device, pad_id)
+    path = save_checkpoint(lineage.model, lineage.optimizer, config, lineage.name, step, metrics)
+    if config.pause_before_commit:
+        await asyncio.sleep(config.pause_before_commit)
+    async with store.begin() as conn:  # a long step must not lose its claim just before the commit
+        await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
+    failure = await commit_step(store, config, lineage.name, step, path, data.group_ids, owner, metrics)
+    if failure is not None:
+        # The previous adapter keeps serving; the groups go back to `ready` and the model and optimizer
+        # back to the last committed step, so nothing of this step survives.
+        console.print(f"[red]{lineage.name} step {step} failed: {failure}[/red]")
+        async with store.begin() as conn:
+            await release_groups(conn, data.group_ids, owner)
+        shutil.rmtree(path, ignore_errors=True)
+        lineage.model, lineage.optimizer = restore(config, device, lineage.committed)
+        await asyncio.sleep(2.0)
+        return False
+    lineage.step = step
+    lineage.committed = await _committed(store, lineage.name)
+    console.print(_metrics_table(lineage.name, step, metrics))
+    return True
+
+
+async def _committed(store: AsyncEngine, name: str) -> AdapterRow | None:
+    async with store.connect() as conn:
+        return await last_committed_step(conn, name)
 
 
 async def commit_step(
     store: AsyncEngine,
     config: TrainConfig,
+    name: str,
     step: int,
     path: Path,
     group_ids: list[str],
@@ -452,10 +535,10 @@ async def commit_step(
 ) -> str | None:
     """Commit through the gateway; None on success, else why not. A lost answer is checked in the store."""
     try:
-        commit_through_gateway(config, step, path, group_ids, owner, metrics)
+        commit_through_gateway(config, name, step, path, group_ids, owner, metrics)
         return None
     except Exception as exc:
-        committed = await _committed(store, config)
+        committed = await _committed(store, name)
         if committed is not None and committed.step == step:
             return None  # the gateway committed; only its answer was lost
         return str(exc)

@@ -239,8 +239,10 @@ def test_bad_flag_value_is_one_line_naming_the_flag(capsys: pytest.CaptureFixtur
 
 
 def test_required_option_names_flag_and_variable() -> None:
-    with pytest.raises(options.OptionError, match=r"--base-model is required \(or set ARTGW_BASE_MODEL\)"):
-        parse("train")
+    # `train` has none any more (the gateway tells the base model): `ruler score --judge` is one.
+    with pytest.raises(options.OptionError, match=r"--judge is required \(or set ARTGW_JUDGE\)"):
+        parse("ruler", "score", "t.jsonl")
+    assert parse("ruler", "score", "t.jsonl", env={"ARTGW_JUDGE": "j"}).judge == "j"
     assert parse("train", env={"ARTGW_BASE_MODEL": "b"}).base_model == "b"
 
 
@@ -345,20 +347,102 @@ def test_status_decodes_typed_step_metrics(monkeypatch: pytest.MonkeyPatch, caps
             {"step": 1, "status": "failed", "group_count": 1, "metrics": None, "error": "engine said no"},
         ],
     }
-    seen: list[str] = []
+    seen: list[tuple[str, str, dict[str, str]]] = []
 
-    def get(url: str, **_: Any) -> httpx.Response:
-        seen.append(url)
-        return httpx.Response(200, json=body)
+    def request(method: str, url: str, *, headers: dict[str, str], **_: Any) -> httpx.Response:
+        seen.append((method, url, headers))
+        return httpx.Response(200, json=body, request=httpx.Request(method, url))
 
-    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(httpx, "request", request)
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table to the terminal otherwise
-    assert cli._cmd_status(parse("status", "--port", "8123", "--model", "my-agent")) == 0
+    args = parse("status", "--port", "8123", "--model", "my-agent", env={"ARTGW_ADMIN_KEY": "a" * 20})
+    assert cli._cmd_status(args) == 0
     out = capsys.readouterr().out
-    assert seen == ["http://127.0.0.1:8123/v1/art/models/my-agent"]
+    assert seen == [("GET", "http://127.0.0.1:8123/v1/art/models/my-agent", {"Authorization": "Bearer " + "a" * 20})]
     assert "serves step 2" in out and "ready=1, trained=3" in out
     assert "0.2500" in out and "0.500" in out and "engine said no" in out
 
     body["steps"] = [{"step": 3, "status": "loaded", "metrics": {"loss": "high"}}]  # not a StepMetrics
     with pytest.raises(cli.CommandError, match="did not answer like an ART gateway"):
         cli._cmd_status(parse("status"))
+
+
+# -----------------------------------------------------------------------------
+# one trainer, several models (issue #13)
+
+
+def test_train_takes_several_models_repeated_or_as_a_comma_list() -> None:
+    assert train().models == ("my-agent",)
+    assert train("--model", "a", "--model", "b").models == ("a", "b")
+    assert train(env={"ARTGW_MODEL": "a, b"}).models == ("a", "b")
+    assert train("--model", "c", env={"ARTGW_MODEL": "a,b"}).models == ("c",)  # the command line wins
+    with pytest.raises(options.OptionError, match="ARTGW_MODEL: expected a comma-separated list"):
+        train(env={"ARTGW_MODEL": "a,,b"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--model", "a", "--model", "a"), "--model given twice: a, a"),
+        (("--model", "x/../y"), "invalid --model 'x/../y'"),
+        (("--model", "a@1"), "invalid --model 'a@1'"),
+        (("--model", ".."), "invalid --model '..'"),
+    ],
+)
+def test_bad_models_are_rejected(argv: tuple[str, ...], says: str) -> None:
+    with pytest.raises(cli.CommandError, match=says) as error:
+        train(*argv)
+    assert error.value.code == 2
+
+
+def test_status_keeps_its_one_model_option() -> None:
+    assert cli._build(cli.StatusOptions, parse("status")).model == "my-agent"
+    assert cli._build(cli.StatusOptions, parse("status", "--model", "b")).model == "b"
+    assert {o.name: o.owner for o in parse("status")._artgw_options}["model"] is cli.StatusOptions
+
+
+def test_train_without_base_model_asks_the_gateway_with_the_admin_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    seen: list[tuple[str, str, dict[str, str]]] = []
+    body: dict[str, Any] = {"name": "a", "base_model": "tiny", "base_model_path": "/models/tiny", "served_step": 0}
+
+    def request(method: str, url: str, **kwargs: Any) -> httpx.Response:
+        seen.append((method, url, kwargs["headers"]))
+        return httpx.Response(200, json=body)
+
+    monkeypatch.setattr(httpx, "request", request)
+    key = "k" * 32
+    args = parse("train", "--model", "a", "--model", "b", "--port", "8123", env={"ARTGW_ADMIN_KEY": key})
+    config = cli.train_config(args)
+    assert config.base_model == "/models/tiny" and config.models == ("a", "b")
+    assert seen == [("GET", "http://127.0.0.1:8123/v1/art/models/a", {"Authorization": f"Bearer {key}"})]
+
+    # Given, the gateway is not asked.
+    assert cli.train_config(parse("train", "--base-model", "/w", env={"ARTGW_ADMIN_KEY": key})).base_model == "/w"
+    assert len(seen) == 1
+
+    body["base_model_path"] = None  # an --upstream engine not up yet: the gateway does not know
+    with pytest.raises(cli.CommandError, match="does not say what its engine loaded"):
+        cli.train_config(args)
+
+
+def test_train_without_base_model_or_gateway_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
+        monkeypatch.delenv(name)
+    port = str(_closed_port())
+    assert cli.main(["train", "--data-dir", str(tmp_path), "--port", port]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("artgw train: --base-model not given and the gateway cannot tell it: no gateway answers at")
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
