@@ -77,7 +77,15 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class StatusOptions:
-    model: str = field(default="my-agent", metadata={"help": "the trainable model to show"})
+    # The trainer's variable (ARTGW_MODEL, a comma list) too: `status` beside a trainer shows its models.
+    models: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "a trainable model to show; repeat for several (none: every model)",
+            "flag": "--model",
+            "repeat": True,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,14 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = _build(Settings, args)
+    from gateway.auth import load_admin_key
+
+    try:  # here, before the server starts, so that a bad key file is one line (the lifespan finds it then)
+        _, made = load_admin_key(settings.admin_key, settings.admin_key_path)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if made:
+        print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
 
     import uvicorn
 
@@ -363,6 +379,10 @@ class _Step(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class _ModelList(msgspec.Struct):
+    data: list[str]
+
+
 class _ModelStatus(msgspec.Struct, kw_only=True):
     name: str
     base_model: str | None = None
@@ -379,19 +399,31 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from store.types import StepMetrics
 
     gateway = gateway_url(args)
-    answer = _ask(args, "GET", f"/v1/art/models/{quote(_build(StatusOptions, args).model, safe='')}")
+    names = list(_build(StatusOptions, args).models)
     try:
-        status = msgspec.json.decode(answer.content, type=_ModelStatus)
-        metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
+        if not names:
+            names = msgspec.json.decode(_ask(args, "GET", "/v1/art/models").content, type=_ModelList).data
+        statuses = []
+        for name in names:
+            answer = _ask(args, "GET", f"/v1/art/models/{quote(name, safe='')}")
+            status = msgspec.json.decode(answer.content, type=_ModelStatus)
+            metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
+            statuses.append((status, metrics))
     except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
         raise CommandError(f"{gateway} did not answer like an ART gateway: {exc}") from None
     console = Console()
+    for status, metrics in statuses:
+        _print_status(console, Table, status, metrics)
+    return 0
+
+
+def _print_status(console: Any, table_type: Any, status: _ModelStatus, metrics: list[Any]) -> None:
     console.print(
         f"[bold]{status.name}[/bold] serves step [bold]{status.served_step}[/bold] "
         f"(base {status.base_model}; loaded steps {status.loaded_steps})"
     )
     console.print("groups: " + (", ".join(f"{k}={v}" for k, v in sorted(status.groups.items())) or "none"))
-    table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
+    table = table_type("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
     for row, m in zip(status.steps, metrics, strict=True):
         table.add_row(
             str(row.step),
@@ -404,7 +436,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
             (row.error or "")[:60],
         )
     console.print(table)
-    return 0
 
 
 def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
@@ -441,6 +472,7 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
 
     keys = _ask(args, "GET", "/v1/art/keys?include_revoked=true").json()["data"]
     table = Table("id", "name", "prefix", "models", "scopes", "rpm", "tpm", "revoked")
+    table.columns[0].no_wrap = True  # the id is what `revoke` takes: never cut
     for key in keys:
         table.add_row(
             key["id"],

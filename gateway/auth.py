@@ -115,6 +115,8 @@ class KeyRing:
         self.admin_key = admin_key
         self.required = required  # --auth required: no key, no call
         self._by_hash: dict[str, Caller] = {}
+        # Bumped by each key made or revoked here: a store read that was under way meanwhile may predate it.
+        self._changes = 0
         self.limits = RateLimits()
 
     def caller(self, headers: Mapping[str, str]) -> Caller:
@@ -157,14 +159,24 @@ class KeyRing:
     def forget(self, key_id: str) -> None:
         """Revoked here: gone from this replica at once (the others on their next refresh)."""
         self._by_hash = {d: c for d, c in self._by_hash.items() if c.key_id != key_id}
+        self._changes += 1
 
     def add(self, digest: str, key: ApiKey) -> None:
         self._by_hash = {**self._by_hash, digest: client_caller(key)}
+        self._changes += 1
 
-    async def refresh(self) -> None:
-        async with self.store.connect() as conn:
-            live = await live_keys(conn)
-        self.replace([(k.secret_sha256, k.key) for k in live])
+    async def refresh(self, attempts: int = 3) -> None:
+        """Re-read the live keys. A read during which a key was made or revoked here may have begun before
+        that commit: applied, it would drop the new key, or bring the revoked one back, until the next read.
+        Such a read is discarded and made again; keys still changing after `attempts` reads stay as they are
+        here (this replica's own changes are already in them) until the next refresh."""
+        for _ in range(attempts):
+            seen = self._changes
+            async with self.store.connect() as conn:
+                live = await live_keys(conn)
+            if self._changes == seen:
+                self.replace([(k.secret_sha256, k.key) for k in live])
+                return
 
     async def follow(self, every: float = REFRESH_SECONDS) -> None:
         """Re-read the keys forever; a store hiccup keeps the last good set (and is logged)."""
@@ -249,24 +261,34 @@ def load_admin_key(given: str | None, path: Path) -> tuple[str, bool]:
     there readable by its owner only (mode 0600). Returns (key, made). The key is never logged."""
     if given is not None:
         return given, False
-    try:
-        key = path.read_text().strip()
-    except FileNotFoundError:
-        key = ""
-    if key:
-        if path.stat().st_mode & 0o077:
-            log.warning("the admin key file %s is readable by others: chmod 600 it", path)
-        return key, False
+    if path.exists():
+        return _existing_admin_key(path), False
     path.parent.mkdir(parents=True, exist_ok=True)
     key = secrets.token_urlsafe(32)
     # O_EXCL: two replicas starting at once on one data dir don't overwrite each other's key.
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip(), False
+    except FileExistsError:  # the other one made it first: its key, once written
+        return _existing_admin_key(path), False
     with os.fdopen(fd, "w") as out:
         out.write(key + "\n")
     return key, True
+
+
+def _existing_admin_key(path: Path, wait: float = 2.0) -> str:
+    """The key in an existing key file. An empty file may be one another gateway has just created and is
+    writing: it is read again for up to `wait` seconds; still empty, it is an error (an empty admin key would
+    lock the admin out, every admin request a 401 with no word of why)."""
+    deadline = time.monotonic() + wait
+    while not (key := path.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not key:
+        raise ValueError(
+            f"the admin key file {path} is empty: delete it to have a new key made, or set ARTGW_ADMIN_KEY"
+        )
+    if path.stat().st_mode & 0o077:
+        log.warning("the admin key file %s is readable by others: chmod 600 it", path)
+    return key
 
 
 def read_admin_key(given: str | None, path: Path) -> str | None:

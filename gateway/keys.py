@@ -24,7 +24,7 @@ class KeyCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`POST /v1/art/keys`: who the key is for and what it may do."""
 
     name: Name
-    models: Annotated[list[Name], msgspec.Meta(max_length=1000)] | None = None  # None: every model
+    models: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=1000)] | None = None  # None: every model
     scopes: Annotated[list[Scope], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["infer"])
     rpm: PerMinute | None = None  # requests per minute (per replica); None: no limit
     tpm: PerMinute | None = None  # prompt + completion tokens per minute (per replica); None: no limit

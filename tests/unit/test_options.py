@@ -362,9 +362,24 @@ def test_status_decodes_typed_step_metrics(monkeypatch: pytest.MonkeyPatch, caps
     assert "serves step 2" in out and "ready=1, trained=3" in out
     assert "0.2500" in out and "0.500" in out and "engine said no" in out
 
+    # No --model: every model the gateway lists, each in turn.
+    seen.clear()
+    original = request
+
+    def listing(method: str, url: str, *, headers: dict[str, str], **rest: Any) -> httpx.Response:
+        if url.endswith("/v1/art/models"):
+            seen.append((method, url, headers))
+            return httpx.Response(200, json={"data": ["my-agent", "b"]}, request=httpx.Request(method, url))
+        return original(method, url, headers=headers, **rest)
+
+    monkeypatch.setattr(httpx, "request", listing)
+    assert cli._cmd_status(parse("status", "--port", "8123")) == 0
+    assert [url.rsplit("/", 1)[1] for _, url, _ in seen] == ["models", "my-agent", "b"]
+    assert capsys.readouterr().out.count("serves step 2") == 2
+
     body["steps"] = [{"step": 3, "status": "loaded", "metrics": {"loss": "high"}}]  # not a StepMetrics
     with pytest.raises(cli.CommandError, match="did not answer like an ART gateway"):
-        cli._cmd_status(parse("status"))
+        cli._cmd_status(parse("status", "--model", "my-agent"))
 
 
 # -----------------------------------------------------------------------------
@@ -395,10 +410,11 @@ def test_bad_models_are_rejected(argv: tuple[str, ...], says: str) -> None:
     assert error.value.code == 2
 
 
-def test_status_keeps_its_one_model_option() -> None:
-    assert cli._build(cli.StatusOptions, parse("status")).model == "my-agent"
-    assert cli._build(cli.StatusOptions, parse("status", "--model", "b")).model == "b"
-    assert {o.name: o.owner for o in parse("status")._artgw_options}["model"] is cli.StatusOptions
+def test_status_shows_the_models_given_or_every_model() -> None:
+    assert cli._build(cli.StatusOptions, parse("status")).models == ()  # none: every model the gateway has
+    assert cli._build(cli.StatusOptions, parse("status", "--model", "b")).models == ("b",)
+    assert cli._build(cli.StatusOptions, parse("status", env={"ARTGW_MODEL": "a,b"})).models == ("a", "b")
+    assert {o.name: o.owner for o in parse("status")._artgw_options}["models"] is cli.StatusOptions
 
 
 def test_train_without_base_model_asks_the_gateway_with_the_admin_key(monkeypatch: pytest.MonkeyPatch) -> None:
