@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,27 +212,29 @@ class GatewayProcess:
         return int(self.proc.returncode)
 
 
-def start_gateway(tmp_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> GatewayProcess:
+def start_gateway(
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    models: Sequence[str] = ("my-agent",),
+    isolated: bool = False,
+) -> GatewayProcess:
+    """`artgw serve` for `models` with its own data dir under `tmp_path`, as a process of its own session.
+    `isolated`: the shell's ARTGW_* variables left out, so only what the test sets counts."""
     port = free_port()
     data_dir = tmp_path / f"gw-{port}"
     data_dir.mkdir(parents=True)
     log_path = data_dir / "gateway.log"
+    command = [ARTGW, "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    command += [arg for model in models for arg in ("--model-name", model)]
+    inherited = {k: v for k, v in os.environ.items() if not (isolated and k.startswith("ARTGW_"))}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [
-                ARTGW,
-                "serve",
-                "--port",
-                str(port),
-                "--data-dir",
-                str(data_dir),
-                "--model-name",
-                "my-agent",
-                *args,
-            ],
+            [*command, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**inherited, **(env or {})},
             start_new_session=True,
         )
     gateway = GatewayProcess(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
@@ -243,6 +246,23 @@ def start_gateway(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
             print(gateway.log())
             raise
     return gateway
+
+
+@contextmanager
+def started_together(gateways: list[GatewayProcess], timeout: float = 90) -> Iterator[list[GatewayProcess]]:
+    """Replicas started at once (`wait=False`: both migrate the empty store on start, one waits for the
+    other's lock), once all are ready; stopped on exit."""
+    try:
+        for gateway in gateways:
+            try:
+                wait_http(f"{gateway.url}/readyz", timeout, gateway.proc)
+            except Exception:
+                print(gateway.log())
+                raise
+        yield gateways
+    finally:
+        for gateway in gateways:
+            gateway.stop()
 
 
 def start_trainer(
@@ -271,6 +291,49 @@ def start_trainer(
             start_new_session=True,
         )
     return proc, log_path
+
+
+class TrainerProcess:
+    """`artgw train` (quick batches, short leases) as a process of its own session: SIGKILL reaches it alone."""
+
+    def __init__(
+        self,
+        name: str,
+        gateway: GatewayProcess,
+        base_model: Path | None,
+        *extra: str,
+        models: Sequence[str] = ("my-agent",),
+    ) -> None:
+        self.name = name
+        options = ("--groups-per-step", "2", "--max-wait", "1", "--lease-seconds", "4", *extra)
+        self.proc, self.log_path = start_trainer(gateway, base_model, *options, log_name=name, models=models)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        stop_group(self.proc, grace=60)
+        return int(self.proc.returncode)
+
+
+def query_store(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """Read a gateway's SQLite store directly, read-only (WAL: never blocks the writers)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
 
 
 @pytest.fixture

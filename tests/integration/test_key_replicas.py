@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import GatewayProcess, start_stub, stop_group, wait_http
+from tests.conftest import GatewayProcess, start_stub, started_together, stop_group
 from tests.integration.test_keys import CHAT_A, sent, serve
 
 pytestmark = [pytest.mark.postgres]
@@ -29,19 +29,12 @@ BOUND = 2.0  # seconds: the issue's bound for a key made or revoked on one repli
 def replicas(pg_database_url: str, tmp_path: Path) -> Iterator[list[GatewayProcess]]:
     stub, stub_proc = start_stub()
     env = {"ARTGW_ADMIN_KEY": ADMIN_KEY, "ARTGW_DB": pg_database_url}
-    # Started together: both migrate the empty store on start (one waits for the other's lock).
-    started = [serve(tmp_path, stub, "--auth", "required", env=env, wait=False) for _ in range(2)]
     try:
-        for gateway in started:
-            try:
-                wait_http(f"{gateway.url}/readyz", 90, gateway.proc)
-            except Exception:
-                print(gateway.log())
-                raise
-        yield started
+        with started_together(
+            [serve(tmp_path, stub, "--auth", "required", env=env, wait=False) for _ in range(2)]
+        ) as both:
+            yield both
     finally:
-        for gateway in started:
-            gateway.stop()
         stop_group(stub_proc)
 
 

@@ -36,7 +36,7 @@ import psutil
 import pytest
 
 from gateway.errors import OpenAIError
-from tests.conftest import ARTGW, GatewayProcess, free_port, start_stub, stop_group, wait_http
+from tests.conftest import ARTGW, GatewayProcess, start_gateway, start_stub, stop_group
 
 MODELS = ("a", "b")
 SCOPES = ("infer", "reward", "read")
@@ -53,26 +53,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 def serve(
     where: Path, upstream: str, *args: str, env: dict[str, str] | None = None, wait: bool = True
 ) -> GatewayProcess:
-    """`artgw serve` for models `a` and `b` in front of `upstream` (its own data dir under `where`)."""
-    port = free_port()
-    data_dir = where / f"gw-{port}"
-    data_dir.mkdir(parents=True)
-    log_path = data_dir / "gateway.log"
-    command = [ARTGW, "serve", "--port", str(port), "--data-dir", str(data_dir), "--upstream", upstream]
-    command += ["--model-name", "a", "--model-name", "b", *args]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=clean_env(**(env or {})), start_new_session=True
-        )
-    gateway = GatewayProcess(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
-    if wait:
-        try:
-            wait_http(f"{gateway.url}/readyz", 60, proc)
-        except Exception:
-            gateway.stop()
-            print(gateway.log())
-            raise
-    return gateway
+    """`artgw serve` for models `a` and `b` in front of `upstream`, the shell's ARTGW_* variables left out."""
+    return start_gateway(where, "--upstream", upstream, *args, env=env, wait=wait, models=MODELS, isolated=True)
 
 
 def sent(secret: str | None, how: str = "bearer") -> dict[str, str]:

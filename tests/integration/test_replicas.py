@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_trainer, stop_group, wait_http
+from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_trainer, started_together, stop_group
 
 pytestmark = [pytest.mark.engine, pytest.mark.postgres]
 
@@ -27,19 +27,9 @@ USER = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture
 def replicas(pg_database_url: str, vllm_url: str, tmp_path: Path) -> Iterator[list[GatewayProcess]]:
-    # Started together, not one after the other: both migrate the empty store on start.
-    started = [start_gateway(tmp_path, "--upstream", vllm_url, "--db", pg_database_url, wait=False) for _ in range(2)]
-    try:
-        for gateway in started:
-            try:
-                wait_http(f"{gateway.url}/readyz", 90, gateway.proc)
-            except Exception:
-                print(gateway.log())
-                raise
-        yield started
-    finally:
-        for gateway in started:
-            gateway.stop()
+    starting = [start_gateway(tmp_path, "--upstream", vllm_url, "--db", pg_database_url, wait=False) for _ in range(2)]
+    with started_together(starting) as both:
+        yield both
 
 
 def test_replicas_share_the_store_and_report_one_picture(

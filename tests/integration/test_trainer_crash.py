@@ -15,9 +15,7 @@ became a step (its checkpoint was discarded and written afresh by the step that 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, poll, start_gateway, start_trainer, stop_group
+from tests.conftest import GatewayProcess, TrainerProcess, poll, query_store, start_gateway
 
 pytestmark = pytest.mark.engine
 
@@ -40,42 +38,6 @@ REWARDS = (1.0, 0.0, 0.5)  # rotated per group: every group has signal
 
 # -----------------------------------------------------------------------------
 # helpers
-
-
-class Trainer:
-    """`artgw train` as a process of its own (own session: SIGKILL reaches it and nothing else)."""
-
-    def __init__(self, name: str, gateway: GatewayProcess, base_model: Path, *extra: str) -> None:
-        self.name = name
-        options = ("--groups-per-step", "2", "--max-wait", "1", "--lease-seconds", "4", *extra)
-        self.proc, self.log_path = start_trainer(gateway, base_model, *options, log_name=name)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> int:
-        stop_group(self.proc, grace=60)
-        return int(self.proc.returncode)
-
-
-def query(db: Path, sql: str, *args: Any) -> list[tuple]:
-    """Read the gateway's SQLite store directly, read-only (WAL: never blocks the writers)."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
-    try:
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
 
 
 def record_rollouts(gateway: GatewayProcess, count: int) -> list[str]:
@@ -120,23 +82,23 @@ def make_groups(gateway: GatewayProcess) -> list[str]:
     return group_ids
 
 
-def status(gateway: GatewayProcess) -> dict[str, Any]:
-    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=30)
+def status(gateway: GatewayProcess, model: str = MODEL) -> dict[str, Any]:
+    answer = httpx.get(f"{gateway.base_url}/art/models/{model}", headers=gateway.admin, timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
 
 def group_states(gateway: GatewayProcess) -> dict[str, str]:
-    return dict(query(gateway.db_path, "SELECT id, state FROM groups WHERE model = ?", MODEL))
+    return dict(query_store(gateway.db_path, "SELECT id, state FROM groups WHERE model = ?", MODEL))
 
 
-def checkpoint(gateway: GatewayProcess, step: int) -> Path:
-    return gateway.data_dir / "checkpoints" / MODEL / str(step)
+def checkpoint(gateway: GatewayProcess, step: int, model: str = MODEL) -> Path:
+    return gateway.data_dir / "checkpoints" / model / str(step)
 
 
-def finish(gateway: GatewayProcess, base_model: Path, group_ids: list[str]) -> Trainer:
+def finish(gateway: GatewayProcess, base_model: Path, group_ids: list[str]) -> TrainerProcess:
     """A fresh trainer (no pause) until every group is trained; then SIGTERM, which it must obey cleanly."""
-    trainer = Trainer("trainer-resumed", gateway, base_model)
+    trainer = TrainerProcess("trainer-resumed", gateway, base_model)
     try:
         poll(
             lambda: set(group_states(gateway).values()) == {"trained"},
@@ -151,43 +113,48 @@ def finish(gateway: GatewayProcess, base_model: Path, group_ids: list[str]) -> T
     return trainer
 
 
-def assert_exactly_once(gateway: GatewayProcess, group_ids: list[str]) -> list[dict[str, Any]]:
-    """Every group trained by exactly one committed step; steps 1..k; step k served; disk matches the store."""
-    model = status(gateway)
-    assert model["groups"] == {"trained": len(group_ids)}, model["groups"]
-    steps = sorted(model["steps"], key=lambda s: s["step"])
+def assert_exactly_once(gateway: GatewayProcess, group_ids: list[str], model: str = MODEL) -> list[dict[str, Any]]:
+    """Every group of `model` trained by exactly one committed step of its own; steps 1..k; step k served; disk
+    matches the store. Returns the steps."""
+    seen = status(gateway, model)
+    assert seen["groups"] == {"trained": len(group_ids)}, seen["groups"]
+    steps = sorted(seen["steps"], key=lambda s: s["step"])
     assert all(s["status"] in ("loaded", "unloaded") for s in steps), steps  # nothing failed, nothing pending
     numbers = [s["step"] for s in steps]
     assert numbers == list(range(1, len(steps) + 1)), numbers
-    assert model["served_step"] == len(steps) == max(model["loaded_steps"])
+    assert seen["served_step"] == len(steps) == max(seen["loaded_steps"])
     assert len(steps) >= len(group_ids) // 2  # 2 groups per step at most
 
-    # The union of the committed steps' groups is every group, none in two steps.
-    seen = Counter(g for s in steps for g in s["metrics"]["group_ids"])
-    assert set(seen) == set(group_ids) and set(seen.values()) == {1}, seen
+    # The union of the committed steps' groups is every group of the model, none in two steps.
+    counted = Counter(g for s in steps for g in s["metrics"]["group_ids"])
+    assert set(counted) == set(group_ids) and set(counted.values()) == {1}, counted
     for s in steps:
         assert s["group_count"] == len(s["metrics"]["group_ids"]) >= 1
 
     # The store says the same, group by group, and holds no lease any more.
     db = gateway.db_path
     by_step = {g: s["step"] for s in steps for g in s["metrics"]["group_ids"]}
-    rows = query(db, "SELECT id, state, trained_step, lease_owner FROM groups WHERE model = ?", MODEL)
+    rows = query_store(db, "SELECT id, state, trained_step, lease_owner FROM groups WHERE model = ?", model)
     assert sorted(rows) == sorted((g, "trained", by_step[g], None) for g in group_ids)
-    stored = query(db, "SELECT step, status, group_count, metrics FROM adapters WHERE model = ? ORDER BY step", MODEL)
+    stored = query_store(
+        db, "SELECT step, status, group_count, metrics FROM adapters WHERE model = ? ORDER BY step", model
+    )
     assert [(n, st, c) for n, st, c, _ in stored] == [(s["step"], s["status"], s["group_count"]) for s in steps]
     assert [json.loads(m)["group_ids"] for *_, m in stored] == [s["metrics"]["group_ids"] for s in steps]
 
     # On disk: exactly the committed steps, each the checkpoint of the groups its step committed.
-    root = gateway.data_dir / "checkpoints" / MODEL
+    root = gateway.data_dir / "checkpoints" / model
     assert sorted(p.name for p in root.iterdir()) == sorted(str(n) for n in numbers)  # no stray or .tmp dirs
     for s in steps:
-        saved = json.loads((checkpoint(gateway, s["step"]) / "step.json").read_text())
-        assert saved["step"] == s["step"] and saved["metrics"]["group_ids"] == s["metrics"]["group_ids"]
+        saved = json.loads((checkpoint(gateway, s["step"], model) / "step.json").read_text())
+        assert (saved["model"], saved["step"]) == (model, s["step"])
+        assert saved["metrics"]["group_ids"] == s["metrics"]["group_ids"]
 
-    # And `my-agent` is served by the newest step.
+    # And the model is served by its newest step.
     answer = httpx.post(
         f"{gateway.base_url}/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers=gateway.admin,
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
@@ -207,7 +174,7 @@ def gateway(vllm_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
 
 def test_killed_between_checkpoint_and_commit(gateway: GatewayProcess, tiny_model: Path) -> None:
     group_ids = make_groups(gateway)
-    first = Trainer("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
+    first = TrainerProcess("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
     try:
         ckpt = checkpoint(gateway, 1)
         poll(lambda: (ckpt / "step.json").is_file(), 150, "the first checkpoint", alive=[first])
@@ -239,10 +206,10 @@ def test_killed_while_training_before_checkpoint(gateway: GatewayProcess, tiny_m
     group_ids = make_groups(gateway)
     db = gateway.db_path
     # The pause only matters if the kill came late: then the step still never commits.
-    first = Trainer("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
+    first = TrainerProcess("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
     try:
         claimed = poll(
-            lambda: query(db, "SELECT id FROM groups WHERE state = 'training' AND lease_owner IS NOT NULL"),
+            lambda: query_store(db, "SELECT id FROM groups WHERE state = 'training' AND lease_owner IS NOT NULL"),
             150,
             "the first trainer's claim",
             every=0.02,

@@ -13,21 +13,18 @@ calls to `a@1`, `b@1` and `b` are recorded with their own model and step.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sqlite3
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import GatewayProcess, poll, start_gateway, start_trainer, stop_group
+from tests.conftest import GatewayProcess, TrainerProcess, poll, query_store, start_gateway, stop_group
+from tests.integration.test_trainer_crash import assert_exactly_once, checkpoint, status
 
 pytestmark = pytest.mark.engine
 
@@ -35,38 +32,6 @@ MODELS = ("a", "b")
 GROUPS = 4  # per model: 2 steps of 2 groups each
 PER_GROUP = 3
 REWARDS = (1.0, 0.0, 0.5)  # rotated per group: every group has signal, so every claim makes a step
-
-
-class Trainer:
-    """`artgw train --model a --model b` as a process of its own session (SIGKILL reaches it and nothing else)."""
-
-    def __init__(self, name: str, gateway: GatewayProcess, base_model: Path | None, *extra: str) -> None:
-        self.name = name
-        options = ("--groups-per-step", "2", "--max-wait", "1", "--lease-seconds", "4", *extra)
-        self.proc, self.log_path = start_trainer(gateway, base_model, *options, log_name=name, models=MODELS)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-
-def query(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    """Read the gateway's SQLite store directly, read-only (WAL: never blocks the writers)."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
-    try:
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
 
 
 def sdk(gateway: GatewayProcess) -> openai.OpenAI:
@@ -117,19 +82,9 @@ def make_groups(gateway: GatewayProcess, model: str) -> list[str]:
     return group_ids
 
 
-def status(gateway: GatewayProcess, model: str) -> dict[str, Any]:
-    answer = httpx.get(f"{gateway.base_url}/art/models/{model}", headers=gateway.admin, timeout=30)
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
 def group_states(gateway: GatewayProcess) -> dict[str, tuple[str, str]]:
     """Every group: id -> (model, state)."""
-    return {g: (m, s) for g, m, s in query(gateway.db_path, "SELECT id, model, state FROM groups")}
-
-
-def checkpoint(gateway: GatewayProcess, model: str, step: int) -> Path:
-    return gateway.data_dir / "checkpoints" / model / str(step)
+    return {g: (m, s) for g, m, s in query_store(gateway.db_path, "SELECT id, model, state FROM groups")}
 
 
 def recorded(gateway: GatewayProcess, model_id: str) -> tuple[str | None, int | None]:
@@ -141,35 +96,6 @@ def recorded(gateway: GatewayProcess, model_id: str) -> tuple[str | None, int | 
     rollout = answer.json()
     (call,) = rollout["calls"]
     return rollout["model"], call["step"]
-
-
-def assert_trained_exactly_once(gateway: GatewayProcess, model: str, group_ids: list[str]) -> list[int]:
-    """`model`'s groups each trained by exactly one committed step of its own; steps 1..k; step k served; disk
-    and store agree. Returns the step numbers."""
-    seen = status(gateway, model)
-    assert seen["groups"] == {"trained": len(group_ids)}, seen["groups"]
-    steps = sorted(seen["steps"], key=lambda s: s["step"])
-    assert all(s["status"] in ("loaded", "unloaded") for s in steps), steps  # nothing failed, nothing pending
-    numbers = [s["step"] for s in steps]
-    assert numbers == list(range(1, len(steps) + 1)), numbers
-    assert seen["served_step"] == len(steps) == max(seen["loaded_steps"])
-    assert len(steps) >= len(group_ids) // 2  # 2 groups a step at most
-
-    # The union of its steps' groups is every group of this model, none in two steps, no other model's.
-    counted = Counter(g for s in steps for g in s["metrics"]["group_ids"])
-    assert set(counted) == set(group_ids) and set(counted.values()) == {1}, counted
-    by_step = {g: s["step"] for s in steps for g in s["metrics"]["group_ids"]}
-    rows = query(gateway.db_path, "SELECT id, state, trained_step, lease_owner FROM groups WHERE model = ?", model)
-    assert sorted(rows) == sorted((g, "trained", by_step[g], None) for g in group_ids)
-
-    # On disk: exactly the committed steps, each the checkpoint of this model's groups of that step.
-    root = gateway.data_dir / "checkpoints" / model
-    assert sorted(p.name for p in root.iterdir()) == sorted(str(n) for n in numbers)  # no stray or .tmp dirs
-    for s in steps:
-        saved = json.loads((checkpoint(gateway, model, s["step"]) / "step.json").read_text())
-        assert (saved["model"], saved["step"]) == (model, s["step"])
-        assert saved["metrics"]["group_ids"] == s["metrics"]["group_ids"]
-    return numbers
 
 
 @pytest.fixture
@@ -187,9 +113,9 @@ def test_one_trainer_trains_two_models_each_exactly_once_across_a_kill(
     groups = {model: make_groups(gateway, model) for model in MODELS}
 
     # ---- the first trainer: killed between a's first checkpoint and its commit
-    first = Trainer("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600")
+    first = TrainerProcess("trainer-killed", gateway, tiny_model, "--pause-before-commit", "600", models=MODELS)
     try:
-        ckpt = checkpoint(gateway, "a", 1)  # `a` is polled first: its batch is ready first
+        ckpt = checkpoint(gateway, 1, "a")  # `a` is polled first: its batch is ready first
         poll(lambda: (ckpt / "step.json").is_file(), 150, "a's first checkpoint", alive=[first])
         first.kill()
     finally:
@@ -205,7 +131,7 @@ def test_one_trainer_trains_two_models_each_exactly_once_across_a_kill(
     (ckpt / "KILLED_ATTEMPT").write_text("left by the killed trainer; a resumed trainer must not serve this")
 
     # ---- the second trainer, without --base-model: it asks the gateway, trains both models to the end
-    resumed = Trainer("trainer-resumed", gateway, None)
+    resumed = TrainerProcess("trainer-resumed", gateway, None, models=MODELS)
     try:
         poll(
             lambda: {state for model, state in group_states(gateway).values() if model in MODELS} == {"trained"},
@@ -224,7 +150,7 @@ def test_one_trainer_trains_two_models_each_exactly_once_across_a_kill(
     assert not (ckpt / "KILLED_ATTEMPT").exists()  # a's step 1 on disk is the resumed trainer's
 
     # ---- per model: exactly once, contiguous steps, only its own steps in its status
-    steps = {model: assert_trained_exactly_once(gateway, model, groups[model]) for model in MODELS}
+    steps = {model: [s["step"] for s in assert_exactly_once(gateway, groups[model], model)] for model in MODELS}
     assert set(killed_groups) <= set(groups["a"])  # trained again, once, by a's own steps (checked above)
     untouched = status(gateway, "my-agent")
     assert (untouched["steps"], untouched["served_step"], untouched["groups"]) == ([], 0, {})
