@@ -42,7 +42,8 @@ def test_supervised_engine_lifecycle(tiny_model, gateway_factory) -> None:
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
     ready_seconds = time.monotonic() - started
     print(f"artgw serve → ready in {ready_seconds:.1f}s")
-    assert re.search(r"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+model=my-agent", gateway.log())
+    ready = r"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+models=my-agent\s+auth=off"
+    assert re.search(ready, gateway.log())
 
     # A generous timeout: a fresh vLLM's first generation, with another engine busy on these 2 cores, has
     # taken over httpx's default 5 s (this test asserts what happens, not how fast).
