@@ -232,9 +232,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = _build(Settings, args)
     from gateway.auth import load_admin_key
 
-    try:  # here, before the server starts, so that a bad key file is one line (the lifespan finds it then)
-        _, made = load_admin_key(settings.admin_key, settings.admin_key_path)
-    except ValueError as exc:
+    try:  # here, before the server starts, so that a bad key file is one line, not a lifespan traceback
+        key, made = load_admin_key(settings.admin_key, settings.admin_key_path)
+        settings = dataclasses.replace(settings, admin_key=key)  # read once: the lifespan takes it as given
+    except ValueError as exc:  # an empty key file, or one holding a key too short
         raise CommandError(str(exc)) from None
     if made:
         print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
@@ -394,7 +395,6 @@ class _ModelStatus(msgspec.Struct, kw_only=True):
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from store.types import StepMetrics
 
@@ -413,17 +413,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
         raise CommandError(f"{gateway} did not answer like an ART gateway: {exc}") from None
     console = Console()
     for status, metrics in statuses:
-        _print_status(console, Table, status, metrics)
+        _print_status(console, status, metrics)
     return 0
 
 
-def _print_status(console: Any, table_type: Any, status: _ModelStatus, metrics: list[Any]) -> None:
+def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> None:
+    from rich.table import Table
+
     console.print(
         f"[bold]{status.name}[/bold] serves step [bold]{status.served_step}[/bold] "
         f"(base {status.base_model}; loaded steps {status.loaded_steps})"
     )
     console.print("groups: " + (", ".join(f"{k}={v}" for k, v in sorted(status.groups.items())) or "none"))
-    table = table_type("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
+    table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
     for row, m in zip(status.steps, metrics, strict=True):
         table.add_row(
             str(row.step),
