@@ -22,6 +22,9 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     policy_loss: float = 0.0
     kl: float = 0.0
     clip_fraction: float = 0.0
+    ratio_mean: float = 1.0  # mean importance ratio (policy / sampler) over trained tokens, before the update
+    constrained_tokens: int = 0  # trained tokens sampled under a grammar (scored under the same mask)
+    constrained_ratio_mean: float = 1.0  # the same mean over those tokens alone
     grad_norm: float = 0.0
     reward_mean: float = 0.0
     reward_std: float = 0.0

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # checks it); spelled out here so reading the config does not import torch.
 ScaleRewards = Literal["group", "batch", "none"]
 NormalizationName = Literal["grpo", "dr_grpo", "dapo"]
+LossName = Literal["ppo", "cispo", "gspo"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -109,14 +110,22 @@ class TrainConfig:
     mask_truncated: bool = field(
         default=False, metadata={"help": "no loss on completions the length limit cut (finish_reason 'length')"}
     )
-    # Tokens sampled under a grammar (named/required tool_choice, JSON response_format, guided decoding) are
-    # context unless this is set: vLLM reports their logprobs after the grammar's mask, so their importance
-    # ratio against the unmasked policy is off by the mask's renormalization (often 100x and more).
-    train_constrained: bool = field(
-        default=False,
+    loss_name: LossName = field(
+        default="ppo",
         metadata={
-            "help": "also train tokens sampled under a grammar (named/required tool_choice, JSON response_format, "
-            "guided decoding); off by default because vLLM reports their logprobs after the grammar's mask"
+            "help": "policy loss: ppo (clipped token ratio, TIS-capped), cispo (clipped stop-gradient token weight "
+            "times the log-probability) or gspo (clipped sequence-level ratio)",
+            "flag": "--loss",
+        },
+    )
+    # vLLM reports the logprobs of tokens sampled under a grammar (named/required tool_choice, JSON
+    # response_format, guided decoding) after the grammar's mask; the trainer rebuilds the same grammar from the
+    # recorded request and applies the same mask, so both sides compare the same masked distribution.
+    train_constrained: bool = field(
+        default=True,
+        metadata={
+            "help": "train tokens sampled under a grammar (named/required tool_choice, JSON response_format, "
+            "guided decoding) under the same grammar mask vLLM used; --no-train-constrained makes them context"
         },
     )
     # -- batch layout
@@ -125,7 +134,32 @@ class TrainConfig:
     pack_tokens_per_row: int = field(
         default=512, metadata={"help": "tokens per packed row (a longer sequence gets a row of its own)"}
     )
-    rows_per_micro_batch: int = field(default=8, metadata={"help": "packed rows per forward/backward pass"})
+    # The accumulation unit: the loss's normalizers are computed once over the whole step's batch, so the
+    # update does not depend on it (nor on the packing width); only memory and speed do.
+    micro_batch_rows: int = field(
+        default=8,
+        metadata={
+            "help": "packed rows per forward/backward pass (memory only: the update is the same for any value)",
+            "aliases": ("--rows-per-micro-batch",),
+        },
+    )
+    logprob_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "positions per chunk through the output layer: peak memory is this times the vocabulary, "
+            "not the batch's tokens times it"
+        },
+    )
+    # -- several processes (torch.distributed: gloo on CPU, NCCL on GPUs); the batch is split by tokens
+    nproc_per_node: int = field(
+        default=1, metadata={"help": "training processes on this machine (one per GPU); 1: no torch.distributed"}
+    )
+    nnodes: int = field(default=1, metadata={"help": "machines training together (each runs artgw train)"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index, 0 to --nnodes - 1 (0 claims groups)"})
+    master_addr: str = field(
+        default="127.0.0.1", metadata={"help": "address of the machine with --node-rank 0, reachable by every node"}
+    )
+    master_port: int = field(default=29500, metadata={"help": "port torch.distributed meets on at --master-addr"})
     # -- misc
     seed: int = field(default=0, metadata={"help": "random seed"})
     device: Device = field(default="auto", metadata={"help": "where to train (auto: cuda when there is one)"})
@@ -175,15 +209,23 @@ class TrainConfig:
             ("--lora-rank", self.lora_rank),
             ("--lora-alpha", self.lora_alpha),
             ("--pack-tokens-per-row", self.pack_tokens_per_row),
-            ("--rows-per-micro-batch", self.rows_per_micro_batch),
+            ("--micro-batch-rows", self.micro_batch_rows),
+            ("--logprob-chunk-tokens", self.logprob_chunk_tokens),
+            ("--nproc-per-node", self.nproc_per_node),
+            ("--nnodes", self.nnodes),
         ):
             if count < 1:
                 raise ValueError(f"{flag} must be >= 1, got {count}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be between 0 and --nnodes - 1 ({self.nnodes - 1}), got {self.node_rank}")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be a TCP port (1 to 65535), got {self.master_port}")
         if not self.target_modules:
             raise ValueError("--target-modules must name at least one module")
         for flag, value, choices in (
             ("--scale-rewards", self.scale_rewards, get_args(ScaleRewards)),
             ("--normalization", self.normalization, get_args(NormalizationName)),
+            ("--loss", self.loss_name, get_args(LossName)),
             ("--device", self.device, get_args(Device)),
         ):
             if value not in choices:
@@ -199,6 +241,7 @@ class TrainConfig:
             tis_cap=self.tis_cap,
             normalization=self.normalization,
             beta=self.beta,
+            policy=self.loss_name,
         )
 
     def to_json(self) -> dict[str, Any]:
