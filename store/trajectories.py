@@ -50,6 +50,8 @@ class CallSummary(msgspec.Struct, frozen=True):
     superseded: bool = False  # retried later with the identical request: training uses the last attempt
     choice: int | None = None  # which choice the rollout continued with (n > 1)
     constrained: bool = False  # sampled under a grammar: see `sampled_under_grammar`
+    # A constrained call's request without its messages: what the trainer rebuilds vLLM's grammar from.
+    grammar_request: dict[str, Any] | None = None
     key_id: str | None = None  # the API key that made the call (its id)
 
 
@@ -79,6 +81,10 @@ def sampled_under_grammar(request: dict[str, Any]) -> bool:
         return True
     guided = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     return any(request.get(key) for key in guided)
+
+
+def _without_messages(request: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in request.items() if key not in ("messages", "prompt")}
 
 
 def _canonical(value: Any) -> bytes:
@@ -191,6 +197,7 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
             superseded=c.call_id in superseded,
             choice=chosen.get(c.call_id),
             constrained=sampled_under_grammar(c.request),
+            grammar_request=_without_messages(c.request) if sampled_under_grammar(c.request) else None,
         )
         for c in calls
     ]

@@ -14,7 +14,7 @@ So `token_logprobs(logits, labels)` feeds `grpo_loss` without any further shifti
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,21 @@ class TrainSequence:
     sampled_mask: list[int]  # 1: sampled by the model (trainable); 0: context
     logprobs: list[float | None]  # sampling logprob of each sampled token; context entries are ignored
     trajectory: int  # index into the batch's advantages
+    # Tokens sampled under a grammar: grammar_bitmask[i] (xgrammar's int32 layout, ceil(V / 32) words) is the
+    # allowed-token mask vLLM sampled token_ids[grammar_positions[i]] under; the trainer scores them under it too.
+    grammar_positions: tuple[int, ...] = ()
+    grammar_bitmask: Tensor | None = None  # (len(grammar_positions), W) int32
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("token_ids must not be empty")
+        rows = 0 if self.grammar_bitmask is None else self.grammar_bitmask.shape[0]
+        if rows != len(self.grammar_positions) or any(not 0 <= p < n for p in self.grammar_positions):
+            raise ValueError(
+                f"grammar_positions ({len(self.grammar_positions)}, each in [0, {n})) must index "
+                f"grammar_bitmask's {rows} rows"
+            )
         if len(self.sampled_mask) != n or len(self.logprobs) != n:
             raise ValueError(
                 "token_ids, sampled_mask and logprobs must have the same length, "
@@ -71,7 +81,10 @@ class PackedBatch:
     loss_mask: Tensor  # (B, T) bool: labels[t] is a sampled token of the same sequence
     sampled_logprobs: Tensor  # (B, T) float32: sampling logprob of labels[t] on loss_mask, 0 elsewhere
     token_trajectory: Tensor  # (B, T) long: trajectory of labels[t] on loss_mask, -1 elsewhere
+    allowed_index: Tensor  # (B, T) long: row of allowed_bitmask labels[t] was sampled under; -1: no grammar
+    allowed_bitmask: Tensor | None  # (M, W) int32 grammar masks (None: no token sampled under a grammar)
     placements: tuple[tuple[int, int], ...]  # (row, first column) of each input sequence, in input order
+    row_tokens: tuple[int, ...]  # tokens (not padding) in each row
     num_sequences: int
     trainable_tokens: int  # loss_mask.sum()
     padding_tokens: int  # positions holding no sequence
@@ -83,7 +96,10 @@ class PackedBatch:
 
 
 def sequences_from_trajectory(
-    trajectory_index: int, sequences: Sequence[Any], untrained_calls: Collection[str] = ()
+    trajectory_index: int,
+    sequences: Sequence[Any],
+    untrained_calls: Collection[str] = (),
+    grammar_masks: Mapping[str, Tensor] | None = None,
 ) -> list[TrainSequence]:
     """TrainSequences of one trajectory from objects with token_ids/sampled_mask/logprobs.
 
@@ -91,16 +107,32 @@ def sequences_from_trajectory(
     split trajectory get the same index: the advantage (and grpo's per-trajectory mean)
     belongs to the trajectory, not to the pieces it was split into. The sampled tokens of
     `untrained_calls` (ids in `call_ids`, located by `sampled_spans`) become context.
+    `grammar_masks[call_id]`: the grammar masks a call's tokens were sampled under, one row per sampled token
+    (calls sampled under no grammar are not in it).
     """
     out = []
     for s in sequences:
         mask = list(s.sampled_mask)
+        positions: list[int] = []
+        bitmasks: list[Tensor] = []
         for call_id, (start, end) in zip(s.call_ids, s.sampled_spans, strict=True):
             if call_id in untrained_calls:
                 mask[start:end] = [0] * (end - start)
+                continue
+            rows = (grammar_masks or {}).get(call_id)
+            if rows is not None:
+                if rows.shape[0] != end - start:
+                    raise ValueError(f"call {call_id}: {rows.shape[0]} grammar masks for {end - start} sampled tokens")
+                positions += range(start, end)
+                bitmasks.append(rows)
         out.append(
             TrainSequence(
-                token_ids=list(s.token_ids), sampled_mask=mask, logprobs=list(s.logprobs), trajectory=trajectory_index
+                token_ids=list(s.token_ids),
+                sampled_mask=mask,
+                logprobs=list(s.logprobs),
+                trajectory=trajectory_index,
+                grammar_positions=tuple(positions),
+                grammar_bitmask=torch.cat(bitmasks) if bitmasks else None,
             )
         )
     return out
@@ -138,6 +170,9 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, max_tokens_per_row: in
     loss_mask = [False] * (B * T)
     sampled_logprobs = [0.0] * (B * T)
     token_trajectory = [-1] * (B * T)
+    allowed_index = [-1] * (B * T)
+    bitmasks: list[Tensor] = []
+    bitmask_rows = 0
     placements: list[tuple[int, int]] = [(0, 0)] * len(sequences)
     for r, row in enumerate(rows):
         column = 0
@@ -156,6 +191,13 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, max_tokens_per_row: in
                     loss_mask[start + t] = True
                     sampled_logprobs[start + t] = float(s.logprobs[t + 1])  # type: ignore[arg-type]
                     token_trajectory[start + t] = s.trajectory
+            # The row of grammar_bitmask for the token at p is the label of position p - 1.
+            for i, p in enumerate(s.grammar_positions):
+                if 1 <= p < n and s.sampled_mask[p]:
+                    allowed_index[start + p - 1] = bitmask_rows + i
+            if s.grammar_bitmask is not None:
+                bitmasks.append(s.grammar_bitmask)
+                bitmask_rows += s.grammar_bitmask.shape[0]
             column += n
 
     segments = torch.tensor(segment).view(B, T)
@@ -167,7 +209,10 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, max_tokens_per_row: in
         loss_mask=torch.tensor(loss_mask, dtype=torch.bool).view(B, T),
         sampled_logprobs=torch.tensor(sampled_logprobs, dtype=torch.float32).view(B, T),
         token_trajectory=torch.tensor(token_trajectory, dtype=torch.long).view(B, T),
+        allowed_index=torch.tensor(allowed_index, dtype=torch.long).view(B, T),
+        allowed_bitmask=torch.cat(bitmasks) if bitmasks else None,
         placements=tuple(placements),
+        row_tokens=tuple(sum(lengths[i] for i in row) for row in rows),
         num_sequences=len(sequences),
         trainable_tokens=sum(loss_mask),
         padding_tokens=B * T - sum(lengths),

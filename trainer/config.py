@@ -217,7 +217,7 @@ class TrainConfig:
             if count < 1:
                 raise ValueError(f"{flag} must be >= 1, got {count}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be between 0 and --nnodes - 1 ({self.nnodes - 1}), got {self.node_rank}")
+            raise ValueError(f"--node-rank must be in [0, --nnodes = {self.nnodes}), got {self.node_rank}")
         if not 1 <= self.master_port <= 65535:
             raise ValueError(f"--master-port must be a TCP port (1 to 65535), got {self.master_port}")
         if not self.target_modules:

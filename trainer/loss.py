@@ -17,15 +17,20 @@ from torch import Tensor
 
 __all__ = [
     "AdvantageScale",
+    "BatchTotals",
     "LossConfig",
     "LossResult",
     "Normalization",
+    "PolicyLoss",
+    "batch_totals",
     "compute_advantages",
     "grpo_loss",
     "token_logprobs",
+    "trajectory_log_ratio_sums",
 ]
 
 Normalization = Literal["grpo", "dr_grpo", "dapo"]
+PolicyLoss = Literal["ppo", "cispo", "gspo"]
 AdvantageScale = Literal["group", "batch", "none"]
 
 
@@ -41,6 +46,7 @@ class LossConfig:
     normalization: Normalization = "grpo"  # how token losses are averaged, see _normalize
     max_completion_tokens: int | None = None  # dr_grpo's constant denominator; None = longest trajectory
     beta: float = 0.0  # KL(pi || ref) weight, k3 estimator; 0 = off (no ref forward needed)
+    policy: PolicyLoss = "ppo"  # the per-token surrogate, see _surrogate
 
     def __post_init__(self) -> None:
         # `not x >= 0` rather than `x < 0` so NaN is rejected too.
@@ -69,6 +75,8 @@ class LossConfig:
                 raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
         if not self.beta >= 0.0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.policy not in get_args(PolicyLoss):
+            raise ValueError(f"policy must be one of {get_args(PolicyLoss)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,28 @@ def compute_advantages(
 # loss
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: tensors don't compare to a bool
+class BatchTotals:
+    """What the normalizations average over, counted once over the whole step's batch.
+
+    Given to every micro-batch's loss, they make the micro-batch losses (and gradients) add up to the
+    loss of the whole batch at once, whatever rows land in which micro-batch or process.
+    """
+
+    tokens_per_trajectory: Tensor  # (N,) trained tokens of each trajectory, all rows
+    sequence_log_ratio: Tensor | None = None  # (N,) gspo: mean log(new / sampled) of each trajectory, all rows
+
+
+def batch_totals(
+    token_trajectory: Tensor, mask: Tensor, num_trajectories: int, sequence_log_ratio: Tensor | None = None
+) -> BatchTotals:
+    """The BatchTotals of a batch: token_trajectory and mask (B, T) as for grpo_loss, over *all* its rows."""
+    traj = torch.where(mask, token_trajectory, 0)
+    counts = torch.zeros(num_trajectories, dtype=torch.float64, device=mask.device)
+    counts = counts.index_add(0, traj.flatten(), mask.flatten().to(torch.float64))
+    return BatchTotals(tokens_per_trajectory=counts, sequence_log_ratio=sequence_log_ratio)
+
+
 def grpo_loss(
     new_logprobs: Tensor,
     sampled_logprobs: Tensor,
@@ -148,8 +178,9 @@ def grpo_loss(
     mask: Tensor,
     config: LossConfig,
     ref_logprobs: Tensor | None = None,
+    totals: BatchTotals | None = None,
 ) -> LossResult:
-    """Clipped GRPO surrogate over a packed batch.
+    """The GRPO objective over a packed batch (or one micro-batch of it), with config.policy's surrogate.
 
     new_logprobs (B, T): log pi(token) under the policy being trained (carries grad).
     sampled_logprobs (B, T): the logprob the inference engine reported when it sampled the token.
@@ -157,10 +188,15 @@ def grpo_loss(
     advantages (N,): one per trajectory, e.g. from compute_advantages.
     mask (B, T) bool: True on sampled completion tokens that are trained.
     ref_logprobs (B, T): reference-policy logprobs; required when config.beta > 0.
+    totals: the whole batch's BatchTotals when these rows are a part of it (None: these rows are all of it).
+        The losses of a batch's parts, each with the batch's totals, sum to the loss of the batch.
     """
     _check_inputs(new_logprobs, sampled_logprobs, token_trajectory, advantages, mask, ref_logprobs)
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError(f"config.beta = {config.beta} > 0 needs ref_logprobs")
+    n = advantages.shape[0]
+    if totals is not None and tuple(totals.tokens_per_trajectory.shape) != (n,):
+        raise ValueError(f"totals must count {n} trajectories, got {tuple(totals.tokens_per_trajectory.shape)}")
 
     # Upcast: exp() of a bf16 log-ratio is too coarse for a clip window of +-0.2.
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
@@ -170,20 +206,12 @@ def grpo_loss(
     log_ratio = torch.where(mask, new - sampled_logprobs.detach().to(dtype), 0.0)  # (B, T)
     traj = torch.where(mask, token_trajectory, 0)  # (B, T), any valid index off the mask
     adv = advantages.detach().to(dtype)[traj]  # (B, T)
-
-    ratio = log_ratio.exp()  # (B, T)
-    # TIS: bound the unclipped ratio so a token the sampler found far less likely than the
-    # policy does (r >> 1, e.g. engine/trainer numerics mismatch) can't dominate a
-    # negative-advantage update, where PPO's min() would otherwise pick r * A unbounded.
-    capped = ratio if config.tis_cap is None else ratio.clamp(max=config.tis_cap)
-    clipped = ratio.clamp(1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    unclipped_term = capped * adv  # (B, T)
-    clipped_term = clipped * adv  # (B, T)
-    surrogate = torch.minimum(unclipped_term, clipped_term)  # (B, T)
-    clip_active = mask & (clipped_term < unclipped_term)  # (B, T), the clip bound was picked
-
-    n = advantages.shape[0]
-    tokens_per_traj = new.new_zeros(n).index_add(0, traj.flatten(), mask.flatten().to(dtype))  # (N,)
+    if totals is None:
+        sequence_log_ratio = None
+        if config.policy == "gspo":
+            sequence_log_ratio = _trajectory_mean(log_ratio.detach(), mask, traj, n)
+        totals = batch_totals(token_trajectory, mask, n, sequence_log_ratio)
+    tokens_per_traj = totals.tokens_per_trajectory.to(dtype)  # (N,)
     if config.normalization == "dr_grpo" and config.max_completion_tokens is not None:
         longest = int(tokens_per_traj.max())
         if longest > config.max_completion_tokens:
@@ -192,7 +220,8 @@ def grpo_loss(
                 f"{config.max_completion_tokens}; dr_grpo's denominator must bound every trajectory"
             )
 
-    policy_loss = _normalize(-surrogate, mask, traj, tokens_per_traj, config)
+    token_loss, ratio, clip_active = _surrogate(new, log_ratio, adv, traj, mask, config, totals)
+    policy_loss = _normalize(token_loss, mask, traj, tokens_per_traj, config)
     loss = policy_loss
     kl = None
     if ref_logprobs is not None:
@@ -206,10 +235,11 @@ def grpo_loss(
     num_tokens = int(mask.sum())
     with torch.no_grad():
         if num_tokens > 0:
-            clip_fraction = float(clip_active.sum()) / num_tokens
+            clip_fraction = float((clip_active & mask).sum()) / num_tokens
             ratio_mean = float(torch.where(mask, ratio, 0.0).sum()) / num_tokens
         else:
             clip_fraction, ratio_mean = 0.0, 1.0
+        here = torch.zeros_like(tokens_per_traj).index_add(0, traj.flatten(), mask.flatten().to(dtype))
     return LossResult(
         loss=loss,
         policy_loss=float(policy_loss.detach()),
@@ -217,8 +247,61 @@ def grpo_loss(
         clip_fraction=clip_fraction,
         ratio_mean=ratio_mean,
         num_tokens=num_tokens,
-        num_trajectories=int((tokens_per_traj > 0).sum()),
+        num_trajectories=int((here > 0).sum()),
     )
+
+
+def _surrogate(
+    new: Tensor, log_ratio: Tensor, adv: Tensor, traj: Tensor, mask: Tensor, config: LossConfig, totals: BatchTotals
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(per-token loss to minimize, per-token importance ratio, where the clip was active), each (B, T).
+
+    "ppo": -min(r A, clip(r) A) on the token ratio r = pi / pi_sampled, with the unclipped r capped (TIS).
+    "cispo": -sg(clip(r)) A log pi: the clipped ratio is a stop-gradient weight, so a clipped token still
+        gets a gradient, only a bounded one (MiniMax-M1's CISPO; ART's default loss).
+    "gspo": the PPO form on the sequence ratio s = exp(mean log r over the trajectory), clipped per
+        trajectory (GSPO). Written per token as s_t = sg(s) pi / sg(pi): its value is s and its gradient
+        s grad log pi, the sequence gradient shared out over the tokens, so micro-batches add up.
+    """
+    ratio = log_ratio.exp()  # (B, T)
+    low, high = 1.0 - config.epsilon_low, 1.0 + config.epsilon_high
+    if config.policy == "cispo":
+        weight = ratio.detach().clamp(low, high)
+        clip_active = (ratio < low) | (ratio > high)
+        return -(weight * adv * torch.where(mask, new, 0.0)), ratio, clip_active
+    if config.policy == "gspo":
+        assert totals.sequence_log_ratio is not None, "gspo needs each trajectory's mean log ratio"
+        sequence = totals.sequence_log_ratio.detach().to(new.dtype).exp()[traj]  # (B, T)
+        ratio = sequence * (log_ratio - log_ratio.detach()).exp()  # value: the sequence ratio
+    # TIS: bound the unclipped ratio so a token the sampler found far less likely than the
+    # policy does (r >> 1, e.g. engine/trainer numerics mismatch) can't dominate a
+    # negative-advantage update, where PPO's min() would otherwise pick r * A unbounded.
+    capped = ratio if config.tis_cap is None else ratio.clamp(max=config.tis_cap)
+    clipped = ratio.clamp(low, high)
+    unclipped_term = capped * adv  # (B, T)
+    clipped_term = clipped * adv  # (B, T)
+    clip_active = clipped_term < unclipped_term  # the clip bound was picked
+    return -torch.minimum(unclipped_term, clipped_term), ratio, clip_active
+
+
+def _trajectory_mean(values: Tensor, mask: Tensor, traj: Tensor, n: int) -> Tensor:
+    """(B, T) -> (N,): the mean of `values` over each trajectory's masked tokens (0 for one without)."""
+    sums = values.new_zeros(n).index_add(0, traj.flatten(), torch.where(mask, values, 0.0).flatten())
+    counts = values.new_zeros(n).index_add(0, traj.flatten(), mask.flatten().to(values.dtype))
+    return sums / counts.clamp(min=1)
+
+
+def trajectory_log_ratio_sums(
+    new_logprobs: Tensor, sampled_logprobs: Tensor, token_trajectory: Tensor, mask: Tensor, n: int
+) -> Tensor:
+    """(N,) float64: each trajectory's sum of log(new / sampled) over these rows' masked tokens.
+
+    Summed over a batch's parts (micro-batches, processes) and divided by BatchTotals.tokens_per_trajectory,
+    this is gspo's sequence_log_ratio.
+    """
+    traj = torch.where(mask, token_trajectory, 0)
+    log_ratio = torch.where(mask, new_logprobs.detach().double() - sampled_logprobs.double(), 0.0)
+    return log_ratio.new_zeros(n).index_add(0, traj.flatten(), log_ratio.flatten())
 
 
 def _normalize(token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj: Tensor, config: LossConfig) -> Tensor:
@@ -228,8 +311,9 @@ def _normalize(token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj
     the same, so long ones are down-weighted per token). "dapo": mean over all tokens (every
     token weighs the same). "dr_grpo": sum / (num trajectories * a constant length), which
     removes GRPO's length bias without making the step size depend on the batch's lengths.
-    Trajectories without masked tokens don't count. With no masked tokens this is 0.0 that
-    is still connected to the graph, so backward() works and gives zero gradients.
+    Trajectories without masked tokens don't count. `tokens_per_traj` counts the whole batch, so
+    this is the part of the batch's value these rows contribute. With no masked tokens this is 0.0
+    that is still connected to the graph, so backward() works and gives zero gradients.
     """
     values = torch.where(mask, token_values, 0.0)  # (B, T)
     num_traj = (tokens_per_traj > 0).sum().clamp(min=1)

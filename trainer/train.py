@@ -40,6 +40,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
+from torch import Tensor
 
 from store.adapters import AdapterRow, last_committed_step
 from store.errors import NotFound
@@ -54,10 +55,13 @@ from store.groups import (
 )
 from store.provide import open_store
 from store.rollouts import RolloutReader
+from store.trajectories import Trajectory
 from store.types import StepMetrics
-from trainer.batch import TrainSequence, pack_sequences, sequences_from_trajectory
+from trainer.batch import PackedBatch, TrainSequence, pack_sequences, sequences_from_trajectory
 from trainer.config import TrainConfig
-from trainer.loss import compute_advantages, grpo_loss, token_logprobs
+from trainer.grammar import GrammarMasks
+from trainer.logprobs import policy_token_logprobs
+from trainer.loss import batch_totals, compute_advantages, grpo_loss, trajectory_log_ratio_sums
 
 log = logging.getLogger("artgw.trainer")
 console = Console(stderr=True)
@@ -79,9 +83,17 @@ class StepData:
 
 
 async def load_step_data(
-    rollouts: RolloutReader, groups: list[GroupRow], config: TrainConfig, current_step: int
+    rollouts: RolloutReader,
+    groups: list[GroupRow],
+    config: TrainConfig,
+    current_step: int,
+    grammar: GrammarMasks | None = None,
 ) -> tuple[StepData, dict[str, str]]:
-    """The claimed groups as training sequences; returns (data, {group id: why it is dropped untrained})."""
+    """The claimed groups as training sequences; returns (data, {group id: why it is dropped untrained}).
+
+    Tokens sampled under a grammar are trained under the same grammar's masks, rebuilt by `grammar` from the
+    recorded request; without it (or with --no-train-constrained, or a grammar it cannot rebuild) they are context.
+    """
     all_rewards, group_index, trajectories, steps_seen = [], [], [], []
     dropped: dict[str, str] = {}
     kept: list[GroupRow] = []
@@ -121,8 +133,10 @@ async def load_step_data(
             if c.status == "ok" and c.choice is not None
         ):
             continue  # a completion cut by the length limit: its reward judged an unfinished answer
-        constrained = set() if config.train_constrained else {c.id for c in trajectory.calls if c.constrained}
-        sequences += [s for s in sequences_from_trajectory(i, trajectory.sequences, constrained) if any(s.sampled_mask)]
+        masks, untrained = constrained_masks(trajectory, grammar if config.train_constrained else None)
+        sequences += [
+            s for s in sequences_from_trajectory(i, trajectory.sequences, untrained, masks) if any(s.sampled_mask)
+        ]
     zero_groups = sum(1 for g in kept if len({m.reward for m in g.members}) == 1)
     data = StepData(
         group_ids=[g.id for g in kept],
@@ -134,6 +148,33 @@ async def load_step_data(
         staleness=current_step - 1 - min(steps_seen) if steps_seen else 0,
     )
     return data, dropped
+
+
+def constrained_masks(trajectory: Trajectory, grammar: GrammarMasks | None) -> tuple[dict[str, Tensor], set[str]]:
+    """({call id: grammar masks of its sampled tokens}, {ids of constrained calls left untrained}).
+
+    A call whose grammar cannot be rebuilt, or whose tokens the rebuilt grammar rejects, is context: its
+    tokens' recorded logprobs are masked ones that the trainer could not reproduce.
+    """
+    constrained = {c.id: c for c in trajectory.calls if c.constrained}
+    masks: dict[str, Tensor] = {}
+    untrained: set[str] = set()
+    for sequence in trajectory.sequences:
+        for call_id, (start, end) in zip(sequence.call_ids, sequence.sampled_spans, strict=True):
+            call = constrained.get(call_id)
+            if call is None:
+                continue
+            rows = None
+            if grammar is not None and call.grammar_request is not None:
+                try:
+                    rows = grammar.for_call(call.grammar_request, list(sequence.token_ids[start:end]))
+                except ValueError as exc:
+                    log.warning("call %s: its grammar does not match its tokens, trained as context: %s", call_id, exc)
+            if rows is None:
+                untrained.add(call_id)
+            else:
+                masks[call_id] = rows
+    return masks, untrained
 
 
 # -----------------------------------------------------------------------------
@@ -218,60 +259,112 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def train_step(model, optimizer, data: StepData, config: TrainConfig, device: torch.device, pad_id: int) -> StepMetrics:
-    """Forward/backward over the packed batch in micro-batches, clip, step. Returns the step's metrics."""
+    """Forward/backward over the packed batch in micro-batches, clip, step. Returns the step's metrics.
+
+    Exact for any --micro-batch-rows, --pack-tokens-per-row and number of processes: the loss's normalizers
+    (BatchTotals) are counted once over the whole batch, so the parts' gradients add up to the whole batch's.
+    Under torch.distributed every process packs the same batch, trains its share of the rows (split by tokens),
+    and the gradients are summed across processes before the clip: every process then takes the same step.
+    """
     loss_config = config.loss()
     started = time.monotonic()
     width = max(config.pack_tokens_per_row, max(len(s.token_ids) for s in data.sequences))
     batch = pack_sequences(data.sequences, max_tokens_per_row=width, pad_id=pad_id)
     advantages = data.advantages.to(device)
-    rows = batch.input_ids.shape[0]
-    total_tokens = max(batch.trainable_tokens, 1)
-    n_trajectories = max(len({int(s.trajectory) for s in data.sequences}), 1)
+    n = advantages.shape[0]
+    own_rows = rows_of_process(batch, *process_rank_and_count())
+    micro_batches = [
+        own_rows[i : i + config.micro_batch_rows] for i in range(0, len(own_rows), config.micro_batch_rows)
+    ]
+    bitmask = batch.allowed_bitmask.to(device) if batch.allowed_bitmask is not None else None
+
+    def logprobs(rows: list[int]) -> Tensor:  # (b, T) log pi(label) of these rows, 0 off the loss mask
+        return policy_token_logprobs(
+            model,
+            batch.input_ids[rows].to(device),
+            batch.position_ids[rows].to(device),
+            batch.attention_mask[rows].to(device),
+            batch.labels[rows].to(device),
+            batch.loss_mask[rows].to(device),
+            chunk_size=config.logprob_chunk_tokens,
+            allowed_index=batch.allowed_index[rows].to(device) if bitmask is not None else None,
+            allowed_bitmask=bitmask,
+        )
+
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-    for start in range(0, rows, config.rows_per_micro_batch):
-        sl = slice(start, start + config.rows_per_micro_batch)
-        input_ids = batch.input_ids[sl].to(device)  # (b, T)
-        position_ids = batch.position_ids[sl].to(device)  # (b, T)
-        attention_mask = batch.attention_mask[sl].to(device)  # (b, 1, T, T)
-        labels = batch.labels[sl].to(device)  # (b, T)
-        mask = batch.loss_mask[sl].to(device)  # (b, T)
+    sequence_log_ratio = None
+    if loss_config.policy == "gspo":  # each trajectory's sequence ratio, over all its rows, before any update
+        log_ratio_sums = torch.zeros(n, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for rows in micro_batches:
+                log_ratio_sums += trajectory_log_ratio_sums(
+                    logprobs(rows),
+                    batch.sampled_logprobs[rows].to(device),
+                    batch.token_trajectory[rows].to(device),
+                    batch.loss_mask[rows].to(device),
+                    n,
+                )
+        sum_over_processes(log_ratio_sums)
+        counts = batch_totals(batch.token_trajectory, batch.loss_mask, n).tokens_per_trajectory.to(device)
+        sequence_log_ratio = log_ratio_sums / counts.clamp(min=1)
+    totals = batch_totals(batch.token_trajectory.to(device), batch.loss_mask.to(device), n, sequence_log_ratio)
+
+    # loss, policy_loss, kl, clipped tokens, sum of ratios, constrained tokens, sum of their ratios
+    sums = torch.zeros(7, dtype=torch.float64)
+    for rows in micro_batches:
+        mask = batch.loss_mask[rows].to(device)  # (b, T)
         if not mask.any():
             continue
-        logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
-        new_logprobs = token_logprobs(logits.float(), labels)  # (b, T)
+        sampled = batch.sampled_logprobs[rows].to(device)  # (b, T)
+        new_logprobs = logprobs(rows)  # (b, T)
         ref_logprobs = None
         if loss_config.beta > 0:
             with torch.no_grad(), model.disable_adapter():  # the base model is the reference policy
-                ref_logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
-                ref_logprobs = token_logprobs(ref_logits.float(), labels)
+                ref_logprobs = logprobs(rows)
         result = grpo_loss(
             new_logprobs,
-            batch.sampled_logprobs[sl].to(device),
-            batch.token_trajectory[sl].to(device),
+            sampled,
+            batch.token_trajectory[rows].to(device),
             advantages,
             mask,
             loss_config,
             ref_logprobs=ref_logprobs,
+            totals=totals,
         )
-        # Weigh micro-batches by their share of what the normalization averages over.
-        if loss_config.normalization == "grpo":
-            share = result.num_trajectories / n_trajectories
-        else:
-            share = result.num_tokens / total_tokens
-        (result.loss * share).backward()
-        sums["loss"] += float(result.loss.detach()) * share
-        sums["policy_loss"] += result.policy_loss * share
-        sums["kl"] += (result.kl or 0.0) * share
-        sums["clip_fraction"] += result.clip_fraction * share
+        result.loss.backward()  # with the whole batch's totals, the parts' losses add up: no weighting
+        with torch.no_grad():
+            constrained = mask & (batch.allowed_index[rows].to(device) >= 0)
+            token_ratio = (new_logprobs.detach().double() - sampled.double()).exp()
+            sums += torch.tensor(
+                [
+                    float(result.loss.detach()),
+                    result.policy_loss,
+                    result.kl or 0.0,
+                    result.clip_fraction * result.num_tokens,
+                    result.ratio_mean * result.num_tokens,
+                    float(constrained.sum()),
+                    float(token_ratio[constrained].sum()),
+                ],
+                dtype=torch.float64,
+            )
     params = [p for p in model.parameters() if p.requires_grad]
+    sum_gradients_over_processes(params)
+    sum_over_processes(sums)
+    loss, policy_loss, kl, clipped, ratio_sum, constrained_tokens, constrained_ratio_sum = sums.tolist()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     seconds = time.monotonic() - started
+    trained = max(batch.trainable_tokens, 1)
     return StepMetrics(
-        **sums,
+        loss=loss,
+        policy_loss=policy_loss,
+        kl=kl,
+        clip_fraction=clipped / trained,
+        ratio_mean=ratio_sum / trained if batch.trainable_tokens else 1.0,
+        constrained_tokens=int(constrained_tokens),
+        constrained_ratio_mean=constrained_ratio_sum / constrained_tokens if constrained_tokens else 1.0,
         grad_norm=float(grad_norm),
         reward_mean=statistics.fmean(data.rewards) if data.rewards else 0.0,
         reward_std=statistics.pstdev(data.rewards) if data.rewards else 0.0,
@@ -280,13 +373,52 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
         zero_advantage_trajectories=data.zero_advantage_trajectories,
         trainable_tokens=batch.trainable_tokens,
         padding_tokens=batch.padding_tokens,
-        rows=rows,
+        rows=batch.input_ids.shape[0],
         trainable_tokens_per_second=batch.trainable_tokens / seconds if seconds > 0 else 0.0,
         step_seconds=seconds,
         staleness=data.staleness,
         peak_memory_mb=peak_memory_mb(device),
         group_ids=data.group_ids,
     )
+
+
+def process_rank_and_count() -> tuple[int, int]:
+    """(this process's rank, how many train together): (0, 1) without torch.distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def rows_of_process(batch: PackedBatch, rank: int, count: int) -> list[int]:
+    """The packed rows `rank` of `count` processes trains: the rows dealt longest first to the process with the
+    fewest tokens so far (ties: the lowest rank), so every process gets about the same number of tokens."""
+    load = [0] * count
+    own: list[int] = []
+    for row in sorted(range(len(batch.row_tokens)), key=lambda r: -batch.row_tokens[r]):
+        to = min(range(count), key=lambda k: (load[k], k))
+        load[to] += batch.row_tokens[row]
+        if to == rank:
+            own.append(row)
+    return sorted(own)
+
+
+def sum_over_processes(values: Tensor) -> None:
+    """Sum a tensor in place across the training processes (nothing to do in one process)."""
+    if process_rank_and_count()[1] > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM)
+
+
+def sum_gradients_over_processes(params: list[torch.nn.Parameter]) -> None:
+    """Every process's gradients become their sum over processes: one flat all-reduce."""
+    if process_rank_and_count()[1] == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    sum_over_processes(flat)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
 
 
 # -----------------------------------------------------------------------------
