@@ -67,20 +67,32 @@ class Trajectory(msgspec.Struct, frozen=True):
 
 
 def sampled_under_grammar(request: dict[str, Any]) -> bool:
-    """Whether vLLM sampled this call's tokens under a grammar (structured outputs).
+    """Whether vLLM (0.32, hermes tool parser, strict tool calling on) sampled this call under a grammar.
 
-    A named or `required` tool_choice, a JSON `response_format`, or vLLM's own structured-output
-    parameters. vLLM reports such tokens' logprobs after the grammar's mask, renormalized over the
-    allowed tokens, so they are not the model's own: the trainer leaves them out by default.
+    A named or `required` tool_choice; `auto` with a `strict` tool or `parallel_tool_calls: false` (vLLM then
+    constrains what follows `<tool_call>`); a JSON or structural-tag `response_format`; a constraint in
+    `structured_outputs`. vLLM reports such tokens' logprobs after the grammar's mask, renormalized over the
+    allowed tokens; the trainer rebuilds the grammar (trainer/grammar.py) to score them under the same mask.
+    vLLM 0.32 ignores the removed `guided_*` fields: a call with them samples freely.
     """
-    tool_choice = request.get("tool_choice")
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        return bool(request.get("tools"))
+    tools = request.get("tools") or []
+    tool_choice = request.get("tool_choice", "auto" if tools else "none")
+    if tools and tool_choice not in (None, "none"):
+        if tool_choice != "auto":
+            return True
+        strict = any((tool.get("function") or {}).get("strict") for tool in tools if isinstance(tool, dict))
+        if strict or request.get("parallel_tool_calls") is False:
+            return True
     response_format = request.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") in ("json_object", "json_schema"):
+    if isinstance(response_format, dict) and response_format.get("type") in (
+        "json_object",
+        "json_schema",
+        "structural_tag",
+    ):
         return True
-    guided = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    return any(request.get(key) for key in guided)
+    structured = request.get("structured_outputs")
+    constraints = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+    return isinstance(structured, dict) and any(structured.get(key) is not None for key in constraints)
 
 
 def _without_messages(request: dict[str, Any]) -> dict[str, Any]:

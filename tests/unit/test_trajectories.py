@@ -125,8 +125,15 @@ def test_calls_sampled_under_a_grammar_are_flagged() -> None:
     assert sampled_under_grammar({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
     assert sampled_under_grammar({"response_format": {"type": "json_object"}})
     assert sampled_under_grammar({"structured_outputs": {"choice": ["yes", "no"]}})
-    assert sampled_under_grammar({"guided_regex": "[0-9]+"})
+    assert sampled_under_grammar({"response_format": {"type": "structural_tag", "format": {}}})
+    # `auto` with a strict tool, or one call at most: vLLM constrains what follows `<tool_call>`.
+    strict = [{"type": "function", "function": {"name": "get_weather", "parameters": {}, "strict": True}}]
+    assert sampled_under_grammar({"tools": strict, "tool_choice": "auto"})
+    assert sampled_under_grammar({"tools": strict})
+    assert sampled_under_grammar({"tools": tools, "parallel_tool_calls": False})
     # Free sampling: the model's own distribution, whatever tools it was offered.
+    assert not sampled_under_grammar({"guided_regex": "[0-9]+"})  # removed in vLLM 0.32: ignored
+    assert not sampled_under_grammar({"tools": strict, "tool_choice": "none"})
     assert not sampled_under_grammar({"tools": tools, "tool_choice": "auto"})
     assert not sampled_under_grammar({"tools": tools})
     assert not sampled_under_grammar({"tool_choice": "none"})

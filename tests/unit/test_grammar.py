@@ -1,0 +1,268 @@
+"""trainer/grammar.py: the grammar vLLM sampled under, rebuilt from the request, replayed over sampled tokens.
+
+With the tiny model's tokenizer and real xgrammar. The specs are checked against vLLM 0.32's own request path
+(its hermes parser, ChatCompletionRequest and xgrammar validation); the masks against what each grammar allows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from trainer.grammar import GrammarMasks, GrammarSpec, grammar_spec
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": CITY_SCHEMA}}
+LOOKUP = {  # not strict: vLLM constrains its call envelope, not its arguments
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+}
+
+
+def named(tool: str) -> dict[str, Any]:
+    return {"tools": [WEATHER, LOOKUP], "tool_choice": {"type": "function", "function": {"name": tool}}}
+
+
+NAMED = named("get_weather")
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+# One request of each kind vLLM treats differently.
+REQUESTS: dict[str, dict[str, Any]] = {
+    "named": NAMED,
+    "named_not_strict": named("lookup"),
+    "required": {"tools": [WEATHER, LOOKUP], "tool_choice": "required"},
+    "required_single_call": {"tools": [WEATHER, LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
+    "auto_strict_tool": {"tools": [WEATHER, LOOKUP]},
+    "auto_single_call": {"tools": [LOOKUP], "tool_choice": "auto", "parallel_tool_calls": False},
+    "auto_strict_tool_and_json": {"tools": [WEATHER], "response_format": {"type": "json_object"}},
+    "auto_not_strict": {"tools": [LOOKUP], "tool_choice": "auto"},
+    "tool_choice_none": {"tools": [WEATHER], "tool_choice": "none"},
+    "json_schema": {"response_format": CITY_FORMAT},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "text": {"response_format": {"type": "text"}},
+    "regex": {"structured_outputs": {"regex": "[0-9]+"}},
+    "choice": {"structured_outputs": {"choice": ["yes", 'no "way"\n']}},
+    "ebnf": {"structured_outputs": {"grammar": 'root ::= "ab" | "cd"'}},
+    "lark": {"structured_outputs": {"grammar": 'start: "ab" | "cd"'}},
+    "schema_for_guidance": {"structured_outputs": {"json": {"type": "integer", "multipleOf": 3}}},
+    "guided_json_removed": {"guided_json": CITY_SCHEMA},
+    "plain": {},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def masks(tokenizer: Any) -> GrammarMasks:
+    return GrammarMasks(tokenizer, len(tokenizer))  # the tiny model's vocab_size is its tokenizer's
+
+
+def ids(tokenizer: Any, text: str, *, eos: bool = True) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
+
+
+def allowed(row: torch.Tensor, vocab: int) -> set[int]:
+    """The token ids a bitmask row allows (bit t % 32 of word t // 32)."""
+    return {t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+def allowed_text(tokenizer: Any, row: torch.Tensor) -> set[str]:
+    return {tokenizer.decode([t]) for t in allowed(row, len(tokenizer))}
+
+
+def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | None:
+    """What vLLM 0.32 compiles for `body` with the gateway's engine flags: (kind, spec, xgrammar takes it)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    parser = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
+    request = ChatCompletionRequest.model_validate(body)
+    if request.tools and request.tool_choice != "none":
+        request = parser(tokenizer, request.tools).adjust_request(request)
+    params = request.to_sampling_params(16, {})
+    if params.structured_outputs is None:
+        return None
+    try:
+        validate_xgrammar_grammar(params)  # turns `choice` into its grammar, as the engine does
+        xgrammar = True
+    except VLLMValidationError:
+        xgrammar = False
+    kind, spec = get_structured_output_key(params.structured_outputs)
+    return kind.name, spec, xgrammar
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_spec_is_what_vllm_compiles(name: str, tokenizer: Any) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **REQUESTS[name]}
+    theirs = vllm_spec(copy.deepcopy(body), tokenizer)
+    ours = grammar_spec(copy.deepcopy(body))
+    if theirs is None or not theirs[2]:  # no grammar, or another backend's
+        assert ours is None
+        return
+    kind, spec, _ = theirs
+    assert ours is not None
+    expected = {"JSON": "json", "JSON_OBJECT": "json", "REGEX": "regex", "STRUCTURAL_TAG": "structural_tag"}
+    expected["GRAMMAR"] = "lark" if name == "lark" else "ebnf"
+    assert ours.kind == expected[kind]
+    if kind == "JSON_OBJECT":
+        assert json.loads(ours.text) == {"type": "object"}
+    elif kind in ("JSON", "STRUCTURAL_TAG"):
+        assert json.loads(ours.text) == json.loads(spec)
+    else:
+        assert ours.text == spec
+
+
+def test_named_tool_call_masks_every_position(tokenizer: Any, masks: GrammarMasks) -> None:
+    sampled = ids(tokenizer, WEATHER_CALL)
+    bitmask = masks.for_call(NAMED, sampled)
+    assert bitmask is not None
+    assert bitmask.dtype == torch.int32 and tuple(bitmask.shape) == (len(sampled), (len(tokenizer) + 31) // 32)
+    for position, token in enumerate(sampled):
+        assert token in allowed(bitmask[position], len(tokenizer)), position
+    # The first token opens the envelope: only pieces of `<tool_call>`; no free text, no stop.
+    assert allowed_text(tokenizer, bitmask[0]) <= {"<tool_call>", *("<tool_call>"[:k] for k in range(1, 11))}
+    # The forced call closes with `}`, then the only way on is the stop token.
+    assert allowed(bitmask[-1], len(tokenizer)) == {tokenizer.eos_token_id}
+
+
+def test_structural_positions_allow_only_what_the_schema_allows(tokenizer: Any, masks: GrammarMasks) -> None:
+    text = '{"city": "Rome"}'
+    sampled = ids(tokenizer, text)
+    bitmask = masks.for_call({"response_format": CITY_FORMAT}, sampled)
+    assert bitmask is not None
+    pieces = [tokenizer.decode([t]) for t in sampled]
+    # After `{"` of an object with one property: only pieces of that property's name.
+    after_brace = pieces.index('{"') + 1
+    names = allowed_text(tokenizer, bitmask[after_brace])
+    assert "city" in names and all('city"'.startswith(p) or p.startswith('city"') for p in names), names
+    # At the enum's value: only pieces of its values.
+    value = pieces.index("Rome")
+    assert allowed_text(tokenizer, bitmask[value]) <= {v[:k] for v in ("Paris", "Rome") for k in range(1, 6)}
+    # JSON allows whitespace between tokens, unless the engine disables it.
+    assert " " in allowed_text(tokenizer, bitmask[pieces.index('":') + 1])
+    compact = GrammarMasks(tokenizer, len(tokenizer), disable_any_whitespace=True)
+    compact_ids = ids(tokenizer, '{"city":"Rome"}')
+    rows = compact.for_call({"response_format": CITY_FORMAT}, compact_ids)
+    assert rows is not None
+    colon = [tokenizer.decode([t]) for t in compact_ids].index('":') + 1
+    assert " " not in allowed_text(tokenizer, rows[colon])
+
+
+@pytest.mark.parametrize(
+    ("request_", "text"),
+    [
+        (REQUESTS["required"], WEATHER_CALL + '<tool_call>{"name": "lookup", "arguments": {"q": [1, 2]}}</tool_call>'),
+        (REQUESTS["auto_strict_tool"], "Let me check. " + WEATHER_CALL),
+        (REQUESTS["auto_strict_tool"], "No tool needed."),
+        (REQUESTS["auto_strict_tool_and_json"], '{"answer": 42}'),
+        (REQUESTS["json_object"], '{"any": ["thing", 1, null]}'),
+        (REQUESTS["regex"], "2024"),
+        (REQUESTS["choice"], 'no "way"\n'),
+        (REQUESTS["ebnf"], "cd"),
+        (REQUESTS["lark"], "ab"),
+    ],
+    ids=["required", "auto_with_call", "auto_text", "auto_or_json", "json_object", "regex", "choice", "ebnf", "lark"],
+)
+def test_every_sampled_token_is_allowed_by_its_own_row(
+    request_: dict[str, Any], text: str, tokenizer: Any, masks: GrammarMasks
+) -> None:
+    sampled = ids(tokenizer, text)
+    bitmask = masks.for_call(request_, sampled)
+    assert bitmask is not None and bitmask.shape[0] == len(sampled)
+    for position, token in enumerate(sampled):
+        assert token in allowed(bitmask[position], len(tokenizer)), position
+    assert tokenizer.eos_token_id in allowed(bitmask[-1], len(tokenizer))
+
+
+def test_grammar_rows_differ_from_free_text(tokenizer: Any, masks: GrammarMasks) -> None:
+    vocab = len(tokenizer)
+    regex = masks.for_call(REQUESTS["regex"], ids(tokenizer, "2024"))
+    assert regex is not None
+    digits = allowed_text(tokenizer, regex[0])
+    assert digits and all(piece.isdigit() for piece in digits)  # no stop before the first digit
+    assert tokenizer.eos_token_id in allowed(regex[-1], vocab) and len(allowed(regex[-1], vocab)) > 1
+    # `required` lets another call follow a call; a named (forced) call does not.
+    required = masks.for_call(REQUESTS["required"], ids(tokenizer, WEATHER_CALL))
+    assert required is not None
+    after_call = allowed_text(tokenizer, required[-1])
+    assert "<tool_call>" in after_call and tokenizer.eos_token in after_call
+    # Free text before the trigger allows almost everything.
+    auto = masks.for_call(REQUESTS["auto_strict_tool"], ids(tokenizer, "Hello"))
+    assert auto is not None and len(allowed(auto[0], vocab)) > vocab - 10
+
+
+def test_eos_ends_the_grammar_and_a_cut_off_output_keeps_its_rows(tokenizer: Any, masks: GrammarMasks) -> None:
+    vocab = len(tokenizer)
+    whole = ids(tokenizer, '{"city": "Paris"}')
+    cut = whole[:3]  # finish_reason "length": the grammar never completed
+    rows = masks.for_call({"response_format": CITY_FORMAT}, cut)
+    assert rows is not None and rows.shape[0] == 3
+    # The request's stop_token_ids stop the grammar too (vLLM's all_stop_token_ids).
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    stops = masks.for_call({"response_format": CITY_FORMAT, "stop_token_ids": [im_start]}, whole)
+    assert stops is not None and allowed(stops[-1], vocab) == {tokenizer.eos_token_id, im_start}
+    # ignore_eos: vLLM goes on sampling past the accepted stop token, unmasked.
+    beyond = masks.for_call({"response_format": CITY_FORMAT}, [*whole, *ids(tokenizer, "more", eos=False)])
+    assert beyond is not None
+    assert all(len(allowed(row, vocab)) == vocab for row in beyond[len(whole) :])
+    # A generation-config eos is a stop token too.
+    extra = GrammarMasks(tokenizer, vocab, eos_token_ids=[im_start])
+    rows = extra.for_call({"response_format": CITY_FORMAT}, whole)
+    assert rows is not None and allowed(rows[-1], vocab) == {tokenizer.eos_token_id, im_start}
+
+
+@pytest.mark.parametrize(
+    "name", ["auto_not_strict", "tool_choice_none", "text", "plain", "guided_json_removed", "schema_for_guidance"]
+)
+def test_none_when_vllm_samples_under_no_xgrammar_grammar(name: str, tokenizer: Any, masks: GrammarMasks) -> None:
+    assert masks.for_call(REQUESTS[name], ids(tokenizer, "42")) is None
+
+
+def test_none_when_xgrammar_cannot_compile_it(tokenizer: Any, masks: GrammarMasks) -> None:
+    assert masks.for_call({"structured_outputs": {"regex": "(unclosed"}}, ids(tokenizer, "x")) is None
+
+
+def test_a_sequence_the_grammar_rejects_names_its_position(tokenizer: Any, masks: GrammarMasks) -> None:
+    london = ids(tokenizer, WEATHER_CALL.replace("Rome", "London"))
+    position = next(i for i, t in enumerate(london) if tokenizer.decode([t]).startswith("L"))
+    with pytest.raises(ValueError, match=f"position {position}"):
+        masks.for_call(NAMED, london)
+
+
+def test_strict_tool_calling_off_uses_the_tools_json_schema(tokenizer: Any) -> None:
+    masks = GrammarMasks(tokenizer, len(tokenizer), strict_tool_calling=False)
+    assert grammar_spec(NAMED, strict_tool_calling=False) == GrammarSpec("json", json.dumps(CITY_SCHEMA))
+    rows = masks.for_call(NAMED, ids(tokenizer, '{"city": "Paris"}'))  # bare arguments, no envelope
+    assert rows is not None
+    with pytest.raises(ValueError, match="position 0"):
+        masks.for_call(NAMED, ids(tokenizer, WEATHER_CALL))
+    calls = '[{"name": "lookup", "parameters": {"q": "x"}}]'
+    assert masks.for_call(REQUESTS["required"], ids(tokenizer, calls)) is not None
+
+
+def test_each_grammar_is_compiled_once(tokenizer: Any) -> None:
+    masks = GrammarMasks(tokenizer, len(tokenizer))
+    for city in ("Rome", "Paris", "Rome"):
+        masks.for_call(NAMED, ids(tokenizer, WEATHER_CALL.replace("Rome", city)))
+    assert (masks.cache_info().misses, masks.cache_info().hits) == (1, 2)
+    masks.for_call({"response_format": CITY_FORMAT}, ids(tokenizer, '{"city": "Rome"}'))
+    masks.for_call(REQUESTS["plain"], ids(tokenizer, "x"))  # no grammar: nothing compiled
+    assert (masks.cache_info().misses, masks.cache_info().hits) == (2, 2)
