@@ -357,17 +357,18 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = train_config(args)
-    from trainer.train import run  # torch and the model stack: only once the config is good
+    from trainer.train import main  # torch and the model stack: only once the config is good
 
-    async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)  # finish or abandon the step cleanly, then exit
-        await run(config, stop)
+    if config.nproc_per_node == 1 and config.nnodes == 1:
+        main(config)  # SIGINT/SIGTERM finish or abandon the step cleanly, then it returns
         return 0
+    from trainer.distributed import LaunchFailed, launch
 
-    return asyncio.run(main())
+    try:
+        launch(config, main)  # the workers, each running `main` as one rank
+    except LaunchFailed as exc:
+        raise CommandError(str(exc)) from None
+    return 0
 
 
 class _Step(msgspec.Struct, kw_only=True):
@@ -646,7 +647,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Restarts resume from the newest committed checkpoint with its optimizer state. With several --model "
         "the trainer takes turns between them, each with its own LoRA, optimizer state and checkpoints. The "
         "store and the gateway are found as `artgw serve` sets them up (--data-dir/--db, --host/--port), or by "
-        "--gateway; the base model is the one the gateway's engine loaded unless --base-model says.",
+        "--gateway; the base model is the one the gateway's engine loaded unless --base-model says. "
+        "--nproc-per-node N trains each step data-parallel in N processes (torch.distributed: gloo on CPU, NCCL "
+        "on GPUs, one GPU each), started by this command, which restarts them all if one dies; on several "
+        "machines run it on each with --nnodes, --node-rank, --master-addr and --master-port (rank 0 claims and "
+        "commits; --checkpoints must be a directory every machine sees).",
     )
     options.add_options(
         train,

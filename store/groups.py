@@ -269,6 +269,24 @@ async def release_groups(conn: AsyncConnection, group_ids: Sequence[str], owner:
     await _move(conn, group_ids, "ready", source=("training",), owner=owner, **_NO_LEASE)
 
 
+async def release_earlier_attempts(conn: AsyncConnection, models: Sequence[str], prefix: str, owner: str) -> list[str]:
+    """training → ready for the groups of `models` whose lease owner starts with `prefix` but is not `owner`:
+    what an earlier attempt of the same launch claimed before it died (its lease would hold them until it ends).
+    Returns their ids."""
+    result = await conn.execute(
+        sa.update(groups)
+        .where(
+            groups.c.model.in_(models),
+            groups.c.state == "training",
+            groups.c.lease_owner.startswith(prefix, autoescape=True),
+            groups.c.lease_owner != owner,
+        )
+        .values(state="ready", updated_at=time.time(), **_NO_LEASE)
+        .returning(groups.c.id)
+    )
+    return list(result.scalars())
+
+
 async def drop_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str, reason: str) -> None:
     """training → failed: claimed groups the trainer will not train (too stale), with the reason."""
     await _move(conn, group_ids, "failed", source=("training",), owner=owner, failure_reason=reason, **_NO_LEASE)

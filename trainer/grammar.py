@@ -119,6 +119,20 @@ class GrammarMasks:
         self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
         self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
 
+    @classmethod
+    def for_model(cls, path: str) -> GrammarMasks:
+        """The masks for the model at `path` (a directory or hub id) as vLLM serves it: its tokenizer, its
+        vocabulary size (the logits' width, which may exceed the tokenizer's) and its generation config's eos ids."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vocab_size = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: vLLM stops on the tokenizer's eos alone
+            eos = None
+        return cls(tokenizer, vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()))
+
     def for_call(self, request: dict[str, Any], sampled_token_ids: list[int]) -> Tensor | None:
         """(n, ceil(vocab_size / 32)) int32: row i = the tokens the grammar allowed when sampled_token_ids[i]
         was sampled (xgrammar's bitmask layout: bit j % 32 of word j // 32). None when the request samples under

@@ -25,13 +25,14 @@ import math
 import os
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
@@ -50,6 +51,7 @@ from store.groups import (
     drop_groups,
     finish_without_update,
     load_groups,
+    release_earlier_attempts,
     release_groups,
     renew_lease,
 )
@@ -57,6 +59,7 @@ from store.provide import open_store
 from store.rollouts import RolloutReader
 from store.trajectories import Trajectory
 from store.types import StepMetrics
+from trainer import distributed
 from trainer.batch import PackedBatch, TrainSequence, pack_sequences, sequences_from_trajectory
 from trainer.config import TrainConfig
 from trainer.grammar import GrammarMasks
@@ -272,7 +275,7 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
     batch = pack_sequences(data.sequences, max_tokens_per_row=width, pad_id=pad_id)
     advantages = data.advantages.to(device)
     n = advantages.shape[0]
-    own_rows = rows_of_process(batch, *process_rank_and_count())
+    own_rows = rows_of_process(batch, distributed.rank(), distributed.world_size())
     micro_batches = [
         own_rows[i : i + config.micro_batch_rows] for i in range(0, len(own_rows), config.micro_batch_rows)
     ]
@@ -382,13 +385,6 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
     )
 
 
-def process_rank_and_count() -> tuple[int, int]:
-    """(this process's rank, how many train together): (0, 1) without torch.distributed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def rows_of_process(batch: PackedBatch, rank: int, count: int) -> list[int]:
     """The packed rows `rank` of `count` processes trains: the rows dealt longest first to the process with the
     fewest tokens so far (ties: the lowest rank), so every process gets about the same number of tokens."""
@@ -404,13 +400,13 @@ def rows_of_process(batch: PackedBatch, rank: int, count: int) -> list[int]:
 
 def sum_over_processes(values: Tensor) -> None:
     """Sum a tensor in place across the training processes (nothing to do in one process)."""
-    if process_rank_and_count()[1] > 1:
+    if distributed.world_size() > 1:
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM)
 
 
 def sum_gradients_over_processes(params: list[torch.nn.Parameter]) -> None:
     """Every process's gradients become their sum over processes: one flat all-reduce."""
-    if process_rank_and_count()[1] == 1:
+    if distributed.world_size() == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.flatten() for g in grads])
@@ -480,6 +476,7 @@ def restore(
     """A model's policy and optimizer as its committed step left them (a fresh LoRA before step 1)."""
     adapter = Path(committed.path) if committed is not None else None
     model = load_policy(config, device, adapter)
+    distributed.broadcast_parameters(model)  # several processes: every rank starts the step from rank 0's
     optimizer = make_optimizer(model, config)
     if adapter is not None and (adapter / "optimizer.pt").exists():
         optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
@@ -545,8 +542,34 @@ def _metrics_table(name: str, step: int, metrics: StepMetrics) -> Table:
     return table
 
 
+def main(config: TrainConfig) -> int:
+    """`run` until done or SIGINT/SIGTERM, which let the step in hand finish (or fail) cleanly: what `artgw train`
+    runs, in each of its processes. Returns the number of committed steps."""
+
+    async def until_stopped() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)  # ranks > 0 ignore it: they stop when rank 0 says so
+        return await run(config, stop)
+
+    return asyncio.run(until_stopped())
+
+
+@dataclass(frozen=True)
+class Order:
+    """What rank 0 tells the other ranks to do next (several processes only)."""
+
+    kind: Literal["train", "restore", "stop"]
+    model: str = ""
+    data: StepData | None = None  # "train": the step's batch, the same on every rank
+    committed: AdapterRow | None = None  # "restore": the step to go back to (None: a fresh LoRA)
+
+
 async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
     """Train until stopped (or every model has max_steps); returns the number of committed steps, all models."""
+    if not distributed.is_lead():
+        return await follow(config)  # ranks > 0 never open the store: rank 0 tells them what to train
     # StoreMissing if the gateway has not made it yet. The trainer is on no client's path: it waits out a
     # store stall (30 s a lock) rather than fail a step.
     async with open_store(config.db, wait_seconds=30.0) as store:
@@ -554,29 +577,38 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
 
 
 async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader, stop: asyncio.Event) -> int:
-    torch.manual_seed(config.seed)
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    """The loop of the one process, or of rank 0 (which alone claims, checkpoints and commits)."""
+    torch.manual_seed(config.seed)  # several processes: every rank builds the same fresh LoRA
     device = pick_device(config)
-    console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}")
+    if distributed.active():
+        owner = distributed.owner()
+        # A restarted group: what the dead attempt claimed is given back now (its lease would keep it for
+        # --lease-seconds), before the resume point is read, so a commit it left in flight either shows in
+        # that point or finds its groups no longer its own.
+        async with store.begin() as conn:
+            released = await release_earlier_attempts(conn, config.models, distributed.owner_prefix(), owner)
+        if released:
+            console.print(f"[yellow]gave back {len(released)} groups claimed by the previous attempt[/yellow]")
+    else:
+        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{_process_line()}")
 
     # ---- resume and models, one lineage per model: each from its own newest committed step, never from an
     # uncommitted checkpoint. Memory: each lineage loads a base copy of its own, simple and fine for a few
     # small models; PEFT's several adapters on one base (set_adapter per step) would share it.
+    committed_steps = distributed.share({name: await _committed(store, name) for name in config.models})
     lineages: list[Lineage] = []
-    for name in config.models:
-        committed = await _committed(store, name)
+    for name, committed in committed_steps.items():
         step = committed.step if committed is not None else 0
         discarded = discard_uncommitted(config, name, step)
         if discarded:
             console.print(f"[yellow]{name}: discarded uncommitted checkpoints {discarded}[/yellow]")
-        model, optimizer = restore(config, device, committed)
-        lineages.append(Lineage(name, model, optimizer, step, committed))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lineages.append(_lineage(config, device, name, committed))
+        trainable = sum(p.numel() for p in lineages[-1].model.parameters() if p.requires_grad)
         console.print(f"  model={name} resume_step={step} trainable_params={trainable:,}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.base_model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = _pad_id(config)
+    # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
+    grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None
 
     # ---- the loop: take turns, training whichever model has a batch ready
     done = 0
@@ -594,11 +626,53 @@ async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader
         lineages.remove(lineage)
         lineages.append(lineage)
         group_ids, lineage.claimed, lineage.deadline = lineage.claimed, [], None
-        if await train_one_step(store, rollouts, config, lineage, group_ids, owner, device, pad_id):
+        if await train_one_step(store, rollouts, config, lineage, group_ids, owner, device, pad_id, grammar):
             done += 1
             lineage.done += 1
     await give_back(store, lineages, owner)  # stopped while waiting: what was claimed is trained by the next run
+    distributed.share(Order("stop"))
     return done
+
+
+async def follow(config: TrainConfig) -> int:
+    """Ranks > 0: the same models as rank 0, then each step it orders, until it says stop; returns the steps
+    trained. Never touches the store: rank 0 sends each step's data."""
+    torch.manual_seed(config.seed)
+    device = pick_device(config)
+    console.print(f"[bold]artgw train[/bold] device={device}{_process_line()}: following rank 0")
+    committed_steps: dict[str, AdapterRow | None] = distributed.share(None)
+    # In rank 0's order: restore() broadcasts each model's parameters, a collective every rank calls alike.
+    lineages = {name: _lineage(config, device, name, committed) for name, committed in committed_steps.items()}
+    pad_id = _pad_id(config)
+    steps = 0
+    while (order := distributed.share(None)).kind != "stop":
+        lineage = lineages[order.model]
+        if order.kind == "restore":
+            lineage.model, lineage.optimizer = restore(config, device, order.committed)
+            continue
+        train_step(lineage.model, lineage.optimizer, order.data, config, device, pad_id)
+        distributed.barrier()  # rank 0 has written the step's checkpoint
+        steps += 1
+    return steps
+
+
+def _process_line() -> str:
+    """' rank R/W pid P' under torch.distributed (the crash tests find a rank's process by it), else ''."""
+    if not distributed.active():
+        return ""
+    return f" rank {distributed.rank()}/{distributed.world_size()} pid {os.getpid()}"
+
+
+def _lineage(config: TrainConfig, device: torch.device, name: str, committed: AdapterRow | None) -> Lineage:
+    model, optimizer = restore(config, device, committed)
+    return Lineage(name, model, optimizer, committed.step if committed is not None else 0, committed)
+
+
+def _pad_id(config: TrainConfig) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 async def train_one_step(
@@ -610,12 +684,13 @@ async def train_one_step(
     owner: str,
     device: torch.device,
     pad_id: int,
+    grammar: GrammarMasks | None = None,
 ) -> bool:
     """One step of one model on its claimed groups; True once committed (served, its groups trained)."""
     async with store.connect() as conn:
         groups = await load_groups(conn, group_ids)
     step = lineage.step + 1
-    data, dropped = await load_step_data(rollouts, groups, config, step)
+    data, dropped = await load_step_data(rollouts, groups, config, step, grammar)
     for group_id, reason in dropped.items():
         async with store.begin() as conn:
             await drop_groups(conn, [group_id], owner, reason)
@@ -627,10 +702,14 @@ async def train_one_step(
             await finish_without_update(conn, data.group_ids, owner, lineage.step)
         console.print(f"[yellow]{lineage.name}: {len(data.group_ids)} groups without learning signal: no step[/yellow]")
         return False
+    distributed.share(Order("train", lineage.name, data))  # the other ranks train this step with us
     metrics = train_step(lineage.model, lineage.optimizer, data, config, device, pad_id)
     path = save_checkpoint(lineage.model, lineage.optimizer, config, lineage.name, step, metrics)
     if config.pause_before_commit:
         await asyncio.sleep(config.pause_before_commit)
+    # Every rank is still here: one that died since the step's gradients were summed fails this barrier, and the
+    # launcher restarts the group, which trains these groups again; the step is not committed.
+    distributed.barrier()
     async with store.begin() as conn:  # a long step must not lose its claim just before the commit
         await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
     failure = await commit_step(store, config, lineage.name, step, path, data.group_ids, owner, metrics)
@@ -641,6 +720,7 @@ async def train_one_step(
         async with store.begin() as conn:
             await release_groups(conn, data.group_ids, owner)
         shutil.rmtree(path, ignore_errors=True)
+        distributed.share(Order("restore", lineage.name, committed=lineage.committed))  # every rank goes back
         lineage.model, lineage.optimizer = restore(config, device, lineage.committed)
         await asyncio.sleep(2.0)
         return False
