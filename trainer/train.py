@@ -533,10 +533,22 @@ async def give_back(store: AsyncEngine, lineages: list[Lineage], owner: str) -> 
 
 def _metrics_table(name: str, step: int, metrics: StepMetrics) -> Table:
     table = Table(title=f"{name} step {step}", show_header=False, box=None)
-    for key in ("loss", "reward_mean", "reward_std", "zero_signal_group_fraction", "kl", "grad_norm"):
+    for key in (
+        "loss",
+        "reward_mean",
+        "reward_std",
+        "zero_signal_group_fraction",
+        "kl",
+        "grad_norm",
+        "ratio_mean",
+        "clip_fraction",
+    ):
         table.add_row(key, f"{getattr(metrics, key):.4f}")
     for key in ("groups", "trainable_tokens", "staleness"):
         table.add_row(key, str(getattr(metrics, key)))
+    if metrics.constrained_tokens:
+        ratio = metrics.constrained_ratio_mean
+        table.add_row("constrained tokens", f"{metrics.constrained_tokens} (ratio {ratio:.4f})")
     table.add_row("tokens/s", f"{metrics.trainable_tokens_per_second:.0f}")
     table.add_row("step seconds", f"{metrics.step_seconds:.2f}")
     return table
