@@ -1,31 +1,40 @@
-"""Trainer step throughput: our GRPO step (packed rows) vs TRL's own GRPO loss (padded batch), side by side.
+"""Trainer step throughput and memory: our GRPO step (packed rows) vs TRL's own GRPO loss (padded batch).
 
-One synthetic GRPO batch (default 8 groups x 4 trajectories, prompt 64 + completion 64 random token ids,
-sampled logprobs = the initial policy's own logprobs + noise, random rewards, group-relative advantages) goes
-through one optimizer step in each of:
+Synthetic GRPO batches (groups x trajectories of random token ids, one prompt per group; sampled logprobs = the
+initial policy's own logprobs + N(0, 0.1) noise; random rewards, group-relative advantages) go through one
+optimizer step in each of:
 
 - ours: `trainer.train.train_step` on a `StepData`, exactly as `artgw train` runs it: `pack_sequences` into
-  rows of `--row-widths` tokens (block-diagonal causal mask, restarting position ids), forward in micro-batches
-  of 8 rows, `token_logprobs` (TRL's `selective_log_softmax`) + `trainer.loss.grpo_loss`, backward, grad clip,
-  AdamW step.
+  rows of `--row-widths` tokens (block-diagonal causal mask, restarting position ids), forward in micro-batches,
+  `policy_token_logprobs` (the model's body, then the output layer over the trained positions only, in chunks of
+  the trainer's `logprob_chunk_tokens`) + `grpo_loss`, backward, grad clip, AdamW step.
 - trl: a real `trl.GRPOTrainer` (TRL 1.16, built once around the same PEFT LoRA model, `loss_type="grpo"`,
   `epsilon=0.2`, `epsilon_high=0.28`, `delta=2.0`, `beta=0`; the same knobs as ours) and its own
   `GRPOTrainer._compute_loss(model, inputs)` on the batch padded the way `_generate_and_score_completions` pads
   it (prompts left-padded, completions right-padded, `trl.trainer.utils.pad`); the sampled logprobs go in as
   `old_per_token_logps`. Then the same backward, grad clip and AdamW step.
 
-Each (batch, implementation, layout) runs in a forked child of its own: the model is loaded, the batch built,
-then the parent steps the children round-robin, one step of each case per round, `--warmup` + `--reps`
-rounds, so load from other processes weighs on every case alike. After the warmup rounds each child frees what
-it can (gc, `malloc_trim`), notes its RSS and resets its peak-RSS counter (`/proc/self/clear_refs` <- 5).
-Reported: median step wall time (layout building included), trainable tokens/s = completion tokens / median
-step time, peak memory = the child's VmHWM over the timed steps minus its RSS before them (CPU: process RSS,
-so what one step holds at its peak: activations, logits, gradients, the mask; not code or the model), and the
-loss at the initial weights (both implementations compute the same objective, so these must agree: a check that
-the TRL side is assembled correctly).
+Models (`--model`): `tiny`, the project's tiny model (1,030-token vocabulary: the body dominates), and
+`real-vocab`, shaped like a real model at the output: Qwen2's 151,936-token vocabulary on Qwen2.5-0.5B's layer
+shapes (hidden 896, tied embeddings), 2 of its 24 layers, so the output layer dominates as it does in real
+models. Batches: `--lengths` fixed (every completion as long) and variable (U[len/8, len]); with
+`--completion-tokens`, each batch's completions add up to that many tokens (exactly when fixed, on average
+when variable).
 
-    .venv/bin/python bench/trainer_throughput.py                     # both batches, both row widths
-    .venv/bin/python bench/trainer_throughput.py --lengths fixed --reps 5 --row-widths 4096
+A child process prepares the model and the batches once (the sampled logprobs need a forward pass of each
+sequence); then each (batch, implementation, row width) runs in a forked child of its own, and the parent steps
+the children round-robin, one step of each case per round, `--warmup` + `--reps` rounds, so load from other
+processes weighs on every case alike. After the warmup rounds each child frees what it can (gc, `malloc_trim`),
+notes its RSS and resets its peak-RSS counter (`/proc/self/clear_refs` <- 5). Reported: median step wall time
+(layout building included), trainable tokens/s = completion tokens / median step time, peak memory = the
+child's VmHWM over the timed steps minus its RSS before them (CPU: process RSS, so what one step holds at its
+peak: activations, logits, gradients, the mask; not code or the model), and the loss at the initial weights
+(both implementations compute the same objective, so these must agree: a check that the TRL side is assembled
+correctly).
+
+    .venv/bin/python bench/trainer_throughput.py --quick                 # real-vocab, one small batch: ~1 min
+    .venv/bin/python bench/trainer_throughput.py --model real-vocab      # 1k and 4k tokens, fixed and variable
+    .venv/bin/python bench/trainer_throughput.py                         # the tiny model, as measured before
 """
 
 from __future__ import annotations
@@ -51,49 +60,166 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")  # TRL warns about the vLLM version at import; torch about float() of a loss
 
+# Qwen2.5-0.5B's shapes (its vocabulary is Qwen2's), with 2 of its 24 layers.
+REAL_VOCAB_SHAPE = {
+    "vocab_size": 151_936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+# Per model, what an option left out means (--quick first fills in its own values).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "groups": 8,
+        "group_size": 4,
+        "prompt_len": 64,
+        "completion_len": 64,
+        "lengths": "fixed,variable",
+        "row_widths": "4096,512",
+        "reps": 9,
+        "warmup": 2,
+    },
+    "real-vocab": {
+        "groups": 2,
+        "group_size": 4,
+        "prompt_len": 128,
+        "completion_tokens": "1024,4096",
+        "lengths": "fixed,variable",
+        "row_widths": "512",
+        "reps": 3,
+        "warmup": 1,
+    },
+}
+QUICK = {
+    "model": "real-vocab",
+    "groups": 1,
+    "prompt_len": 32,
+    "completion_tokens": "256",
+    "lengths": "fixed",
+    "reps": 1,
+    "warmup": 1,
+}
+TARGET_TOKENS = 4096  # the batch the targets below are about
+TARGET_SPEEDUP = 2.0  # ours >= 2x TRL's trainable tokens/s
+TARGET_MEMORY = 0.3  # ours <= 0.3x TRL's peak memory
+
+
+@dataclass(frozen=True)
+class Batch:
+    lengths: str  # fixed | variable
+    completion_len: int  # fixed: every completion's length; variable: the longest one
+    target: int | None  # completion tokens asked for (--completion-tokens); None: set by --completion-len
+
 
 @dataclass(frozen=True)
 class Case:
-    lengths: str  # fixed | variable
+    batch: Batch
     impl: str  # ours | trl
-    row_width: int  # ours: pack_sequences' max_tokens_per_row; trl: 0 (padded batch)
+    row_width: int  # ours: the trainer's pack_tokens_per_row; trl: 0 (padded batch)
+
+
+def batches(args: argparse.Namespace) -> list[Batch]:
+    n = args.groups * args.group_size
+    out = []
+    for lengths in args.lengths.split(","):
+        if args.completion_tokens is None:
+            out.append(Batch(lengths, args.completion_len, None))
+            continue
+        for target in (int(t) for t in args.completion_tokens.split(",")):
+            # U[len/8, len] averages 9/16 len: the longest completion that makes the batch `target` on average.
+            longest = target // n if lengths == "fixed" else round(target / n * 16 / 9)
+            out.append(Batch(lengths, longest, target))
+    return out
 
 
 # -----------------------------------------------------------------------------
-# the synthetic batch (identical in every child: same seed, same weights)
+# the model and the synthetic batches, prepared once in a child
 
 
-def make_batch(args: argparse.Namespace, lengths: str, model) -> dict[str, Any]:
+def prepare(args: argparse.Namespace, todo: list[Batch]) -> None:
+    """Child: build the model (unless --model-dir) and write every batch to work_dir (see batch_path)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.build_model:
+        build_model(args.model, args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    for batch in todo:
+        torch.save(make_batch(args, batch, model), batch_path(args, batch))
+
+
+def batch_path(args: argparse.Namespace, batch: Batch) -> Path:
+    return args.work_dir / f"batch-{batch.lengths}-{batch.completion_len}.pt"
+
+
+def build_model(kind: str, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from artgw.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+
+    if kind == "tiny":
+        build_tiny_model(out)
+        return
+    spec = TinyModelSpec()
+    tokenizer = build_tokenizer(spec)  # its ids are a subset of the vocabulary: enough for TRL's padding
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        **REAL_VOCAB_SHAPE,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    torch.manual_seed(spec.seed)
+    Qwen2ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id).save_pretrained(out)
+
+
+def make_batch(args: argparse.Namespace, batch: Batch, model) -> dict[str, Any]:
     """Token ids, sampled logprobs and advantages of groups x group_size trajectories."""
     import torch
 
+    from trainer.logprobs import policy_token_logprobs
     from trainer.loss import compute_advantages
 
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
     prompts, completions = [], []
     for _ in range(args.groups):
-        p_len = args.prompt_len if lengths == "fixed" else rng.randint(args.prompt_len // 4, args.prompt_len)
+        p_len = args.prompt_len if batch.lengths == "fixed" else rng.randint(args.prompt_len // 4, args.prompt_len)
         prompt = [rng.randrange(3, vocab) for _ in range(p_len)]  # one prompt per group: GRPO's attempts
         for _ in range(args.group_size):
-            c_len = (
-                args.completion_len
-                if lengths == "fixed"
-                else rng.randint(args.completion_len // 8, args.completion_len)
-            )
+            longest = batch.completion_len
+            c_len = longest if batch.lengths == "fixed" else rng.randint(max(longest // 8, 1), longest)
             prompts.append(prompt)
             completions.append([rng.randrange(3, vocab) for _ in range(c_len)])
 
     # Sampled logprobs: what the initial policy gives each completion token, plus noise (an engine that
     # sampled with slightly different numerics / an older adapter): ratios near 1, some clipped, some capped.
+    # The output layer runs over the completion only: on the real vocabulary that is most of the cost.
     noise = torch.Generator().manual_seed(args.seed)
     sampled = []
-    model.eval()
     with torch.no_grad():
         for prompt, completion in zip(prompts, completions, strict=True):
             ids = torch.tensor([prompt + completion])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            lp = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            scored = torch.zeros(ids.shape, dtype=torch.bool)
+            scored[0, len(prompt) - 1 : -1] = True  # position t predicts token t + 1
+            lp = policy_token_logprobs(
+                model,
+                ids,
+                torch.arange(ids.shape[1])[None],
+                None,
+                ids.roll(-1, dims=1),
+                scored,
+                chunk_size=1024,
+            )[scored]
             sampled.append((lp + 0.1 * torch.randn(lp.shape, generator=noise)).tolist())
     rewards = torch.tensor([rng.random() for _ in prompts], dtype=torch.float32)
     group_index = torch.arange(len(prompts)) // args.group_size
@@ -118,7 +244,13 @@ def ours_step_fn(args: argparse.Namespace, case: Case, model, batch: dict[str, A
     from trainer.train import StepData, make_optimizer, train_step
 
     config = TrainConfig(
-        models=("bench",), base_model=str(args.model_dir), db="sqlite://", pack_tokens_per_row=case.row_width
+        models=("bench",),
+        base_model=str(args.model_dir),
+        db="sqlite://",
+        pack_tokens_per_row=case.row_width,
+        # The trainer's own defaults unless the command line sets them.
+        **({"logprob_chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {}),
+        **({"micro_batch_rows": args.micro_batch_rows} if args.micro_batch_rows else {}),
     )
     optimizer = make_optimizer(model, config)
     sequences = [
@@ -143,7 +275,7 @@ def ours_step_fn(args: argparse.Namespace, case: Case, model, batch: dict[str, A
 
     def step() -> tuple[float, dict[str, Any]]:
         metrics = train_step(model, optimizer, data, config, device, pad_id)
-        return metrics["loss"], {"rows": metrics["rows"], "padding": metrics["padding_tokens"]}
+        return metrics.loss, {"rows": metrics.rows, "padding": metrics.padding_tokens}
 
     step.sequences = sequences  # type: ignore[attr-defined]
     return step
@@ -172,7 +304,7 @@ def trl_step_fn(args: argparse.Namespace, model, tokenizer, batch: dict[str, Any
         delta=2.0,  # TRL's cap on the unclipped ratio: our tis_cap
         num_generations=args.group_size,
         per_device_train_batch_size=n,
-        max_completion_length=args.completion_len,
+        max_completion_length=max(len(c) for c in batch["completions"]),
         temperature=1.0,
     )
     trainer = GRPOTrainer(
@@ -262,7 +394,7 @@ def setup_case(args: argparse.Namespace, case: Case):
     torch.manual_seed(args.seed)
     defaults = TrainConfig(models=("bench",), base_model=str(args.model_dir), db="x")
     base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    batch = make_batch(args, case.lengths, base)
+    batch = torch.load(batch_path(args, case.batch))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lora = LoraConfig(
@@ -292,8 +424,9 @@ def setup_case(args: argparse.Namespace, case: Case):
 
     def finish() -> dict[str, Any]:
         info = {"peak_mb": (_rss_kib("VmHWM") - baseline) / 1024}
-        if case.impl == "ours":  # train_step does not report the row length
-            packed = pack_sequences(step.sequences, max_tokens_per_row=case.row_width, pad_id=pad_id)
+        if case.impl == "ours":  # train_step does not report the row length; it widens rows as train_step does
+            width = max(case.row_width, max(len(s.token_ids) for s in step.sequences))
+            packed = pack_sequences(step.sequences, max_tokens_per_row=width, pad_id=pad_id)
             info["layout"] = f"packed {packed.input_ids.shape[0]}x{packed.input_ids.shape[1]}"
         info["trainable_tokens"] = sum(len(c) for c in batch["completions"])
         info["real_tokens"] = sum(len(p) + len(c) for p, c in zip(batch["prompts"], batch["completions"], strict=True))
@@ -362,23 +495,33 @@ def run_cases(args: argparse.Namespace, cases: list[Case], ctx) -> dict[Case, di
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="GRPO trainer step throughput: ours (trainer.train.train_step, packed rows) vs TRL's own "
-        "GRPOTrainer._compute_loss (padded batch) on the same synthetic batch and the same PEFT LoRA model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="GRPO trainer step throughput and memory: ours (trainer.train.train_step, packed rows) vs TRL's "
+        "own GRPOTrainer._compute_loss (padded batch) on the same synthetic batch and the same PEFT LoRA model. "
+        "Options left out take the --model's preset: "
+        + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in p.items()) for m, p in PRESETS.items()),
     )
-    parser.add_argument("--model-dir", type=Path, help="base model directory (default: build the tiny model)")
-    parser.add_argument("--groups", type=int, default=8, help="groups in the batch")
-    parser.add_argument("--group-size", type=int, default=4, help="trajectories per group")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (variable: U[len/4, len])")
-    parser.add_argument("--completion-len", type=int, default=64, help="completion tokens (variable: U[len/8, len])")
+    parser.add_argument("--model", choices=list(PRESETS), help="which model to build (default: tiny)")
+    parser.add_argument("--model-dir", type=Path, help="a local base model instead (presets of --model apply)")
     parser.add_argument(
-        "--lengths", default="fixed,variable", help="batches to run: fixed (every length as given), variable"
+        "--quick",
+        action="store_true",
+        help="~1 min for development: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (unless given)",
     )
+    parser.add_argument("--groups", type=int, help="groups in the batch")
+    parser.add_argument("--group-size", type=int, help="trajectories per group")
+    parser.add_argument("--prompt-len", type=int, help="prompt tokens (variable: U[len/4, len])")
+    parser.add_argument("--completion-len", type=int, help="completion tokens (variable: U[len/8, len])")
     parser.add_argument(
-        "--row-widths", default="4096,512", help="our packing widths (pack_tokens_per_row; 512 = trainer default)"
+        "--completion-tokens",
+        help="instead of --completion-len: a batch per value (comma-separated) whose completions add up to that "
+        "many tokens (variable lengths: on average)",
     )
-    parser.add_argument("--reps", type=int, default=9, help="timed steps per case (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--lengths", help="batches to run: fixed, variable or both (comma-separated)")
+    parser.add_argument("--row-widths", help="our packing widths (pack_tokens_per_row; 512 = trainer default)")
+    parser.add_argument("--chunk-tokens", type=int, help="our logprob_chunk_tokens (default: the trainer's)")
+    parser.add_argument("--micro-batch-rows", type=int, help="our micro_batch_rows (default: the trainer's)")
+    parser.add_argument("--reps", type=int, help="timed steps per case (median reported)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first")
     parser.add_argument(
         "--threads",
         type=int,
@@ -388,9 +531,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="batch and LoRA-init seed")
     args = parser.parse_args(argv)
+    # Options given win; then --quick's values, then the model's preset.
+    if args.quick:
+        _fill_in(args, QUICK)
+    args.model = args.model or "tiny"
+    _fill_in(args, PRESETS[args.model])
     if not set(args.lengths.split(",")) <= {"fixed", "variable"}:
         parser.error("--lengths takes fixed, variable or both (comma-separated)")
     return args
+
+
+def _fill_in(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,14 +552,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx = multiprocessing.get_context("fork")  # the parent only imports: no torch thread pool exists to fork
     tmp = tempfile.TemporaryDirectory(prefix="trainer-bench-")
     args.work_dir = Path(tmp.name)
-    if args.model_dir is None:
-        args.model_dir = args.work_dir / "tiny"
-        child = ctx.Process(target=_build_tiny, args=(args.model_dir,))
-        child.start()
-        child.join()
-        if child.exitcode != 0:
-            print("building the tiny model failed", file=sys.stderr)
-            return 1
+    args.build_model = args.model_dir is None
+    if args.build_model:
+        args.model_dir = args.work_dir / args.model
+    todo = batches(args)
+    started_prepare = time.monotonic()
+    child = ctx.Process(target=prepare, args=(args, todo))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        print("preparing the model and the batches failed", file=sys.stderr)
+        return 1
+    print(f"  model and {len(todo)} batches ready in {time.monotonic() - started_prepare:.0f} s", file=sys.stderr)
     # Imported once here, before forking, so each child starts in a second rather than in ~15.
     import peft
     import torch
@@ -414,11 +572,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import trainer.train  # noqa: F401
 
+    widths = [int(w) for w in args.row_widths.split(",")]
     cases = [
-        Case(lengths, impl, width)
-        for lengths in args.lengths.split(",")
-        for impl, widths in (("ours", [int(w) for w in args.row_widths.split(",")]), ("trl", [0]))
-        for width in widths
+        Case(batch, impl, width)
+        for batch in todo
+        for impl, impl_widths in (("ours", widths), ("trl", [0]))
+        for width in impl_widths
     ]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()
@@ -433,52 +592,57 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{started}; {os.cpu_count()} cores ({cpu}); load average before {load[0]:.2f}; Python "
         f"{platform.python_version()}, torch {torch.__version__} ({args.threads or torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, peft {peft.__version__}, trl {trl.__version__}; model "
-        f"{args.model_dir}; batch {args.groups} groups x {args.group_size}; {args.warmup} warmup + {args.reps} timed "
-        "steps per case (round-robin), median.\n"
+        f"{args.model if args.build_model else args.model_dir}; {args.groups} groups x {args.group_size}; "
+        f"{args.warmup} warmup + {args.reps} timed steps per case (round-robin), median.\n"
     )
-    print(
-        "| batch | implementation | layout (rows x T) | padding | step s (median, min-max) | trainable tok/s "
-        "| vs TRL | peak RSS delta MB | loss at init |"
-    )
-    print("|---|---|---|--:|--:|--:|--:|--:|--:|")
-    for lengths in args.lengths.split(","):
-        trl_result = results[Case(lengths, "trl", 0)]
-        for case in [c for c in cases if c.lengths == lengths]:
-            r = results[case]
-            name = (
-                "ours: train_step (pack_sequences + grpo_loss)"
-                if case.impl == "ours"
-                else "TRL 1.16: GRPOTrainer._compute_loss"
-            )
-            if case.impl == "ours":
-                name += f", rows of {case.row_width}"
-            batch = (
-                f"{lengths} {args.prompt_len}+{args.completion_len}"
-                if lengths == "fixed"
-                else f"variable <= {args.prompt_len}+{args.completion_len}"
-            )
-            padding = r["padding"] / (r["real_tokens"] + r["padding"])
-            print(
-                f"| {batch} ({r['trainable_tokens']} trainable / {r['real_tokens']} tokens) | {name} "
-                f"| {r['layout']} | {padding:.0%} | {r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f}) "
-                f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl_result['tokens_per_s']:.2f}x "
-                f"| {r['peak_mb']:.1f} | {r['loss0']:.6f} |"
-            )
-    print(
-        "\nstep = layout building + forward + loss + backward + grad clip + AdamW step; trainable tok/s = completion "
-        "tokens / median step time; peak RSS delta = VmHWM over the timed steps minus VmRSS before them (after "
-        "the warmup, gc and malloc_trim; VmHWM reset through /proc/self/clear_refs); each case in a forked child, "
-        "cases stepped round-robin; loss at init = each implementation's loss at the initial weights (they compute "
-        "the same objective, so equal up to float rounding)."
-    )
+    print(print_table(args, todo, cases, results))
     tmp.cleanup()
     return 0
 
 
-def _build_tiny(out: Path) -> None:
-    from artgw.tiny_model import build_tiny_model
-
-    build_tiny_model(out)
+def print_table(args: argparse.Namespace, todo: list[Batch], cases: list[Case], results: dict) -> str:
+    """One line per batch (and row width of ours): ours and TRL side by side, then the targets' verdicts."""
+    lines = [
+        "| batch | trainable / all tokens | ours: layout | TRL: layout (padding) | ours tok/s | TRL tok/s "
+        "| ours/TRL | ours peak MB | TRL peak MB | ours/TRL | ours step s (min-max) | TRL step s (min-max) "
+        "| loss at init ours / TRL |",
+        "|---|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    verdicts = []
+    for batch in todo:
+        trl = results[Case(batch, "trl", 0)]
+        name = f"{batch.lengths} {args.prompt_len}+{batch.completion_len}"
+        if batch.lengths == "variable":
+            name = f"variable <= {args.prompt_len}+{batch.completion_len}"
+        for case in [c for c in cases if c.batch == batch and c.impl == "ours"]:
+            ours = results[case]
+            speed = ours["tokens_per_s"] / trl["tokens_per_s"]
+            memory = ours["peak_mb"] / trl["peak_mb"] if trl["peak_mb"] > 0 else float("nan")
+            trl_padding = trl["padding"] / (trl["real_tokens"] + trl["padding"])
+            lines.append(
+                f"| {name} | {ours['trainable_tokens']:,} / {ours['real_tokens']:,} "
+                f"| {ours['layout']} (rows of {case.row_width}) | {trl['layout']} ({trl_padding:.0%}) "
+                f"| {ours['tokens_per_s']:,.0f} | {trl['tokens_per_s']:,.0f} | **{speed:.2f}x** "
+                f"| {ours['peak_mb']:,.0f} | {trl['peak_mb']:,.0f} | **{memory:.2f}x** "
+                f"| {ours['median_s']:.2f} ({ours['min_s']:.2f}-{ours['max_s']:.2f}) "
+                f"| {trl['median_s']:.2f} ({trl['min_s']:.2f}-{trl['max_s']:.2f}) "
+                f"| {ours['loss0']:.6f} / {trl['loss0']:.6f} |"
+            )
+            if batch.target == TARGET_TOKENS:
+                verdicts.append(
+                    f"{name}, rows of {case.row_width}: tokens/s {speed:.2f}x TRL "
+                    f"({'PASS' if speed >= TARGET_SPEEDUP else 'FAIL'}, target >= {TARGET_SPEEDUP}x); peak memory "
+                    f"{memory:.2f}x TRL ({'PASS' if memory <= TARGET_MEMORY else 'FAIL'}, target <= {TARGET_MEMORY}x)"
+                )
+    lines.append(
+        "\nstep = layout building + forward + loss + backward + grad clip + AdamW step; tok/s = completion tokens / "
+        "median step time; peak = VmHWM over the timed steps minus VmRSS before them (after the warmup, gc and "
+        "malloc_trim; VmHWM reset through /proc/self/clear_refs); each case in a forked child, cases stepped "
+        "round-robin; loss at init: both compute the same objective, so equal up to float rounding."
+    )
+    if verdicts:
+        lines += [f"\ntargets at {TARGET_TOKENS:,} completion tokens:", *(f"- {v}" for v in verdicts)]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

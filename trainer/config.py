@@ -144,7 +144,7 @@ class TrainConfig:
         },
     )
     logprob_chunk_tokens: int = field(
-        default=1024,
+        default=256,
         metadata={
             "help": "positions per chunk through the output layer: peak memory is this times the vocabulary, "
             "not the batch's tokens times it"

@@ -47,7 +47,8 @@ def chunked_token_logprobs(
     """log softmax(hidden @ weight.T)[token], (N, H), (V, H), (N,) -> (N,), float32 or wider.
 
     Processes `chunk_size` rows at a time: peak memory ~ chunk_size x V, never N x V.
-    Differentiable w.r.t. `hidden` (the output layer `weight` is frozen under LoRA).
+    Differentiable w.r.t. `hidden` (the output layer `weight` is frozen under LoRA: a `weight` that requires grad
+    is refused, except under no_grad).
     Grammar: `allowed_index` (N,) long, -1 = unconstrained, else a row of `allowed_bitmask` (M, ceil(V / 32))
     int32 (xgrammar's layout: bit j of word w set = token 32 w + j allowed); a constrained row's log-softmax is
     taken over its allowed tokens only, as vLLM's sampler did.
@@ -61,7 +62,7 @@ def policy_token_logprobs(
     model: Any,
     input_ids: Tensor,
     position_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     labels: Tensor,
     positions: Tensor,
     *,
@@ -71,7 +72,8 @@ def policy_token_logprobs(
 ) -> Tensor:
     """log p(labels[b, t]) under `model` (a causal LM, or a PEFT model around one) at `positions`, 0 elsewhere.
 
-    (b, T) inputs -> (b, T), float32 (wider if the model is). `positions` (b, T) bool: the tokens to score (the
+    (b, T) inputs -> (b, T), float32 (wider if the model is); `attention_mask` as the model takes it (packed
+    rows: (b, 1, T, T) bool; None: plain causal). `positions` (b, T) bool: the tokens to score (the
     trained ones); only they go through the output layer. `allowed_index` (b, T) long: -1 = unconstrained, else
     a row of `allowed_bitmask` (see `chunked_token_logprobs`). Runs the LoRA layers as they are set, so under
     `model.disable_adapter()` this is the base model.
@@ -123,16 +125,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_grad: bool,
     ) -> Tensor:
         dtype = _compute_dtype(hidden, weight)
-        # Upcast once per call (no copy when already float32): bf16 logits lose the small probabilities.
+        # Upcast once per call (no copy when already float32): bf16 logits lose the small probabilities, which
+        # the importance ratio needs (a bf16 logit of ~10 is off by ~0.01 nats). On a GPU the float32 copy of a
+        # bf16 W (V x H, 544 MB for Qwen2's vocabulary at H = 896) is small beside the logits it replaces.
         w = weight.to(dtype)
         n, vocab = hidden.shape[0], weight.shape[0]
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
         jacobian = torch.empty((n, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_grad else None
         masked = allowed_index is not None and allowed_bitmask is not None and allowed_bitmask.shape[0] > 0
+        # The only chunk-by-vocabulary tensor, allocated once: a fresh one per chunk would be page-faulted in anew.
+        buffer = torch.empty((min(chunk_size, n), vocab), dtype=dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
             y = token_ids[rows]
-            logits = hidden[rows].to(dtype) @ w.T  # (c, V): the only chunk-by-vocabulary tensor
+            logits = torch.mm(hidden[rows].to(dtype), w.T, out=buffer[: y.shape[0]])  # (c, V)
             if masked:
                 assert allowed_index is not None and allowed_bitmask is not None  # for the type checker
                 logits.masked_fill_(~_allowed(allowed_index[rows], allowed_bitmask, vocab), float("-inf"))
@@ -204,7 +210,8 @@ def _check_inputs(
         raise ValueError(
             f"weight must be a (V, {hidden.shape[1]}) float tensor, got {weight.dtype} {tuple(weight.shape)}"
         )
-    if weight.requires_grad:
+    # Under no_grad nothing flows back, so a trainable weight is only refused where its gradient would be lost.
+    if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             "weight requires grad: training the output layer is not supported (only d/d hidden is computed); "
             "freeze it (LoRA does) or use full logits"

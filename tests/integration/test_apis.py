@@ -435,7 +435,12 @@ def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engi
     assert {c["api"] for c in recorded["calls"]} == {"responses"}
     # The successful run's last two calls: the forced tool call, then the answer after the tool's result.
     tool_turn, answer_turn = calls[-2:]
-    assert tool_turn["constrained"] is True and answer_turn["constrained"] is False
+    # Both are sampled under a grammar: the answer turn's tool_choice is back to `auto`, but the Agents SDK's
+    # function tools are `strict`, so vLLM constrains whatever would follow a `<tool_call>`.
+    assert tool_turn["constrained"] is True and answer_turn["constrained"] is True
+    answer_request = answer_turn["grammar_request"]
+    assert answer_request.get("tool_choice", "auto") == "auto"
+    assert all(tool["function"]["strict"] for tool in answer_request["tools"])
     assert recorded["messages"][-2] == {
         "role": "tool",
         "tool_call_id": recorded["messages"][-3]["tool_calls"][0]["id"],
