@@ -8,7 +8,7 @@ the trajectory's index, which is how the loss weighs per trajectory across rows.
 
 Everything is aligned for next-token prediction here, once: position t predicts labels[t],
 the token at t + 1 of the same sequence, and every per-token tensor describes labels[t].
-So `token_logprobs(logits, labels)` feeds `grpo_loss` without any further shifting.
+So the log-probabilities of `labels` (trainer/logprobs.py) feed `grpo_loss` without any further shifting.
 """
 
 from __future__ import annotations

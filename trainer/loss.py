@@ -7,8 +7,6 @@ that packed layout through a per-token trajectory index, so nothing has to be un
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -25,7 +23,6 @@ __all__ = [
     "batch_totals",
     "compute_advantages",
     "grpo_loss",
-    "token_logprobs",
     "trajectory_log_ratio_sums",
 ]
 
@@ -369,39 +366,3 @@ def _check_inputs(
             f"token_trajectory on masked tokens must be in [0, {advantages.shape[0]}), "
             f"got values in [{int(trained.min())}, {int(trained.max())}]"
         )
-
-
-# -----------------------------------------------------------------------------
-# logprobs from logits
-
-
-def token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
-    """log softmax(logits)[token], (B, T, V) and (B, T) -> (B, T).
-
-    logits[b, t] must be the distribution token_ids[b, t] was sampled from (already shifted
-    by one). Uses TRL's selective_log_softmax when TRL is installed: it never materializes
-    the full (B, T, V) log-softmax, which dominates memory for large vocabularies.
-    """
-    if logits.ndim != 3 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a (B, T, V) float tensor, got {logits.dtype} {tuple(logits.shape)}")
-    if tuple(token_ids.shape) != tuple(logits.shape[:2]) or token_ids.dtype != torch.long:
-        raise ValueError(
-            f"token_ids must be a long tensor of shape {tuple(logits.shape[:2])}, "
-            f"got {token_ids.dtype} {tuple(token_ids.shape)}"
-        )
-    return _resolve_selective_log_softmax()(logits, token_ids)
-
-
-@functools.cache
-def _resolve_selective_log_softmax() -> Callable[[Tensor, Tensor], Tensor]:
-    # Imported lazily: importing TRL pulls in transformers and accelerate (seconds), which
-    # importers of this module that only need the loss shouldn't pay for.
-    try:
-        from trl.trainer.utils import selective_log_softmax
-    except ImportError:
-        return _gather_log_softmax
-    return selective_log_softmax
-
-
-def _gather_log_softmax(logits: Tensor, token_ids: Tensor) -> Tensor:
-    return logits.log_softmax(dim=-1).gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)

@@ -13,7 +13,7 @@ from store.trajectories import SPLIT_RERENDERED, assemble
 from tests.conftest import make_call
 from trainer import batch as batch_module
 from trainer.batch import PackedBatch, TrainSequence, pack_sequences, sequences_from_trajectory
-from trainer.loss import LossConfig, grpo_loss, token_logprobs
+from trainer.loss import LossConfig, grpo_loss
 
 PAD = 0
 F, T_ = False, True  # short names keep the expected bool rows aligned with the token rows
@@ -275,7 +275,7 @@ def _packed_logprobs(model: Any, batch: PackedBatch, attention_mask: torch.Tenso
     with torch.no_grad():
         logits = model(batch.input_ids, position_ids=batch.position_ids, attention_mask=attention_mask).logits
     assert bool(torch.isfinite(logits).all())  # padding positions included
-    return token_logprobs(logits, batch.labels)  # (B, T)
+    return _gathered(logits, batch.labels)  # (B, T)
 
 
 def test_packed_logprobs_equal_per_sequence_logprobs_of_a_real_model(model: Any) -> None:
@@ -298,7 +298,7 @@ def test_packed_logprobs_equal_per_sequence_logprobs_of_a_real_model(model: Any)
     for s, (row, start) in zip(sequences, batch.placements, strict=True):
         ids = torch.tensor([s.token_ids])  # (1, n)
         with torch.no_grad():
-            alone = token_logprobs(model(ids).logits[:, :-1], ids[:, 1:])[0]  # (n - 1,)
+            alone = _gathered(model(ids).logits[:, :-1], ids[:, 1:])[0]  # (n - 1,)
         n = len(s.token_ids)
         span = slice(start, start + n - 1)  # positions with a label inside the sequence
         # Every predicting position of the sequence is compared; the loss_mask ones are among them.
@@ -306,3 +306,8 @@ def test_packed_logprobs_equal_per_sequence_logprobs_of_a_real_model(model: Any)
         torch.testing.assert_close(packed[row, span], alone, atol=1e-5, rtol=0)
         if start > 0:  # the control: without the block-diagonal mask, the packed sequence's logits change
             assert not torch.allclose(leaky[row, span], alone, atol=1e-3)
+
+
+def _gathered(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] from the full logits: the reference the trainer's chunked path must equal."""
+    return logits.log_softmax(dim=-1).gather(dim=-1, index=token_ids.unsqueeze(-1)).squeeze(-1)

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer import loss as loss_module
-from trainer.loss import LossConfig, compute_advantages, grpo_loss, token_logprobs
+from trainer.loss import LossConfig, compute_advantages, grpo_loss
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -364,41 +363,3 @@ def test_valid_inputs_are_accepted() -> None:
 def test_loss_rejects_bad_input(override: dict) -> None:
     with pytest.raises(ValueError):
         grpo_loss(**(_valid_inputs() | override))
-
-
-# -----------------------------------------------------------------------------
-# token_logprobs
-
-
-def test_gather_log_softmax_hand_values() -> None:
-    # logits (0, ln 3) -> softmax (1/4, 3/4)
-    logits = torch.tensor([[[0.0, math.log(3)], [0.0, math.log(3)]]])  # (1, 2, 2)
-    logprobs = loss_module._gather_log_softmax(logits, torch.tensor([[1, 0]]))
-    torch.testing.assert_close(logprobs, torch.tensor([[math.log(3 / 4), math.log(1 / 4)]]))
-
-
-def test_token_logprobs_uses_resolved_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Resolving the real one imports TRL (seconds); check the wiring with a stand-in.
-    calls = []
-
-    def fake(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        calls.append((logits, token_ids))
-        return torch.full(token_ids.shape, -7.0)
-
-    monkeypatch.setattr(loss_module, "_resolve_selective_log_softmax", lambda: fake)
-    logits, token_ids = torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
-    assert torch.equal(token_logprobs(logits, token_ids), torch.full((2, 3), -7.0))
-    assert len(calls) == 1 and calls[0][0] is logits and calls[0][1] is token_ids
-
-
-@pytest.mark.parametrize(
-    ("logits", "token_ids"),
-    [
-        (torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.long)),
-        (torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long)),
-        (torch.zeros(2, 3, 5), torch.zeros(2, 3)),
-    ],
-)
-def test_token_logprobs_rejects_bad_shapes(logits: torch.Tensor, token_ids: torch.Tensor) -> None:
-    with pytest.raises(ValueError):
-        token_logprobs(logits, token_ids)
