@@ -24,8 +24,9 @@ Token fidelity and what is trained. vLLM reports logprobs *before* logits proces
 `logit_bias` and temperature: the answer token's logprob is the model's own, the one the trainer
 recomputes, so the answer is trained exactly on-policy. The tool call is sampled under a grammar
 (the named `tool_choice`), and vLLM reports those logprobs *after* the grammar's mask (about -0.7 or
-exactly 0 where the model's own are about -7): the gateway flags such calls and the trainer leaves
-their tokens out (`artgw train --train-constrained` would keep them). The learning is in the answer.
+exactly 0 where the model's own are about -7): the gateway flags such calls and the trainer scores their
+tokens under the same grammar's masks (trainer/grammar.py), so they are trained on-policy too. The call
+has no arguments, so what it contains cannot change the reward: the learning is in the answer.
 """
 
 from __future__ import annotations
