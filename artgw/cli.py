@@ -686,8 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
         _cmd_demo,
         help="the whole loop end to end: tiny model, gateway + vLLM, trainer, an agent learning a task by RL",
         description="Build the tiny model, start the gateway (supervising vLLM) and the trainer, run an agent "
-        "over the unmodified OpenAI SDK (it calls a tool that "
-        "returns the ballots on a motion and says whether the motion passed), post rewards to /v1/art/groups, "
+        "over the unmodified OpenAI SDK (it calls a tool that returns the ballots on a motion, then reports "
+        "whether the motion passed with a second, grammar-sampled tool call), post rewards to /v1/art/groups, "
         "train GRPO steps that the gateway hot-loads, and evaluate held-out scenarios before and after. Writes a "
         "table, results.json and a reward-curve PNG to --out; stops everything it started on exit or Ctrl-C.",
     )

@@ -77,8 +77,8 @@ class DemoConfig:
 class EvalResult:
     step: int
     reward: float  # mean reward of sampled attempts (temperature 1): the policy's expected reward
-    greedy: float  # mean reward of greedy attempts (temperature 0), one per scenario
-    tool_calls: float  # share of attempts that called the tool
+    tool_argument: float  # share of greedy attempts whose report call carries the right `passed`: the accuracy
+    tool_calls: float  # share of attempts whose two tool calls were both complete
     errors: int
     seconds: float
 
@@ -105,7 +105,7 @@ class DemoResult:
     evals: list[EvalResult] = field(default_factory=list)
     steps: list[StepResult] = field(default_factory=list)
     served_step: int = 0
-    examples: list[dict[str, Any]] = field(default_factory=list)  # held-out scenarios, greedy answers by step
+    examples: list[dict[str, Any]] = field(default_factory=list)  # held-out scenarios, greedy values by step
     timings: dict[str, float] = field(default_factory=dict)
     ok: bool = False
 
@@ -212,7 +212,7 @@ class Demo:
         self.children: list[Child] = []
         self.gateway_url = ""
         self.api_key = ""  # the client key the demo makes once the gateway is up (never printed)
-        self.logit_bias: dict[str, int] = {}
+        self.logit_bias: dict[str, dict[str, int]] = {}  # the calls' logit_bias, by tool (demo_task.call_logit_bias)
         self.nonce = uuid.uuid4().hex[:6]
         # Each run has its own store, checkpoints and logs: a rerun never meets a trained adapter.
         self.run_dir = config.data_dir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.nonce}"
@@ -421,6 +421,7 @@ class Demo:
     async def _episodes(
         self, progress: Progress, description: str, jobs: list[tuple[Scenario, str]], greedy: bool = False
     ) -> list[Episode]:
+        """Run episodes; `greedy`: temperature 0 (else 1)."""
         import openai
 
         task = progress.add_task(description, total=len(jobs))
@@ -431,7 +432,7 @@ class Demo:
                 jobs,
                 model=MODEL_NAME,
                 logit_bias=self.logit_bias,
-                answer_temperature=0.0 if greedy else None,
+                temperature=0.0 if greedy else 1.0,
                 concurrency=self.config.concurrency,
                 on_done=lambda _: progress.advance(task),
             )
@@ -455,15 +456,16 @@ class Demo:
         result = EvalResult(
             step=step,
             reward=statistics.fmean(e.reward for e in sampled),
-            greedy=statistics.fmean(e.reward for e in greedy),
-            tool_calls=statistics.fmean(float(e.called_tool) for e in everything),
+            tool_argument=statistics.fmean(e.reward for e in greedy),
+            tool_calls=statistics.fmean(float(e.reported) for e in everything),
             errors=sum(1 for e in everything if e.error),
             seconds=time.monotonic() - started,
         )
         self.result.evals.append(result)
         self.log(
             f"held-out at step {step}: reward {result.reward:.3f} (sampled, {len(sampled)} attempts), "
-            f"greedy {result.greedy:.3f}, tool calls {result.tool_calls:.0%}, errors {result.errors}"
+            f"tool argument correct (greedy) {result.tool_argument:.3f}, tool calls complete {result.tool_calls:.0%}, "
+            f"errors {result.errors}"
         )
         if result.errors:
             first = next(e.error for e in everything if e.error)
@@ -514,7 +516,7 @@ class Demo:
             served_step=served,
             reward=statistics.fmean(rewards),
             reward_std=statistics.pstdev(rewards),
-            tool_calls=statistics.fmean(float(e.called_tool) for e in episodes),
+            tool_calls=statistics.fmean(float(e.reported) for e in episodes),
             no_signal_groups=no_signal,
             collect_seconds=collected - started,
             train_seconds=time.monotonic() - collected,
@@ -546,7 +548,7 @@ class Demo:
         try:
             with progress:
                 model = self.prepare_model(progress)
-                self.logit_bias = demo_task.answer_logit_bias(model)
+                self.logit_bias = demo_task.call_logit_bias(model)
                 self.start_gateway(progress, model)
                 self.start_trainer(model)
                 self.result.before = self.evaluate(progress)
@@ -596,8 +598,8 @@ def summary_table(result: DemoResult) -> Table:
         table.add_row(name, fmt.format(b) if b is not None else "-", fmt.format(a) if a is not None else "-", change)
 
     row("mean reward (sampled, T=1)", "reward")
-    row("accuracy (greedy, T=0)", "greedy")
-    row("tool-call rate", "tool_calls")
+    row("tool argument correct (greedy, T=0)", "tool_argument")  # the accuracy: the value decides the reward
+    row("tool calls complete", "tool_calls")
     return table
 
 
@@ -619,8 +621,8 @@ def steps_table(result: DemoResult) -> Table:
 
 
 def examples_table(result: DemoResult) -> Table:
-    table = Table(title="held-out examples: the greedy answer before and after RL")
-    for name in ("question (the model calls get_ballots)", "ballots", "correct", "step 0", "after RL"):
+    table = Table(title="held-out examples: the greedy value of report's `passed` before and after RL")
+    for name in ("question (the model calls get_ballots, then report)", "ballots", "correct", "step 0", "after RL"):
         table.add_column(name)
     last = str(result.after.step) if result.after else ""
     for example in result.examples:
@@ -667,8 +669,8 @@ def plot(result: DemoResult, path: Path) -> None:
          "training rollouts' reward (train scenarios)"),
         ([e.step for e in result.evals], [e.reward for e in result.evals], "s--", "tab:orange",
          "held-out reward (sampled)"),
-        ([e.step for e in result.evals], [e.greedy for e in result.evals], "^:", "tab:green",
-         "held-out accuracy (greedy)"),
+        ([e.step for e in result.evals], [e.tool_argument for e in result.evals], "^:", "tab:green",
+         "held-out tool argument correct (greedy)"),
     ]  # fmt: skip
     for xs, ys, style, colour, label in series:
         if xs:
@@ -701,7 +703,8 @@ def run(config: DemoConfig, console: Console | None = None) -> int:
     if before is not None and after is not None:
         console.print(
             f"[bold]held-out reward {before.reward:.3f} → {after.reward:.3f}[/bold] "
-            f"(greedy accuracy {before.greedy:.3f} → {after.greedy:.3f}) after {len(result.steps)} GRPO steps, "
+            f"(tool argument correct, greedy: {before.tool_argument:.3f} → {after.tool_argument:.3f}) "
+            f"after {len(result.steps)} GRPO steps, "
             f"{result.timings.get('total_seconds', 0):.0f}s in all"
         )
     return 0

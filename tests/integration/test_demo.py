@@ -67,13 +67,14 @@ def test_quick_demo_completes_writes_outputs_and_leaves_no_process(tmp_path: Pat
 
     # Its outputs.
     table = (out / "table.txt").read_text()
-    assert "before RL" in table and "mean reward" in table
+    assert "before RL" in table and "mean reward" in table and "tool argument correct" in table
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((out / "results.json").read_text())
     assert results["ok"] is True
     assert results["served_step"] >= 1
     assert len(results["steps"]) == results["config"]["steps"]
     assert results["before"]["errors"] == 0 and results["after"]["errors"] == 0
+    assert all(0.0 <= results[when]["tool_argument"] <= 1.0 for when in ("before", "after"))  # the tool-call metric
 
     # No process left: neither one it was seen to start nor anything carrying its environment.
     assert len(seen) >= 3, seen  # gateway, vLLM (and its engine core), trainer

@@ -187,7 +187,7 @@ def test_parts_add_up_to_the_whole_batch(policy: str, normalization: dict, beta:
             ref_logprobs=ref[rows], totals=totals,
         )  # fmt: skip
         part.loss.backward()
-        loss_sum += float(part.loss)
+        loss_sum += float(part.loss.detach())
         policy_sum += part.policy_loss
         kl_sum += part.kl or 0.0
 
