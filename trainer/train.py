@@ -19,6 +19,7 @@ checkpoint and deletes any newer, uncommitted one, so no group is trained twice 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -296,7 +297,7 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sequence_log_ratio = None
+    totals = batch_totals(batch.token_trajectory.to(device), batch.loss_mask.to(device), n)
     if loss_config.policy == "gspo":  # each trajectory's sequence ratio, over all its rows, before any update
         log_ratio_sums = torch.zeros(n, dtype=torch.float64, device=device)
         with torch.no_grad():
@@ -309,9 +310,8 @@ def train_step(model, optimizer, data: StepData, config: TrainConfig, device: to
                     n,
                 )
         sum_over_processes(log_ratio_sums)
-        counts = batch_totals(batch.token_trajectory, batch.loss_mask, n).tokens_per_trajectory.to(device)
-        sequence_log_ratio = log_ratio_sums / counts.clamp(min=1)
-    totals = batch_totals(batch.token_trajectory.to(device), batch.loss_mask.to(device), n, sequence_log_ratio)
+        counts = totals.tokens_per_trajectory
+        totals = dataclasses.replace(totals, sequence_log_ratio=log_ratio_sums / counts.clamp(min=1))
 
     # loss, policy_loss, kl, clipped tokens, sum of ratios, constrained tokens, sum of their ratios
     sums = torch.zeros(7, dtype=torch.float64)
