@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import msgspec
@@ -33,6 +35,11 @@ from artgw.demo import DemoConfig
 from artgw.tiny_model import TinyModelSpec
 from gateway.settings import Settings
 from trainer.config import TrainConfig
+
+if TYPE_CHECKING:  # imported where a command runs: each command loads only what it uses
+    from rich.console import Console
+
+    from store.judge_report import JudgedGroup, JudgeReport
 
 T = TypeVar("T")
 
@@ -84,6 +91,18 @@ class StatusOptions:
             "help": "a trainable model to show; repeat for several (none: every model)",
             "flag": "--model",
             "repeat": True,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class JudgeReportOptions:
+    model: str = field(metadata={"help": "the trainable model whose judged groups to report on"})
+    png: Path | None = field(
+        default=None,
+        metadata={
+            "help": "write a scatter plot of judge score against caller reward to this PNG, one colour per rubric "
+            "and judge (none: no plot)"
         },
     )
 
@@ -357,6 +376,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = train_config(args)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a trainer that seems stuck is waiting.
+    with contextlib.suppress(ValueError, AttributeError):  # stderr without a file descriptor (captured)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     from trainer.train import main  # torch and the model stack: only once the config is good
 
     if config.nproc_per_node == 1 and config.nnodes == 1:
@@ -439,6 +461,145 @@ def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> Non
             (row.error or "")[:60],
         )
     console.print(table)
+
+
+def _cmd_judge_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from store.judge_report import JudgeReport
+
+    chosen = _build(JudgeReportOptions, args)
+    answer = _ask(args, "GET", f"/v1/art/models/{quote(chosen.model, safe='')}/judge-report")
+    try:
+        report = msgspec.json.decode(answer.content, type=JudgeReport)
+    except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
+        raise CommandError(f"{gateway_url(args)} did not answer like an ART gateway: {exc}") from None
+    console = Console()
+    _print_judge_report(console, report)
+    if chosen.png is not None:
+        if not report.rubrics:
+            print(f"no plot written to {chosen.png}: nothing to plot yet")
+            return 0
+        _plot_judged_groups(_judged_groups_from_gateway(args, chosen.model), report, chosen.png)
+        print(f"scatter plot written to {chosen.png}")  # whole on one line, never wrapped: scripts read it
+    return 0
+
+
+def _print_judge_report(console: Console, report: JudgeReport) -> None:
+    from rich import box
+    from rich.table import Table
+
+    if not report.rubrics:
+        print(f"no group of {report.model} has both caller rewards and RULER scores yet")
+        return
+
+    def number(value: float | None) -> str:
+        return f"{value:+.3f}" if value is not None else "-"
+
+    flag = {"agrees": "no", "flagged": "[bold red]FLAGGED[/bold red]", "no_ranked_groups": "-"}
+    # No vertical rules, the judge under its rubric's id, and only its name may wrap: the figures fit an
+    # 80-column terminal whole.
+    table = Table(
+        title=f"judge calibration of {report.model}: RULER's scores against the callers' rewards",
+        caption=f"means over the ranked groups (both sides vary); flagged: mean Spearman below {report.threshold:g}",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("rubric\njudge", overflow="fold", min_width=12)
+    for header in ("groups", "ranked", "Spearman\nmean", "Kendall\nmean", "Spearman\npooled", "flagged"):
+        table.add_column(header, no_wrap=True, justify="right" if header != "flagged" else "left")
+    for rubric in report.rubrics:
+        table.add_row(
+            f"{rubric.rubric_id}\n{rubric.judge_model}",
+            str(rubric.groups),
+            str(rubric.ranked_groups),
+            number(rubric.spearman_mean),
+            number(rubric.kendall_mean),
+            number(rubric.pooled_spearman),
+            flag[rubric.state],
+        )
+    console.print(table)
+    # The rubric's text keyed by its id: a long rubric would swamp the table.
+    for rubric_id, text in sorted({(r.rubric_id, r.rubric) for r in report.rubrics}):
+        first_line = text.strip().splitlines()[0] if text.strip() else ""
+        print(f"rubric {rubric_id}: {first_line[:100]}{'…' if len(first_line) > 100 else ''}")
+    worst = Table(title="worst-agreeing groups (lowest Spearman first)", box=box.SIMPLE_HEAD, pad_edge=False)
+    worst.add_column("rubric", no_wrap=True)
+    worst.add_column("judge", overflow="fold")
+    worst.add_column("group", no_wrap=True)  # the id is what `GET /v1/art/groups/{id}` takes: never cut
+    for header in ("members", "Spearman", "Kendall"):
+        worst.add_column(header, no_wrap=True, justify="right")
+    for rubric in report.rubrics:
+        for group in rubric.worst_groups:
+            worst.add_row(
+                rubric.rubric_id,
+                rubric.judge_model,
+                group.group_id,
+                str(group.members),
+                number(group.spearman),
+                number(group.kendall),
+            )
+    if worst.row_count:
+        console.print(worst)
+
+
+def _judged_groups_from_gateway(args: argparse.Namespace, model: str) -> list[JudgedGroup]:
+    """The model's groups as store.judge_report.JudgedGroup, read page by page from `GET /v1/art/groups`: the
+    members both the caller and RULER scored (the report itself carries only the statistics)."""
+    from urllib.parse import urlencode
+
+    from gateway.groups.schemas import GroupPage
+    from store.judge_report import JudgedGroup
+
+    judged: list[JudgedGroup] = []
+    query: dict[str, str | int] = {"model": model, "limit": 1000}
+    while True:
+        answer = _ask(args, "GET", f"/v1/art/groups?{urlencode(query)}")
+        try:
+            page = msgspec.json.decode(answer.content, type=GroupPage)
+        except msgspec.DecodeError as exc:
+            raise CommandError(f"{gateway_url(args)} did not answer like an ART gateway: {exc}") from None
+        for group in page.data:
+            scored = [(r.caller_reward, r.ruler_score) for r in group.rollouts]
+            pairs = [(caller, judge) for caller, judge in scored if caller is not None and judge is not None]
+            if group.ruler is not None and pairs:
+                callers, judges = zip(*pairs, strict=True)
+                judged.append(JudgedGroup(group.id, group.ruler["judge_model"], group.ruler["rubric"], callers, judges))
+        if page.next_cursor is None:
+            return judged
+        query["cursor"] = page.next_cursor
+
+
+def _plot_judged_groups(judged: list[JudgedGroup], report: JudgeReport, png: Path) -> None:
+    """Caller reward on x, judge score on y, one colour per rubric and judge (the report's rows)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CommandError("--png needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # a file, never a window
+    import matplotlib.pyplot as plt
+
+    from store.judge_report import by_judge
+
+    agreement = {(r.judge_model, r.rubric_id): r.spearman_mean for r in report.rubrics}
+    figure, axes = plt.subplots(figsize=(7, 5))
+    for (judge, rubric_id), same_judge in by_judge(judged).items():
+        rho = agreement.get((judge, rubric_id))
+        axes.scatter(
+            [reward for group in same_judge for reward in group.caller_rewards],
+            [score for group in same_judge for score in group.judge_scores],
+            alpha=0.5,
+            label=f"{rubric_id} · {judge}" + (f" (mean ρ {rho:+.2f})" if rho is not None else ""),
+        )
+    axes.set_xlabel("caller reward")
+    axes.set_ylabel("RULER score")
+    axes.set_title(f"{report.model}: judge score against caller reward")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    try:
+        figure.savefig(png, dpi=100)
+    finally:
+        plt.close(figure)
 
 
 def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
@@ -705,6 +866,23 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(status, StatusOptions)
     options.add_options(status, TrainConfig, only=("gateway",), computed={"gateway": "http://HOST:PORT"})
     options.add_options(status, Settings, only=(*GATEWAY_FIELDS, *ADMIN_FIELDS))
+
+    judge = _command(
+        sub,
+        "judge-report",
+        _cmd_judge_report,
+        help="how well RULER's rankings agree with your own rewards (judge calibration), with a scatter plot",
+        description="For the groups of --model where the caller posted its own rewards and RULER scored them "
+        "too, print what GET /v1/art/models/NAME/judge-report says, per rubric and judge model: the groups, the "
+        "Spearman and Kendall (tau-b) rank correlations of judge score and caller reward within each group, "
+        "averaged over the groups where both vary (GRPO learns from ranks inside a group), the pooled Spearman "
+        "over all members, whether the rubric is flagged (mean Spearman below the gateway's "
+        "--judge-agreement-threshold), and the worst-agreeing groups. --png also writes a scatter plot. The "
+        "gateway is found as `artgw serve` listens (--host/--port), or by --gateway.",
+    )
+    options.add_options(judge, JudgeReportOptions)
+    options.add_options(judge, TrainConfig, only=("gateway",), computed={"gateway": "http://HOST:PORT"})
+    options.add_options(judge, Settings, only=(*GATEWAY_FIELDS, *ADMIN_FIELDS))
 
     keys = sub.add_parser(
         "keys",

@@ -2,8 +2,10 @@
 
 A trainable model `NAME` is served by vLLM either as the base model (step 0,
 before any training) or as the LoRA adapter `NAME@<step>`. A request for
-`NAME` goes to the newest step, `NAME@K` pins step K, and the base model's own
-name reaches the base weights.
+`NAME` goes to the promoted step, `NAME@latest` to the newest committed one,
+`NAME@K` pins step K, and the base model's own name reaches the base weights.
+With `--promotion always` every committed step is promoted at once; with
+`gated`, gateway/promotion/ decides (eval sets, or an admin's promote/rollback).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,11 +25,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.settings import valid_model_name
+from gateway.settings import Promotion, valid_model_name
 from store.adapters import (
     AdapterRow,
     adapter_history,
     commit_step,
+    committed_step,
     loaded_adapters,
     record_failure,
     set_status,
@@ -34,11 +38,19 @@ from store.adapters import (
 from store.groups import LeaseLost, count_by_state
 from store.models import active_models, add_models
 from store.models import retire_model as retire_in_store
-from store.types import GroupState, StepMetrics
+from store.promotions import (
+    EvaluationRow,
+    PromotionRow,
+    evaluations_of,
+    promoted_steps,
+    promotion_history,
+    record_promotion,
+)
+from store.types import GroupState, PromotionAction, PromotionActor, StepMetrics
 
 log = logging.getLogger("artgw.adapters")
 
-_PINNED = re.compile(r"^(?P<name>.+)@(?P<step>\d+)$")
+_PINNED = re.compile(r"^(?P<name>.+)@(?P<step>\d+|latest)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +65,8 @@ class Route:
 @dataclass
 class TrainableModel:
     name: str
-    served_step: int = 0  # 0 = the base weights, no adapter yet
+    served_step: int = 0  # the promoted step, what `NAME` serves; 0 = the base weights
+    latest_step: int = 0  # the newest committed step, what `NAME@latest` serves
     loaded_steps: set[int] = field(default_factory=set)  # adapters vLLM has loaded, by step
 
 
@@ -86,7 +99,7 @@ class AdapterRegistry:
             return self._route(model, model.served_step)
         pinned = _PINNED.match(requested)
         if pinned is not None and (model := self.models.get(pinned["name"])) is not None:
-            step = int(pinned["step"])
+            step = model.latest_step if pinned["step"] == "latest" else int(pinned["step"])
             if step == 0 or step in model.loaded_steps:
                 return self._route(model, step)
         if requested == self.base_model:
@@ -98,8 +111,9 @@ class AdapterRegistry:
         upstream = self.base_model if step == 0 else adapter_name(model.name, step)
         return Route(upstream, model.name, step)
 
-    def served_steps(self) -> dict[str, int]:
-        return {name: model.served_step for name, model in self.models.items()}
+    def served_steps(self) -> dict[str, tuple[int, int]]:
+        """model -> (promoted step, newest step)."""
+        return {name: (model.served_step, model.latest_step) for name, model in self.models.items()}
 
     def model_list(self, caller: Caller = ANONYMOUS) -> dict[str, Any]:
         """The body of `GET /v1/models`: what the caller's key may use."""
@@ -125,6 +139,7 @@ class AdapterRegistry:
             if not caller.covers(model.name):
                 continue
             out.append((model.name, self.base_model))
+            out.append((f"{model.name}@latest", self.base_model))
             out.extend((adapter_name(model.name, s), self.base_model) for s in sorted(model.loaded_steps))
         if caller.covers(self.base_model):
             out.append((self.base_model, self.base_model))
@@ -160,22 +175,43 @@ class ModelStatus(msgspec.Struct, frozen=True):
     name: str
     base_model: str | None  # the name vLLM serves the base weights under
     base_model_path: str | None  # the weights' path or hub id, as the engine loaded them (what a trainer loads)
-    served_step: int
+    served_step: int  # what `NAME` serves: the promoted step
     loaded_steps: list[int]
     groups: dict[GroupState, int]  # state -> count
     steps: list[AdapterRow]  # newest first
+    latest_step: int = 0  # what `NAME@latest` serves: the newest committed step
+    promotion: Promotion = "always"
+    promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
+    evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
     retired: bool = False
     object: str = "art.model"
+
+
+class PromoteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/art/models/{name}/promote` (step required) and `.../rollback` (none: the step promoted before)."""
+
+    step: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    reason: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
 
 
 class AdapterService:
     """Loads adapters into vLLM beside the old ones, moves the alias, unloads old ones later."""
 
-    def __init__(self, registry: AdapterRegistry, client: httpx.AsyncClient, store: AsyncEngine, keep: int = 3):
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        client: httpx.AsyncClient,
+        store: AsyncEngine,
+        keep: int = 3,
+        promotion: Promotion = "always",
+    ):
         self.registry = registry
         self.client = client
         self.store = store
-        self.keep = keep  # adapters kept loaded per model: pinned `NAME@K` requests keep working a while
+        self.keep = keep  # adapters kept loaded per model besides the promoted one: pinned `NAME@K` keep working
+        self.promotion = promotion
+        # Told of each step committed under `gated` promotion (gateway/promotion/ evaluates it).
+        self.on_commit: Callable[[str, int], None] | None = None
         self._lock = asyncio.Lock()
 
     def _model(self, name: str) -> TrainableModel:
@@ -205,9 +241,9 @@ class AdapterService:
         if not (Path(spec.path) / "adapter_config.json").is_file():
             raise invalid_request(f"No adapter at `{spec.path}` (adapter_config.json missing).", param="path")
         async with self._lock:
-            if spec.step <= model.served_step:
+            if spec.step <= model.latest_step:
                 raise OpenAIError(
-                    409, f"Step {spec.step} is not newer than the served step {model.served_step}.", param="step"
+                    409, f"Step {spec.step} is not newer than the newest step {model.latest_step}.", param="step"
                 )
             adapter = adapter_name(name, spec.step)
             ok, text = await self._load_into_engine(adapter, spec.path)
@@ -230,6 +266,16 @@ class AdapterService:
                         group_ids=spec.group_ids,
                         lease_owner=spec.lease_owner,
                     )
+                    if self.promotion == "always":  # in the same transaction: a committed step is a promoted one
+                        await record_promotion(
+                            conn,
+                            model=name,
+                            step=spec.step,
+                            previous_step=model.served_step,
+                            action="promote",
+                            actor="always",
+                            reason="--promotion always: every committed step",
+                        )
             except BaseException as exc:
                 # Whatever stopped the commit (a lost lease, the store down or locked, a cancelled request),
                 # the adapter must not stay loaded: the store says what serves, and a retry loads it again.
@@ -241,12 +287,66 @@ class AdapterService:
                     raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
                 raise
             model.loaded_steps.add(spec.step)
-            model.served_step = spec.step  # the alias moves: new requests for `name` get this step
+            model.latest_step = spec.step  # `name@latest` moves; `name` too unless promotion is gated
+            if self.promotion == "always":
+                model.served_step = spec.step
             await self._unload_old(model)
+        if self.promotion == "gated" and self.on_commit is not None:
+            self.on_commit(name, spec.step)
         return await self.status(name)
 
+    async def promote(
+        self, name: str, step: int, *, action: PromotionAction, actor: PromotionActor, reason: str
+    ) -> PromotionRow:
+        """Point `name` at `step` (0: the base weights), loading its adapter again if it was unloaded, and record
+        why. 404 for a step that never committed; 409 if the engine refuses it."""
+        model = self._model(name)
+        async with self._lock:
+            if step != 0 and step not in model.loaded_steps:
+                async with self.store.connect() as conn:
+                    row = await committed_step(conn, name, step)
+                if row is None:
+                    raise OpenAIError(
+                        404, f"Step {step} of `{name}` was never committed.", param="step", code="step_not_found"
+                    )
+                ok, text = await self._load_into_engine(adapter_name(name, step), row.path)
+                if not ok:
+                    raise OpenAIError(
+                        502, f"The engine refused {adapter_name(name, step)}: {text[:500]}", code="adapter_load_failed"
+                    )
+                model.loaded_steps.add(step)
+                async with self.store.begin() as conn:
+                    await set_status(conn, name, [step], "loaded")
+            async with self.store.begin() as conn:
+                promotion = await record_promotion(
+                    conn,
+                    model=name,
+                    step=step,
+                    previous_step=model.served_step,
+                    action=action,
+                    actor=actor,
+                    reason=reason,
+                )
+            model.served_step = step
+            await self._unload_old(model)
+        log.info("%s: %s to step %d by %s (%s)", name, action, step, actor, reason)
+        return promotion
+
+    async def rollback_target(self, name: str) -> int:
+        """The step that was promoted before the current one was (409 if there is none)."""
+        model = self._model(name)
+        async with self.store.connect() as conn:
+            history = await promotion_history(conn, name, limit=1000)
+        for row in history:  # newest first: how the current step came to be promoted
+            if row.action == "promote" and row.step == model.served_step and row.previous_step is not None:
+                if row.previous_step != model.served_step:
+                    return row.previous_step
+        raise OpenAIError(409, f"`{name}` has no earlier promoted step to roll back to.", code="nothing_to_roll_back")
+
     async def _unload_old(self, model: TrainableModel) -> None:
-        old = sorted(model.loaded_steps)[: -self.keep] if self.keep else sorted(model.loaded_steps)
+        # The newest `keep` stay loaded, and the promoted step whatever its age: `NAME` must keep answering.
+        unpinned = sorted(model.loaded_steps - {model.served_step})
+        old = unpinned[: -self.keep] if self.keep else unpinned
         done = []
         for step in old:
             ok, _ = await self._engine("unload", {"lora_name": adapter_name(model.name, step)})
@@ -257,22 +357,27 @@ class AdapterService:
             await set_status(conn, model.name, done, "unloaded")
 
     async def sync_engine(self) -> None:
-        """After the engine (re)starts: load what the store says should be serving, newest `keep` per model."""
+        """After the engine (re)starts: load what the store says should be serving, newest `keep` per model
+        and the promoted step."""
         async with self.store.connect() as conn:
             rows = await loaded_adapters(conn)
+            promoted = await promoted_steps(conn)
         async with self._lock:
             for model in self.registry.models.values():
-                await self._load_lineage(model, rows)
+                await self._load_lineage(model, rows, promoted.get(model.name, 0))
 
-    async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow]) -> None:
-        """Load the newest `keep` of a model's serving steps into the engine (under the lock)."""
-        for row in [r for r in rows if r.model == model.name][-self.keep :]:
+    async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow], promoted: int) -> None:
+        """Load the newest `keep` of a model's serving steps and its promoted one into the engine (under the
+        lock). `NAME` serves the promoted step; one that cannot be loaded leaves the base weights serving."""
+        mine = [r for r in rows if r.model == model.name]
+        for row in [r for r in mine[: -self.keep] if r.step == promoted] + mine[-self.keep :]:
             ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
             if ok:
                 model.loaded_steps.add(row.step)
-                model.served_step = max(model.served_step, row.step)
+                model.latest_step = max(model.latest_step, row.step)
             else:
                 log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
+        model.served_step = promoted if promoted == 0 or promoted in model.loaded_steps else 0
 
     # ------------------------------------------------------------ the set of models (admin)
 
@@ -290,9 +395,10 @@ class AdapterService:
                 async with self.store.begin() as conn:
                     await add_models(conn, [name])
                     rows = await loaded_adapters(conn)
+                    promoted = await promoted_steps(conn)
                 model = self.registry.models.setdefault(name, TrainableModel(name))
                 if self.registry.base_model is not None:  # else sync_engine loads it once the engine is up
-                    await self._load_lineage(model, rows)
+                    await self._load_lineage(model, rows, promoted.get(name, 0))
         return await self.status(name), created
 
     async def retire_model(self, name: str) -> ModelStatus:
@@ -318,6 +424,7 @@ class AdapterService:
                 async with self.store.connect() as conn:
                     rows = await loaded_adapters(conn)
                     active = set(await active_models(conn))
+                    promoted = await promoted_steps(conn)
             except Exception as exc:  # a store hiccup: try again next round
                 log.warning("could not read adapters from the store: %s", exc)
                 continue
@@ -330,11 +437,13 @@ class AdapterService:
                 self.registry.models.setdefault(name, TrainableModel(name))
             for model in self.registry.models.values():
                 steps = {r.step for r in rows if r.model == model.name}
-                if steps and max(steps) > model.served_step:
+                target = promoted.get(model.name, 0)
+                if (steps and max(steps) > model.latest_step) or target != model.served_step:
                     # Mirror what the committing replica left in the engine, unloads included: a pinned
                     # `NAME@K` must not be routed to an adapter that is gone.
                     model.loaded_steps = steps
-                    model.served_step = max(steps)
+                    model.latest_step = max(steps, default=0)
+                    model.served_step = target if target == 0 or target in steps else model.served_step
 
     async def status(self, name: str, caller: Caller = ANONYMOUS) -> ModelStatus:
         """A model's served step, adapters, groups and step history (404 for a model the caller's key lacks)."""
@@ -349,6 +458,8 @@ class AdapterService:
         async with self.store.connect() as conn:
             history = await adapter_history(conn, name)
             counts = await count_by_state(conn)
+            promotions = await promotion_history(conn, name)
+            evaluations = await evaluations_of(conn, name)
         return ModelStatus(
             name=name,
             base_model=self.registry.base_model,
@@ -357,4 +468,8 @@ class AdapterService:
             loaded_steps=sorted(model.loaded_steps),
             groups={state: n for (m, state), n in counts.items() if m == name},
             steps=history,
+            latest_step=model.latest_step,
+            promotion=self.promotion,
+            promotions=promotions,
+            evaluations=evaluations,
         )

@@ -23,8 +23,10 @@ from gateway.auth import Caller
 from gateway.errors import exception_handlers
 from gateway.groups.service import GroupService
 from gateway.guards import metrics_reader, request_caller, scoped
+from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
 from gateway.openapi import errors
+from gateway.promotion.service import PromotionService
 from gateway.provide import Services, provide_services
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings
@@ -60,6 +62,14 @@ def _keys(state: State) -> KeyService:
     return _services(state).keys
 
 
+def _promotions(state: State) -> PromotionService:
+    return _services(state).promotions
+
+
+def _judge_reports(state: State) -> JudgeReportService:
+    return _services(state).judge_reports
+
+
 DEPENDENCIES = {
     name: Provide(provider, sync_to_thread=False)
     for name, provider in (
@@ -70,6 +80,8 @@ DEPENDENCIES = {
         ("adapters", _adapters),
         ("responses", _responses),
         ("keys", _keys),
+        ("judge_reports", _judge_reports),
+        ("promotions", _promotions),
         ("caller", request_caller),  # whom the route's guard let in
     )
 }
@@ -102,6 +114,7 @@ async def retrieve_model(
     guards=[metrics_reader],
 )
 async def metrics(services: Services) -> Response[bytes]:
+    await services.judge_reports.refresh_metrics()  # remade only when a minute old: not a store read per scrape
     # Litestar adds the charset itself.
     body = await services.metrics.scrape(services.store.engine, services.recorder, services.registry.served_steps())
     return Response(body, media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""))

@@ -7,16 +7,21 @@ from litestar import Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.adapters import AdapterLoad, AdapterService, ModelStatus
+from gateway.adapters import AdapterLoad, AdapterService, ModelStatus, PromoteRequest
 from gateway.auth import Caller
-from gateway.errors import decode_body
+from gateway.errors import decode_body, invalid_request
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage
 from gateway.groups.service import GroupService
 from gateway.guards import admin_only, scoped
+from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyCreate, KeyCreated, KeyList, KeyService
 from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struct_schema
+from gateway.promotion.graders import EvalSetCreate
+from gateway.promotion.service import PromotionService
 from gateway.rollouts import RolloutService
+from store.judge_report import JudgeReport
 from store.keys import ApiKey
+from store.promotions import EvalSetRow
 from store.rollouts import MAX_PAGE, RolloutPage
 from store.trajectories import Trajectory
 from store.types import GROUP_STATES
@@ -41,6 +46,23 @@ class ModelCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[str]
     object: str = "list"
+
+
+class EvalSetList(msgspec.Struct, frozen=True):
+    data: list[EvalSetRow]
+    object: str = "list"
+
+
+EVAL_SET_EXAMPLE = {
+    "name": "smoke",
+    "samples": 4,
+    "scenarios": [
+        {
+            "messages": [{"role": "user", "content": "Did motion 7 pass? yes or no"}],
+            "grader": {"type": "exact", "value": "yes"},
+        }
+    ],
+}
 
 
 @get("/v1/art/rollouts/{rollout_id:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
@@ -120,6 +142,12 @@ async def model_status(adapters: AdapterService, caller: Caller, name: str) -> M
     return await adapters.status(name, caller)
 
 
+@get("/v1/art/models/{name:str}/judge-report", responses=errors(400, 401, 403, 404, 500, 503), **READ)
+async def get_judge_report(judge_reports: JudgeReportService, caller: Caller, name: str) -> JudgeReport:
+    """How RULER's rankings agree with the callers' own rewards in groups that have both, per rubric and judge."""
+    return await judge_reports.report(name, caller)
+
+
 @get("/v1/art/models", responses=errors(400, 401, 403), **READ)
 async def list_models(adapters: AdapterService, caller: Caller) -> ModelList:
     """The trainable models the key covers."""
@@ -145,6 +173,69 @@ async def add_model(request: Request, adapters: AdapterService) -> Response[Mode
 async def retire_model(adapters: AdapterService, name: str) -> ModelStatus:
     """Stop serving and training the model; its adapters leave the engine, its data stays."""
     return await adapters.retire_model(name)
+
+
+@post(
+    "/v1/art/models/{name:str}/promote",
+    status_code=200,
+    operation_class=documented(body=struct_schema(PromoteRequest), example={"step": 3, "reason": "checked by hand"}),
+    responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
+    **ADMIN,
+)
+async def promote_step(request: Request, adapters: AdapterService, name: str) -> ModelStatus:
+    """Point `name` at a committed step (0: the base weights), whatever the gate said; recorded with its reason."""
+    spec = decode_body(await request.body(), PromoteRequest)
+    if spec.step is None:
+        raise invalid_request("Give the `step` to promote.", param="step")
+    await adapters.promote(name, spec.step, action="promote", actor="admin", reason=spec.reason or "by hand")
+    return await adapters.status(name)
+
+
+@post(
+    "/v1/art/models/{name:str}/rollback",
+    status_code=200,
+    operation_class=documented(body=struct_schema(PromoteRequest), example={"reason": "reward fell"}),
+    responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
+    **ADMIN,
+)
+async def rollback_step(request: Request, adapters: AdapterService, name: str) -> ModelStatus:
+    """Point `name` back at the step promoted before the current one (or at `step`); recorded with its reason."""
+    body = await request.body()
+    spec = decode_body(body, PromoteRequest) if body.strip() else PromoteRequest()
+    step = spec.step if spec.step is not None else await adapters.rollback_target(name)
+    await adapters.promote(name, step, action="rollback", actor="admin", reason=spec.reason or "by hand")
+    return await adapters.status(name)
+
+
+@post(
+    "/v1/art/models/{name:str}/evals",
+    operation_class=documented(body=struct_schema(EvalSetCreate), example=EVAL_SET_EXAMPLE),
+    responses={
+        200: ResponseSpec(EvalSetRow, description="A set of that name was replaced"),
+        **errors(400, 401, 403, 404, 408, 413, 500, 503),
+    },
+    **ADMIN,
+)
+async def put_eval_set(request: Request, promotions: PromotionService, name: str) -> Response[EvalSetRow]:
+    """Register (or replace) a named eval set: the gate evaluates each new step of `name` on it."""
+    row, created = await promotions.put_set(name, decode_body(await request.body(), EvalSetCreate))
+    return Response(row, status_code=201 if created else 200)
+
+
+@get("/v1/art/models/{name:str}/evals", responses=errors(400, 401, 403, 404, 500, 503), **READ)
+async def list_eval_sets(promotions: PromotionService, caller: Caller, name: str) -> EvalSetList:
+    caller.check_model(name)
+    return EvalSetList(await promotions.sets(name))
+
+
+@delete(
+    "/v1/art/models/{name:str}/evals/{eval_set:str}",
+    status_code=204,
+    responses=errors(400, 401, 403, 404, 500, 503),
+    **ADMIN,
+)
+async def delete_eval_set(promotions: PromotionService, name: str, eval_set: str) -> None:
+    await promotions.delete_set(name, eval_set)
 
 
 @post(
@@ -181,7 +272,13 @@ routes = [
     list_models,
     add_model,
     retire_model,
+    promote_step,
+    rollback_step,
+    put_eval_set,
+    list_eval_sets,
+    delete_eval_set,
     create_key,
     list_keys,
     revoke_key,
+    get_judge_report,
 ]

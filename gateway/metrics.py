@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import msgspec
@@ -22,6 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.adapters import TrainerSummary, trainer_summaries
 from store.groups import count_by_state
+from store.judge_report import JudgeReport
+from store.promotions import evaluation_counts, promotion_counts
 from store.records import CallRecord
 from store.types import GroupState
 
@@ -40,6 +42,8 @@ class StoreSnapshot(msgspec.Struct, frozen=True):
     groups: dict[tuple[str, GroupState], int] = {}
     trainer: dict[str, TrainerSummary] = {}
     recorder: tuple[int, int, int, int] = (0, 0, 0, 0)  # queue depth, written, retries, spilled
+    promotions: dict[tuple[str, str, str], int] = {}  # (model, action, actor) -> count
+    evaluations: dict[tuple[str, str], int] = {}  # (model, status) -> count
 
 
 # The trainer gauges: metric name suffix, help, the StepMetrics field it shows.
@@ -78,7 +82,51 @@ class _StoreCollector(Collector):
             for gauge, field in gauges:
                 gauge.add_metric([model], float(getattr(summary.last, field)))
         yield steps
+        moves = CounterMetricFamily(
+            "artgw_promotions",
+            "Changes of the step `NAME` serves, by action (promote, rollback) and actor (always, gate, admin).",
+            labels=["model", "action", "actor"],
+        )
+        for (model, action, actor), n in sorted(snapshot.promotions.items()):
+            moves.add_metric([model, action, actor], n)
+        yield moves
+        gate = CounterMetricFamily(
+            "artgw_gate_evaluations",
+            "Steps evaluated on an eval set by the promotion gate, by outcome (passed, failed, error, running).",
+            labels=["model", "status"],
+        )
+        for (model, status), n in sorted(snapshot.evaluations.items()):
+            gate.add_metric([model, status], n)
+        yield gate
         yield from (gauge for gauge, _ in gauges)
+
+
+class _JudgeCollector(Collector):
+    """RULER's agreement with the callers' rewards, from the newest judge report of each model (made by
+    gateway/judge_report.py, which keeps them fresh without a store read on every scrape)."""
+
+    def __init__(self, source: Callable[[], dict[str, JudgeReport]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["model", "rubric", "judge"]
+        agreement = GaugeMetricFamily(
+            "artgw_judge_agreement",
+            "Mean per-group Spearman correlation of RULER's scores with the callers' rewards, per rubric (the "
+            "first 12 hex digits of its sha256) and judge model.",
+            labels=labels,
+        )
+        flagged = GaugeMetricFamily(
+            "artgw_judge_flagged", "1 if the rubric's agreement is below --judge-agreement-threshold.", labels=labels
+        )
+        for model, report in sorted(self.source().items()):
+            for rubric in report.rubrics:
+                names = [model, rubric.rubric_id, rubric.judge_model]
+                if rubric.spearman_mean is not None:  # no ranked group yet: no figure to show
+                    agreement.add_metric(names, rubric.spearman_mean)
+                flagged.add_metric(names, 1.0 if rubric.state == "flagged" else 0.0)
+        yield agreement
+        yield flagged
 
 
 class _RecorderCollector(Collector):
@@ -142,11 +190,16 @@ class GatewayMetrics:
         )
         self.judge_tokens = Counter("artgw_ruler_judge_tokens", "Judge tokens.", ["model", "kind"], registry=r)
         self.adapter_step = Gauge(
-            "artgw_adapter_step", "Adapter step each model serves (0: base).", ["model"], registry=r
+            "artgw_adapter_step", "Promoted step each model serves as NAME (0: base).", ["model"], registry=r
+        )
+        self.latest_step = Gauge(
+            "artgw_adapter_latest_step", "Newest committed step of each model (NAME@latest).", ["model"], registry=r
         )
         self.store_up = Gauge("artgw_store_up", "1 if the store answered the last scrape's reads, else 0.", registry=r)
         self._snapshot = StoreSnapshot()
         r.register(_StoreCollector(lambda: self._snapshot))
+        self._judge_reports: dict[str, JudgeReport] = {}
+        r.register(_JudgeCollector(lambda: self._judge_reports))
 
     def watch_recorder(self, recorder: Any) -> None:
         """Export the recorder's journal and refusal figures (gateway/recorder.py)."""
@@ -172,16 +225,29 @@ class GatewayMetrics:
         self.judge_tokens.labels(model, "prompt").inc(prompt_tokens)
         self.judge_tokens.labels(model, "completion").inc(completion_tokens)
 
+    def judge_reported(self, report: JudgeReport) -> None:
+        """The model's newest judge report: its rubrics' series replace the ones of the last report."""
+        self._judge_reports = {**self._judge_reports, report.model: report}
+
+    def keep_judge_reports(self, models: Collection[str]) -> None:
+        """Forget the reports of models no longer served (retired): their series leave /metrics."""
+        self._judge_reports = {m: r for m, r in self._judge_reports.items() if m in models}
+
     # -- at scrape time
 
-    async def refresh(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> None:
-        for model, step in served_steps.items():
-            self.adapter_step.labels(model).set(step)
-        groups, trainer = self._snapshot.groups, self._snapshot.trainer
+    async def refresh(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, tuple[int, int]]) -> None:
+        """`served_steps`: model -> (promoted step, newest step)."""
+        for model, (promoted, latest) in served_steps.items():
+            self.adapter_step.labels(model).set(promoted)
+            self.latest_step.labels(model).set(latest)
+        old = self._snapshot
+        groups, trainer, promotions, evaluations = old.groups, old.trainer, old.promotions, old.evaluations
         try:
             async with asyncio.timeout(STORE_READ_SECONDS), engine.connect() as conn:
                 groups = await count_by_state(conn)
                 trainer = await trainer_summaries(conn)
+                promotions = await promotion_counts(conn)
+                evaluations = await evaluation_counts(conn)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             # /metrics must answer most when the store is away: the store's families keep their last values
             # and artgw_store_up says they are stale.
@@ -190,10 +256,14 @@ class GatewayMetrics:
         else:
             self.store_up.set(1)
         self._snapshot = StoreSnapshot(
-            groups, trainer, (recorder.depth(), recorder.written, recorder.retries, recorder.spilled)
+            groups,
+            trainer,
+            (recorder.depth(), recorder.written, recorder.retries, recorder.spilled),
+            promotions,
+            evaluations,
         )
 
-    async def scrape(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, int]) -> bytes:
+    async def scrape(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, tuple[int, int]]) -> bytes:
         """The Prometheus text of a scrape: store-backed families refreshed first."""
         await self.refresh(engine, recorder, served_steps)
         return self.render()

@@ -37,8 +37,11 @@ from gateway.engine import (
 )
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
+from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
 from gateway.metrics import GatewayMetrics
+from gateway.promotion.graders import RulerJudge
+from gateway.promotion.service import PromotionService
 from gateway.proxy import EngineCalls
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
@@ -103,6 +106,8 @@ class Services:
         groups: GroupService,
         scorer: Scorer,
         adapters: AdapterService,
+        judge_reports: JudgeReportService,
+        promotions: PromotionService,
         metrics: GatewayMetrics,
         engine: EngineSupervisor | UpstreamEngine,
         client: httpx.AsyncClient,
@@ -121,6 +126,8 @@ class Services:
         self.groups = groups
         self.scorer = scorer
         self.adapters = adapters
+        self.judge_reports = judge_reports
+        self.promotions = promotions  # the promotion gate: eval sets and their evaluations
         self.metrics = metrics
         self.engine = engine
         self.client = client  # the engine's control API (health, models, LoRA loading)
@@ -167,6 +174,8 @@ class Services:
             self.fail(f"the inference engine did not start: {exc}")
             return
         log.info("engine ready in %.1fs", self.engine.ready_seconds or 0)
+        if self.settings.promotion == "gated":
+            await self.promotions.resume()
         s = self.settings
         models = ",".join(self.registry.models)
         auth = "required" if s.auth_required else "off"
@@ -189,6 +198,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
         ) as session,
+        httpx.AsyncClient() as webhooks,  # the eval sets' webhook graders (the user's reward functions)
     ):
         # The models of the command line join the store's set; the gateway serves the whole set.
         async with store.engine.begin() as conn:
@@ -216,7 +226,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             journal_fsync_interval=settings.journal_fsync_interval,
         )
         metrics.watch_recorder(recorder)
-        adapters = AdapterService(registry, client, store.engine)
+        adapters = AdapterService(registry, client, store.engine, promotion=settings.promotion)
         rollouts = RolloutService(store.rollouts, recorder)
         scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics)
         engine: EngineSupervisor | UpstreamEngine
@@ -252,6 +262,18 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             metrics=metrics,
             limits=keyring.limits,
         )
+        chat = ChatService(calls)
+        promotions = PromotionService(
+            adapters=adapters,
+            store=store.engine,
+            chat=chat,
+            http=webhooks,
+            judge=RulerJudge(cache=store.judge_cache),  # the judge model: each ruler grader names its own
+            margin=settings.gate_margin,
+            confidence=settings.gate_confidence,
+            concurrency=settings.eval_concurrency,
+        )
+        adapters.on_commit = promotions.step_committed
         services = Services(
             settings=settings,
             store=store,
@@ -259,7 +281,8 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             keys=KeyService(store.engine, keyring, registry),
             registry=registry,
             recorder=recorder,
-            chat=ChatService(calls),
+            chat=chat,
+            promotions=promotions,
             completions=CompletionsService(calls),
             responses=ResponsesService(calls, ResponseStore(store.engine)),
             messages=MessagesService(calls),
@@ -267,6 +290,9 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             groups=GroupService(store.engine, rollouts, registry, scorer),
             scorer=scorer,
             adapters=adapters,
+            judge_reports=JudgeReportService(
+                store.engine, registry, metrics, threshold=settings.judge_agreement_threshold
+            ),
             metrics=metrics,
             engine=engine,
             client=client,
@@ -283,6 +309,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         finally:
             for task in background:
                 task.cancel()
+            await promotions.close()
             await scorer.close()
             await recorder.close()
             await engine.stop()

@@ -32,6 +32,9 @@ from store.records import Api, CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+# The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
+# a prefix no client may use.
+EVAL_ROLLOUT_PREFIX = "artgw-eval:"
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -55,6 +58,12 @@ def call_origin(header: str | None, path_id: str | None, caller: Caller = ANONYM
         raise invalid_request(
             "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
             "starting with a letter or digit.",
+            param=ROLLOUT_HEADER,
+            code="invalid_rollout_id",
+        )
+    if given.startswith(EVAL_ROLLOUT_PREFIX):
+        raise invalid_request(
+            f"Rollout ids starting with `{EVAL_ROLLOUT_PREFIX}` are the gateway's own (eval calls).",
             param=ROLLOUT_HEADER,
             code="invalid_rollout_id",
         )

@@ -15,6 +15,7 @@ from typing import Literal, get_args
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
 AuthMode = Literal["required", "off"]
+Promotion = Literal["always", "gated"]  # what `NAME` serves: every committed step, or those the gate passes
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
 
@@ -156,7 +157,34 @@ class Settings:
             "call is stored compactly"
         },
     )
+    promotion: Promotion = field(
+        default="always",
+        metadata={
+            "help": "always: `NAME` serves every committed step at once; gated: only a step that passes the "
+            "model's eval sets against the promoted step (NAME@latest serves the newest either way)"
+        },
+    )
+    gate_margin: float = field(
+        default=0.05,
+        metadata={
+            "help": "a gated step passes when its eval reward is not below the promoted step's by more than "
+            "this (mean per-scenario difference, judged by the lower end of its confidence interval)"
+        },
+    )
+    gate_confidence: float = field(
+        default=0.95, metadata={"help": "confidence of the gate's interval (Student t, paired by scenario)"}
+    )
+    eval_concurrency: int = field(
+        default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
+    )
     log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
+    judge_agreement_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "a RULER rubric and judge whose mean per-group Spearman correlation with the callers' own "
+            "rewards is below this is flagged (GET /v1/art/models/NAME/judge-report, -1 to 1)"
+        },
+    )
     # Set by code (tests give the supervised engine extra variables), never by a user.
     extra_env: dict[str, str] = field(default_factory=dict, metadata={"option": False})
 
@@ -210,6 +238,18 @@ class Settings:
         if self.journal_fsync not in get_args(JournalFsync):
             raise ValueError(
                 f"--journal-fsync must be one of {', '.join(get_args(JournalFsync))}, got {self.journal_fsync!r}"
+            )
+        if self.promotion not in get_args(Promotion):
+            raise ValueError(f"--promotion must be one of {', '.join(get_args(Promotion))}, got {self.promotion!r}")
+        if not (math.isfinite(self.gate_margin) and 0 <= self.gate_margin <= 1):
+            raise ValueError(f"--gate-margin must be between 0 and 1, got {self.gate_margin}")
+        if not 0.5 <= self.gate_confidence < 1:
+            raise ValueError(f"--gate-confidence must be at least 0.5 and below 1, got {self.gate_confidence}")
+        if self.eval_concurrency < 1:
+            raise ValueError(f"--eval-concurrency must be >= 1, got {self.eval_concurrency}")
+        if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too
+            raise ValueError(
+                f"--judge-agreement-threshold must be a correlation (-1 to 1), got {self.judge_agreement_threshold}"
             )
         if self.log_level not in get_args(LogLevel):
             raise ValueError(f"--log-level must be one of {', '.join(get_args(LogLevel))}, got {self.log_level!r}")

@@ -129,6 +129,15 @@ async def last_committed_step(conn: AsyncConnection, model: str) -> AdapterRow |
     return _row(row) if row is not None else None
 
 
+async def committed_step(conn: AsyncConnection, model: str, step: int) -> AdapterRow | None:
+    """That step, if it ever served (loaded or since unloaded): what may be promoted again."""
+    query = sa.select(adapters).where(
+        adapters.c.model == model, adapters.c.step == step, adapters.c.status.in_(_COMMITTED)
+    )
+    row = (await conn.execute(query)).first()
+    return _row(row) if row is not None else None
+
+
 class TrainerSummary(msgspec.Struct, frozen=True):
     """What `/metrics` shows of a model's training: committed steps and the newest one's metrics."""
 

@@ -127,6 +127,50 @@ adapters = sa.Table(
     sa.Column("served_at", sa.Float, nullable=True),  # when `model` started to mean this step
 )
 
+# What `NAME` serves: every promotion and rollback, newest last. The newest row of a model is its promoted step.
+promotions = sa.Table(
+    "promotions",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("model", sa.String(256), nullable=False, index=True),
+    sa.Column("step", sa.Integer, nullable=False),  # what `NAME` serves from now on; 0 = the base weights
+    sa.Column("previous_step", sa.Integer, nullable=True),
+    sa.Column("action", sa.String(16), nullable=False),  # promote | rollback
+    sa.Column("actor", sa.String(16), nullable=False),  # always | gate | admin | migration
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# Offline eval sets that gate promotion: scenarios (a chat request and its grader) per model and name.
+eval_sets = sa.Table(
+    "eval_sets",
+    metadata,
+    sa.Column("model", sa.String(256), primary_key=True),
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("spec", sa.JSON, nullable=False),  # scenarios and samples, as posted
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# One step evaluated on one eval set: its per-scenario rewards, and the gate's verdict against the promoted step.
+evaluations = sa.Table(
+    "evaluations",
+    metadata,
+    sa.Column("model", sa.String(256), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("eval_set", sa.String(128), primary_key=True),
+    sa.Column("status", sa.String(16), nullable=False),  # running | passed | failed | error
+    sa.Column("scores", sa.JSON, nullable=True),  # mean reward per scenario, in the set's order
+    sa.Column("mean", sa.Float, nullable=True),
+    sa.Column("baseline_step", sa.Integer, nullable=True),
+    sa.Column("baseline_mean", sa.Float, nullable=True),
+    sa.Column("ci_low", sa.Float, nullable=True),  # of the mean paired difference candidate - baseline
+    sa.Column("ci_high", sa.Float, nullable=True),
+    sa.Column("margin", sa.Float, nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float, nullable=True),
+)
+
 # Responses API objects kept for `previous_response_id` and `GET /v1/responses/{id}` (`store: true`, the
 # default): the answer as the client got it, its input items, and the conversation a follow-up continues.
 responses = sa.Table(

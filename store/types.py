@@ -13,6 +13,9 @@ import msgspec
 GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
 AdapterStatus = Literal["loaded", "unloaded", "failed"]
+PromotionAction = Literal["promote", "rollback"]
+PromotionActor = Literal["always", "gate", "admin", "migration"]  # who moved `NAME`
+EvaluationStatus = Literal["running", "passed", "failed", "error"]
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -287,7 +288,8 @@ def start_trainer(
             stderr=subprocess.STDOUT,
             # One torch thread: the tiny model needs no more, and on 2 cores busy with vLLM, torch's spinning
             # intra-op threads turn a ~1 s step into ~60 s.
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            # Unbuffered: a trainer that fails a test shows in its log how far it got.
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
     return proc, log_path
@@ -531,3 +533,36 @@ def make_call(
     unknown = set(fields) - set(values)
     assert not unknown, f"CallRecord has no field {sorted(unknown)}"
     return CallRecord(**{**values, **fields})
+
+
+class Background:
+    """Calls `model` (my-agent) over and over from a thread, counting what is not answered 200."""
+
+    def __init__(self, base_url: str, model: str = "my-agent") -> None:
+        self.base_url = base_url
+        self.model = model
+        self.calls = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="background-calls", daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": self.model, "messages": [{"role": "user", "content": "Did it pass?"}], "max_tokens": 4}
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    answer = client.post(f"{self.base_url}/chat/completions", json=body)
+                    if answer.status_code != 200:
+                        self.failures.append(f"{answer.status_code}: {answer.text[:200]}")
+                except httpx.HTTPError as exc:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+                self.calls += 1
+                time.sleep(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
+
+    def __enter__(self) -> Background:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)

@@ -19,6 +19,7 @@ from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
+from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
 from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
@@ -162,6 +163,12 @@ class GroupService:
                     f"`{item.rollout_id}` is not a rollout id or `<rollout id>/<choice index>`.",
                     param=f"rollouts[{i}].rollout_id",
                 ) from None
+            if item.rollout_id.startswith(EVAL_ROLLOUT_PREFIX):
+                raise invalid_request(
+                    f"`{item.rollout_id}` is an eval rollout of the promotion gate: it is never trained on.",
+                    param=f"rollouts[{i}].rollout_id",
+                    code="eval_rollout",
+                )
             if item.rollout_id in seen:
                 raise invalid_request(
                     f"Rollout `{item.rollout_id}` appears twice in the group.",

@@ -170,12 +170,13 @@ def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) ->
     for call in calls:
         call.start()
     calls[0].first_event.wait(60)
-    poll(
-        lambda: metric(engine_url, "vllm:num_requests_running") >= running_before + 2,
-        60,
-        "both calls to be generating",
-        alive=[gateway.proc],
-    )
+
+    def both_generating() -> bool:
+        ended = [c for c in calls if c.thread is not None and not c.thread.is_alive()]
+        assert not ended, [(c.rollout_id, c.status, str(c.body)[-300:], repr(c.failure)) for c in ended]
+        return metric(engine_url, "vllm:num_requests_running") >= running_before + 2
+
+    poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc])
 
     shared = set().union(*(shared_memory_of(p.pid) for p in old.processes))  # vLLM's ring buffers
     target = old.server if victim == "api-server" else old.core()

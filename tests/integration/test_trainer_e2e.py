@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +31,7 @@ import openai
 import pytest
 
 from artgw import demo_task
-from tests.conftest import GatewayProcess, poll, start_gateway, start_trainer, stop_group
+from tests.conftest import Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -65,38 +65,6 @@ def trainer(rl_gateway: GatewayProcess, tiny_model: Path) -> Iterator[subprocess
     yield proc
     stop_group(proc)
     print(f"--- trainer log (tail) ---\n{log_path.read_text(errors='replace')[-3000:]}")
-
-
-class Background:
-    """Calls `my-agent` over and over from a thread, counting what is not answered 200."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.calls = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="background-calls", daemon=True)
-
-    def _run(self) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Did it pass?"}], "max_tokens": 4}
-        with httpx.Client(timeout=60) as client:
-            while not self._stop.is_set():
-                try:
-                    answer = client.post(f"{self.base_url}/chat/completions", json=body)
-                    if answer.status_code != 200:
-                        self.failures.append(f"{answer.status_code}: {answer.text[:200]}")
-                except httpx.HTTPError as exc:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
-                self.calls += 1
-                time.sleep(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
-
-    def __enter__(self) -> Background:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=120)
 
 
 def model_status(gateway: GatewayProcess) -> dict:
@@ -139,6 +107,9 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     try:
         (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
     except AssertionError as exc:
+        if trainer.poll() is None:  # its every thread's stack into its log (faulthandler on SIGUSR1)
+            trainer.send_signal(signal.SIGUSR1)
+            time.sleep(2)
         raise AssertionError(f"{exc}; group states {states}") from None
     return served
 

@@ -1,0 +1,42 @@
+"""The promotion gate's rule: is the candidate step not worse than the promoted one, with confidence?
+
+Both steps answer the same scenarios; the gate looks at the per-scenario differences (candidate minus
+promoted, each a mean over samples) and passes when the lower end of the Student-t confidence interval of
+their mean is above `-margin`. A point estimate would promote a step that looked better by luck; the
+interval holds back a step until the eval set is large (or clear) enough to say.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+from scipy import stats
+
+
+class GateVerdict(msgspec.Struct, frozen=True):
+    scenarios: int
+    mean_difference: float  # candidate - promoted, mean over scenarios
+    ci_low: float
+    ci_high: float
+    passed: bool
+
+
+def paired_gate(
+    candidate: Sequence[float], baseline: Sequence[float], *, margin: float, confidence: float
+) -> GateVerdict:
+    """The verdict on per-scenario mean rewards of the candidate and the promoted step (same order)."""
+    if len(candidate) != len(baseline):
+        raise ValueError(f"{len(candidate)} candidate scores for {len(baseline)} baseline scores")
+    n = len(candidate)
+    if n == 0:
+        raise ValueError("no scenarios to judge")
+    differences = [c - b for c, b in zip(candidate, baseline, strict=True)]
+    mean = math.fsum(differences) / n
+    if n == 1:  # no spread to judge by: the interval is unbounded and the gate holds
+        return GateVerdict(1, mean, -math.inf, math.inf, False)
+    variance = math.fsum((d - mean) ** 2 for d in differences) / (n - 1)
+    half_width = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * math.sqrt(variance / n)
+    low, high = mean - half_width, mean + half_width
+    return GateVerdict(n, mean, low, high, low >= -margin)

@@ -1,0 +1,275 @@
+"""Gated promotion: each step committed under `--promotion gated` is evaluated on the model's eval sets against
+the promoted step, and promoted only when every set's gate passes (gateway/promotion/gate.py).
+
+The candidate (`NAME@K`) and the promoted step answer the same scenarios, side by side, through the gateway's
+own chat path: their calls are recorded as rollouts `artgw-eval:...`, which no group may take, so they are
+never trained on. One evaluation runs per model at a time; steps committed meanwhile wait, and only the
+newest of them is evaluated next (an older candidate is superseded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import httpx
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.adapters import AdapterService, adapter_name
+from gateway.asgi import JSONBody
+from gateway.auth import ADMIN
+from gateway.chat import ChatService
+from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.promotion.gate import paired_gate
+from gateway.promotion.graders import (
+    Answer,
+    EvalScenario,
+    EvalSetCreate,
+    GraderFailed,
+    RulerGrader,
+    RulerJudge,
+    grade,
+    ruler_compare,
+)
+from gateway.proxy import EVAL_ROLLOUT_PREFIX, CallOrigin
+from store.promotions import (
+    EvalSetRow,
+    EvaluationRow,
+    delete_eval_set,
+    eval_sets_of,
+    put_eval_set,
+    save_evaluation,
+)
+
+log = logging.getLogger("artgw.promotion")
+
+
+class EvalFailed(Exception):
+    """An evaluation that could not be finished (an eval call failed, a webhook grader gave up)."""
+
+
+class PromotionService:
+    def __init__(
+        self,
+        *,
+        adapters: AdapterService,
+        store: AsyncEngine,
+        chat: ChatService,
+        http: httpx.AsyncClient,
+        judge: RulerJudge,
+        margin: float,
+        confidence: float,
+        concurrency: int,
+    ) -> None:
+        self.adapters = adapters
+        self.registry = adapters.registry
+        self.store = store
+        self.chat = chat
+        self.http = http  # webhook graders
+        self.judge = judge  # RULER's judge settings (ruler graders)
+        self.margin = margin
+        self.confidence = confidence
+        self.concurrency = concurrency
+        self._pending: dict[str, int] = {}  # model -> newest committed step not evaluated yet
+        self._workers: dict[str, asyncio.Task[None]] = {}
+
+    # ------------------------------------------------------------ eval sets (admin)
+
+    async def put_set(self, model: str, body: EvalSetCreate) -> tuple[EvalSetRow, bool]:
+        self._check_model(model)
+        unjudged = [
+            i
+            for i, s in enumerate(body.scenarios)
+            if isinstance(s.grader, RulerGrader) and s.grader.judge_model is None and self.judge.default_model is None
+        ]
+        if unjudged:
+            raise invalid_request(
+                "A `ruler` grader needs a `judge_model` (a litellm model name): the gateway has no default judge.",
+                param=f"scenarios[{unjudged[0]}].grader.judge_model",
+            )
+        async with self.store.begin() as conn:
+            return await put_eval_set(conn, model, body.name, msgspec.to_builtins(body))
+
+    async def sets(self, model: str) -> list[EvalSetRow]:
+        """The model's eval sets, webhook headers masked: they may hold the user's secrets."""
+        self._check_model(model)
+        async with self.store.connect() as conn:
+            rows = await eval_sets_of(conn, model)
+        return [msgspec.structs.replace(row, spec=_masked(row.spec)) for row in rows]
+
+    async def delete_set(self, model: str, name: str) -> None:
+        self._check_model(model)
+        async with self.store.begin() as conn:
+            if not await delete_eval_set(conn, model, name):
+                raise OpenAIError(404, f"No eval set `{name}` for `{model}`.", code="eval_set_not_found")
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.registry.models:
+            raise model_not_found(model)
+
+    # ------------------------------------------------------------ the gate
+
+    def step_committed(self, model: str, step: int) -> None:
+        """A new step of a gated model: evaluate it (after any evaluation of the model under way)."""
+        self._pending[model] = max(step, self._pending.get(model, 0))
+        worker = self._workers.get(model)
+        if worker is None or worker.done():
+            self._workers[model] = asyncio.create_task(self._work(model), name=f"promotion-gate-{model}")
+
+    async def resume(self) -> None:
+        """After a start: a gated model whose newest step is neither promoted nor judged is evaluated."""
+        for model in list(self.registry.models.values()):
+            if model.latest_step > model.served_step:
+                self.step_committed(model.name, model.latest_step)
+
+    async def close(self) -> None:
+        for worker in self._workers.values():
+            worker.cancel()
+        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+
+    async def _work(self, model: str) -> None:
+        while (step := self._pending.pop(model, None)) is not None:
+            try:
+                await self.evaluate(model, step)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the gate must keep working for the next step
+                log.exception("%s: the evaluation of step %d failed", model, step)
+
+    async def evaluate(self, model: str, step: int) -> bool:
+        """Evaluate `step` on every eval set of the model against the promoted step; promote it if all pass."""
+        trainable = self.registry.models.get(model)
+        if trainable is None or step <= trainable.served_step:
+            return False
+        baseline = trainable.served_step
+        async with self.store.connect() as conn:
+            sets = await eval_sets_of(conn, model)
+        if not sets:
+            log.warning("%s: step %d is held: gated promotion and no eval set (POST .../evals)", model, step)
+            return False
+        results = [await self._evaluate_set(model, step, baseline, row) for row in sets]
+        if not all(r.status == "passed" for r in results):
+            held = ", ".join(f"{r.eval_set}: {r.status}" for r in results if r.status != "passed")
+            log.info("%s: step %d held back against step %d (%s)", model, step, baseline, held)
+            return False
+        if self.registry.models[model].served_step != baseline:  # promoted meanwhile (an admin): judge again
+            self.step_committed(model, step)
+            return False
+        summary = "; ".join(
+            f"{r.eval_set}: {r.mean:.3f} vs {r.baseline_mean:.3f}, CI [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+            for r in results
+        )
+        await self.adapters.promote(
+            model, step, action="promote", actor="gate", reason=f"passed the gate against step {baseline}: {summary}"
+        )
+        return True
+
+    async def _evaluate_set(self, model: str, step: int, baseline: int, row: EvalSetRow) -> EvaluationRow:
+        spec = msgspec.convert(row.spec, EvalSetCreate)
+        started = EvaluationRow(
+            model,
+            step,
+            row.name,
+            "running",
+            None,
+            None,
+            baseline,
+            None,
+            None,
+            None,
+            self.margin,
+            None,
+            time.time(),
+            None,
+        )
+        async with self.store.begin() as conn:
+            await save_evaluation(conn, started)
+        try:
+            candidate, promoted = await self._score_set(model, step, baseline, spec)
+        except EvalFailed as exc:
+            done = msgspec.structs.replace(started, status="error", error=str(exc)[:2000], finished_at=time.time())
+        else:
+            verdict = paired_gate(candidate, promoted, margin=self.margin, confidence=self.confidence)
+            done = msgspec.structs.replace(
+                started,
+                status="passed" if verdict.passed else "failed",
+                scores=candidate,
+                mean=math.fsum(candidate) / len(candidate),
+                baseline_mean=math.fsum(promoted) / len(promoted),
+                ci_low=verdict.ci_low if math.isfinite(verdict.ci_low) else None,
+                ci_high=verdict.ci_high if math.isfinite(verdict.ci_high) else None,
+                finished_at=time.time(),
+            )
+        async with self.store.begin() as conn:
+            await save_evaluation(conn, done)
+        return done
+
+    async def _score_set(
+        self, model: str, step: int, baseline: int, spec: EvalSetCreate
+    ) -> tuple[list[float], list[float]]:
+        """Per scenario, the mean reward of the candidate's samples and of the promoted step's."""
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(index: int, scenario: EvalScenario) -> tuple[float, float]:
+            async with limit:
+                mine, theirs = await asyncio.gather(
+                    self._answers(model, step, scenario, spec.samples),
+                    self._answers(model, baseline, scenario, spec.samples),
+                )
+                try:
+                    if isinstance(scenario.grader, RulerGrader):
+                        # Every other sample shows the judge the promoted step's answer first: no position bias.
+                        pairs = [
+                            await ruler_compare(scenario.grader, scenario, a, b, self.judge, baseline_first=k % 2 == 1)
+                            for k, (a, b) in enumerate(zip(mine, theirs, strict=True))
+                        ]
+                        return _mean(p[0] for p in pairs), _mean(p[1] for p in pairs)
+                    return (
+                        _mean([await grade(scenario.grader, scenario, a, self.http, index=index) for a in mine]),
+                        _mean([await grade(scenario.grader, scenario, a, self.http, index=index) for a in theirs]),
+                    )
+                except GraderFailed as exc:
+                    raise EvalFailed(f"scenario {index}: {exc}") from None
+
+        scored = await asyncio.gather(*(one(i, s) for i, s in enumerate(spec.scenarios)))
+        return [c for c, _ in scored], [b for _, b in scored]
+
+    async def _answers(self, model: str, step: int, scenario: EvalScenario, samples: int) -> list[Answer]:
+        """`samples` answers of `NAME@step` to the scenario, through the gateway's chat path (recorded)."""
+        body: dict[str, Any] = {**(scenario.params or {}), "model": adapter_name(model, step)}
+        body["messages"] = scenario.messages
+        if scenario.tools:
+            body["tools"] = scenario.tools
+        body["n"] = samples
+        body["stream"] = False
+        origin = CallOrigin(f"{EVAL_ROLLOUT_PREFIX}{step}:{uuid.uuid4().hex}", True, ADMIN)
+        try:
+            answer = await self.chat.complete(json.dumps(body).encode(), origin)
+        except OpenAIError as exc:
+            raise EvalFailed(f"the eval call to {body['model']} failed: {exc}") from None
+        if not isinstance(answer, JSONBody) or answer.status != 200:
+            detail = answer.body[:300].decode(errors="replace") if isinstance(answer, JSONBody) else "a stream"
+            raise EvalFailed(f"the eval call to {body['model']} answered {detail}")
+        choices = json.loads(answer.body)["choices"]
+        return [Answer.from_choice(c) for c in sorted(choices, key=lambda c: c["index"])]
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return math.fsum(values) / len(values)
+
+
+def _masked(spec: dict[str, Any]) -> dict[str, Any]:
+    scenarios = []
+    for scenario in spec.get("scenarios", []):
+        grader = scenario.get("grader") or {}
+        if grader.get("type") == "webhook" and grader.get("headers"):
+            grader = {**grader, "headers": dict.fromkeys(grader["headers"], "***")}
+        scenarios.append({**scenario, "grader": grader})
+    return {**spec, "scenarios": scenarios}

@@ -1,0 +1,175 @@
+"""What `NAME` serves: the promotion history, the offline eval sets that gate it, and their evaluations.
+
+The newest promotion row of a model is its promoted step (what `NAME` serves); `NAME@latest` is the newest
+committed step (store/adapters.py). A model without a row serves the base weights (step 0).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from store.tables import eval_sets, evaluations, promotions
+from store.types import EvaluationStatus, PromotionAction, PromotionActor
+
+
+class PromotionRow(msgspec.Struct, frozen=True):
+    model: str
+    step: int
+    previous_step: int | None
+    action: PromotionAction
+    actor: PromotionActor
+    reason: str
+    created_at: float
+
+
+class EvalSetRow(msgspec.Struct, frozen=True):
+    model: str
+    name: str
+    spec: dict[str, Any]  # the posted set (scenarios, samples): decoded by the gateway, which owns its format
+    created_at: float
+
+
+class EvaluationRow(msgspec.Struct, frozen=True):
+    """One step on one eval set; the gate compares it, scenario by scenario, with the promoted step."""
+
+    model: str
+    step: int
+    eval_set: str
+    status: EvaluationStatus
+    scores: list[float] | None  # mean reward per scenario, in the set's order
+    mean: float | None
+    baseline_step: int | None
+    baseline_mean: float | None
+    ci_low: float | None  # interval of the mean paired difference (candidate - baseline)
+    ci_high: float | None
+    margin: float
+    error: str | None
+    created_at: float
+    finished_at: float | None
+
+
+def _struct(row: sa.Row[Any], kind: type[Any]) -> Any:
+    return msgspec.convert({str(k): v for k, v in row._asdict().items()}, kind)
+
+
+def _insert(conn: AsyncConnection) -> Any:
+    return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+
+
+# ---------------------------------------------------------------- promotions
+
+
+async def record_promotion(
+    conn: AsyncConnection,
+    *,
+    model: str,
+    step: int,
+    previous_step: int | None,
+    action: PromotionAction,
+    actor: PromotionActor,
+    reason: str,
+) -> PromotionRow:
+    row = PromotionRow(model, step, previous_step, action, actor, reason, time.time())
+    await conn.execute(sa.insert(promotions).values(msgspec.structs.asdict(row)))
+    return row
+
+
+async def promoted_steps(conn: AsyncConnection) -> dict[str, int]:
+    """Every model's promoted step (models never promoted are absent: they serve the base weights)."""
+    newest = sa.select(promotions.c.model, sa.func.max(promotions.c.id).label("id")).group_by(promotions.c.model)
+    newest_ids = newest.subquery()
+    query = sa.select(promotions.c.model, promotions.c.step).join(newest_ids, promotions.c.id == newest_ids.c.id)
+    return dict((await conn.execute(query)).tuples().all())
+
+
+async def promotion_history(conn: AsyncConnection, model: str, limit: int = 20) -> list[PromotionRow]:
+    """Newest first."""
+    query = (
+        sa.select(*[promotions.c[f] for f in PromotionRow.__struct_fields__])
+        .where(promotions.c.model == model)
+        .order_by(promotions.c.id.desc())
+        .limit(limit)
+    )
+    return [_struct(r, PromotionRow) for r in await conn.execute(query)]
+
+
+# ---------------------------------------------------------------- eval sets
+
+
+async def put_eval_set(conn: AsyncConnection, model: str, name: str, spec: dict[str, Any]) -> tuple[EvalSetRow, bool]:
+    """Create or replace a named set; (the set, created). Replacing it does not touch past evaluations."""
+    created = (
+        await conn.execute(sa.select(eval_sets.c.name).where(eval_sets.c.model == model, eval_sets.c.name == name))
+    ).first() is None
+    row = EvalSetRow(model, name, spec, time.time())
+    stmt = _insert(conn)(eval_sets).values(msgspec.structs.asdict(row))
+    await conn.execute(
+        stmt.on_conflict_do_update(index_elements=["model", "name"], set_={"spec": spec, "created_at": row.created_at})
+    )
+    return row, created
+
+
+async def eval_sets_of(conn: AsyncConnection, model: str) -> list[EvalSetRow]:
+    query = sa.select(eval_sets).where(eval_sets.c.model == model).order_by(eval_sets.c.name)
+    return [_struct(r, EvalSetRow) for r in await conn.execute(query)]
+
+
+async def delete_eval_set(conn: AsyncConnection, model: str, name: str) -> bool:
+    done = await conn.execute(sa.delete(eval_sets).where(eval_sets.c.model == model, eval_sets.c.name == name))
+    return bool(done.rowcount)
+
+
+# ---------------------------------------------------------------- evaluations
+
+
+async def save_evaluation(conn: AsyncConnection, row: EvaluationRow) -> None:
+    values = msgspec.structs.asdict(row)
+    stmt = _insert(conn)(evaluations).values(values)
+    keys = ("model", "step", "eval_set")
+    await conn.execute(
+        stmt.on_conflict_do_update(index_elements=list(keys), set_={k: v for k, v in values.items() if k not in keys})
+    )
+
+
+async def evaluations_of(conn: AsyncConnection, model: str, limit: int = 50) -> list[EvaluationRow]:
+    """Newest step first."""
+    query = (
+        sa.select(evaluations)
+        .where(evaluations.c.model == model)
+        .order_by(evaluations.c.step.desc(), evaluations.c.eval_set)
+        .limit(limit)
+    )
+    return [_struct(r, EvaluationRow) for r in await conn.execute(query)]
+
+
+async def evaluation_of(conn: AsyncConnection, model: str, step: int, eval_set: str) -> EvaluationRow | None:
+    query = sa.select(evaluations).where(
+        evaluations.c.model == model, evaluations.c.step == step, evaluations.c.eval_set == eval_set
+    )
+    row = (await conn.execute(query)).first()
+    return _struct(row, EvaluationRow) if row is not None else None
+
+
+# ---------------------------------------------------------------- counts, for /metrics
+
+
+async def promotion_counts(conn: AsyncConnection) -> dict[tuple[str, str, str], int]:
+    """(model, action, actor) -> how many times."""
+    query = sa.select(promotions.c.model, promotions.c.action, promotions.c.actor, sa.func.count()).group_by(
+        promotions.c.model, promotions.c.action, promotions.c.actor
+    )
+    return {(m, a, who): n for m, a, who, n in await conn.execute(query)}
+
+
+async def evaluation_counts(conn: AsyncConnection) -> dict[tuple[str, str], int]:
+    """(model, status) -> evaluations (a step on one eval set)."""
+    query = sa.select(evaluations.c.model, evaluations.c.status, sa.func.count()).group_by(
+        evaluations.c.model, evaluations.c.status
+    )
+    return {(m, status): n for m, status, n in await conn.execute(query)}
