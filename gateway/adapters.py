@@ -11,6 +11,7 @@ With `--promotion always` every committed step is promoted at once; with
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from store.promotions import (
     promoted_steps,
     promotion_history,
     record_promotion,
+    running_canaries,
 )
 from store.types import GroupState, PromotionAction, PromotionActor, StepMetrics
 
@@ -67,6 +69,7 @@ class TrainableModel:
     name: str
     served_step: int = 0  # the promoted step, what `NAME` serves; 0 = the base weights
     latest_step: int = 0  # the newest committed step, what `NAME@latest` serves
+    canary_step: int | None = None  # a candidate serving a share of `NAME`'s rollouts (--canary), if any
     loaded_steps: set[int] = field(default_factory=set)  # adapters vLLM has loaded, by step
 
 
@@ -74,28 +77,45 @@ def adapter_name(model: str, step: int) -> str:
     return f"{model}@{step}"
 
 
+def canary_bucket(rollout_id: str) -> float:
+    """A stable number in [0, 1) for a rollout id: below the canary share, the rollout is on the canary."""
+    return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2**64
+
+
 class AdapterRegistry:
     """In-memory view of the served adapters; the store keeps the history."""
 
-    def __init__(self, base_model: str | None, trainable: list[str], base_model_path: str | None = None) -> None:
+    def __init__(
+        self,
+        base_model: str | None,
+        trainable: list[str],
+        base_model_path: str | None = None,
+        canary_share: float = 0.0,
+    ) -> None:
         self.base_model = base_model  # None until a running engine has told us
         self.base_model_path = base_model_path  # the weights' path or hub id (a trainer loads the same)
         self.models = {name: TrainableModel(name) for name in trainable}
+        self.canary_share = canary_share  # of `NAME`'s rollouts, served by its canary step while one runs
 
-    def resolve(self, requested: str, caller: Caller = ANONYMOUS) -> Route:
+    def resolve(self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None) -> Route:
         """Map the `model` field of a request to the engine's model name. A model the caller's key does not
-        cover is `model_not_found`, exactly like one that does not exist."""
+        cover is `model_not_found`, exactly like one that does not exist. `rollout_id`: which arm of a canary
+        the call is on (every call of a rollout on the same one)."""
         if self.base_model is None:
             raise OpenAIError(503, "The engine is starting; retry shortly.", code="engine_unavailable")
-        route = self._find(requested)
+        route = self._find(requested, rollout_id)
         if route is None or not caller.covers(route.model or route.upstream_model):
             raise model_not_found(requested)
         return route
 
-    def _find(self, requested: str) -> Route | None:
+    def _find(self, requested: str, rollout_id: str | None = None) -> Route | None:
         assert self.base_model is not None
         model = self.models.get(requested)
         if model is not None:
+            canary = model.canary_step
+            if canary is not None and canary in model.loaded_steps and rollout_id is not None:
+                if canary_bucket(rollout_id) < self.canary_share:
+                    return self._route(model, canary)
             return self._route(model, model.served_step)
         pinned = _PINNED.match(requested)
         if pinned is not None and (model := self.models.get(pinned["name"])) is not None:
@@ -181,6 +201,8 @@ class ModelStatus(msgspec.Struct, frozen=True):
     steps: list[AdapterRow]  # newest first
     latest_step: int = 0  # what `NAME@latest` serves: the newest committed step
     promotion: Promotion = "always"
+    canary_step: int | None = None  # the candidate serving a share of `NAME`'s rollouts, while a canary runs
+    canary_share: float = 0.0
     promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
     evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
     retired: bool = False
@@ -345,7 +367,7 @@ class AdapterService:
 
     async def _unload_old(self, model: TrainableModel) -> None:
         # The newest `keep` stay loaded, and the promoted step whatever its age: `NAME` must keep answering.
-        unpinned = sorted(model.loaded_steps - {model.served_step})
+        unpinned = sorted(model.loaded_steps - {model.served_step, model.canary_step})
         old = unpinned[: -self.keep] if self.keep else unpinned
         done = []
         for step in old:
@@ -362,9 +384,12 @@ class AdapterService:
         async with self.store.connect() as conn:
             rows = await loaded_adapters(conn)
             promoted = await promoted_steps(conn)
+            canaries = await running_canaries(conn)
         async with self._lock:
             for model in self.registry.models.values():
                 await self._load_lineage(model, rows, promoted.get(model.name, 0))
+                canary = canaries.get(model.name)
+                model.canary_step = canary.step if canary is not None else None
 
     async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow], promoted: int) -> None:
         """Load the newest `keep` of a model's serving steps and its promoted one into the engine (under the
@@ -425,6 +450,7 @@ class AdapterService:
                     rows = await loaded_adapters(conn)
                     active = set(await active_models(conn))
                     promoted = await promoted_steps(conn)
+                    canaries = await running_canaries(conn)
             except Exception as exc:  # a store hiccup: try again next round
                 log.warning("could not read adapters from the store: %s", exc)
                 continue
@@ -436,6 +462,8 @@ class AdapterService:
             for name in active:
                 self.registry.models.setdefault(name, TrainableModel(name))
             for model in self.registry.models.values():
+                canary = canaries.get(model.name)
+                model.canary_step = canary.step if canary is not None else None
                 steps = {r.step for r in rows if r.model == model.name}
                 target = promoted.get(model.name, 0)
                 if (steps and max(steps) > model.latest_step) or target != model.served_step:
@@ -470,6 +498,8 @@ class AdapterService:
             steps=history,
             latest_step=model.latest_step,
             promotion=self.promotion,
+            canary_step=model.canary_step,
+            canary_share=self.registry.canary_share,
             promotions=promotions,
             evaluations=evaluations,
         )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Annotated
+
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
@@ -46,6 +49,23 @@ class ModelCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ModelList(msgspec.Struct, frozen=True):
     data: list[str]
     object: str = "list"
+
+
+class RewardIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/art/rewards`."""
+
+    rollout_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    reward: float
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.reward):
+            raise ValueError("`reward` must be a finite number")
+
+
+class RewardOut(msgspec.Struct, frozen=True):
+    rollout_id: str
+    reward: float
+    object: str = "art.reward"
 
 
 class EvalSetList(msgspec.Struct, frozen=True):
@@ -239,6 +259,23 @@ async def delete_eval_set(promotions: PromotionService, name: str, eval_set: str
 
 
 @post(
+    "/v1/art/rewards",
+    operation_class=documented(body=struct_schema(RewardIn), example={"rollout_id": "task-42-a", "reward": 1.0}),
+    responses={
+        200: ResponseSpec(RewardOut, description="The same reward was given before"),
+        **errors(400, 401, 403, 408, 409, 413, 500, 503),
+    },
+    **REWARD,
+)
+async def post_reward(request: Request, promotions: PromotionService, caller: Caller) -> Response[RewardOut]:
+    """One rollout's reward, given after the fact: it counts for the step that served the rollout (a canary's
+    arms are judged by these and by the groups' rewards). Not trained on: GRPO needs groups."""
+    spec = decode_body(await request.body(), RewardIn)
+    created = await promotions.record_reward(spec.rollout_id, spec.reward, caller)
+    return Response(RewardOut(spec.rollout_id, spec.reward), status_code=201 if created else 200)
+
+
+@post(
     "/v1/art/keys",
     operation_class=documented(body=struct_schema(KeyCreate), example=KEY_EXAMPLE),
     responses=errors(400, 401, 403, 408, 413, 500, 503),
@@ -277,6 +314,7 @@ routes = [
     put_eval_set,
     list_eval_sets,
     delete_eval_set,
+    post_reward,
     create_key,
     list_keys,
     revoke_key,

@@ -211,7 +211,9 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         await keyring.refresh()
         # With --upstream the base model's name is asked of the engine once it answers.
         base_name = served_base_name(settings.base_model) if settings.base_model is not None else None
-        registry = AdapterRegistry(base_name, trainable, base_model_path=settings.base_model)
+        registry = AdapterRegistry(
+            base_name, trainable, base_model_path=settings.base_model, canary_share=settings.canary
+        )
         metrics = GatewayMetrics()
         recorder = Recorder(
             store.engine,
@@ -267,11 +269,13 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             adapters=adapters,
             store=store.engine,
             chat=chat,
+            rollouts=rollouts,
             http=webhooks,
             judge=RulerJudge(cache=store.judge_cache),  # the judge model: each ruler grader names its own
             margin=settings.gate_margin,
             confidence=settings.gate_confidence,
             concurrency=settings.eval_concurrency,
+            canary_min_rewards=settings.canary_min_rewards,
         )
         adapters.on_commit = promotions.step_committed
         services = Services(
@@ -303,6 +307,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             asyncio.create_task(services.bring_up_engine(), name="engine-bring-up"),
             asyncio.create_task(adapters.follow_store(), name="adapters-follow-store"),
             asyncio.create_task(keyring.follow(), name="keys-follow-store"),
+            asyncio.create_task(promotions.watch_live_rewards(), name="promotion-live-rewards"),
         ]
         try:
             yield services

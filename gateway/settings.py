@@ -174,6 +174,17 @@ class Settings:
     gate_confidence: float = field(
         default=0.95, metadata={"help": "confidence of the gate's interval (Student t, paired by scenario)"}
     )
+    canary: float = field(
+        default=0.0,
+        metadata={
+            "help": "with --promotion gated: this share of the rollouts asking for NAME (by a hash of the rollout "
+            "id) is served by a step that passed its eval sets, and live rewards decide its promotion; a promoted "
+            "step whose live reward falls below the step before it by --gate-margin is rolled back (0: off)"
+        },
+    )
+    canary_min_rewards: int = field(
+        default=50, metadata={"help": "rewarded rollouts each canary arm needs before the canary is decided"}
+    )
     eval_concurrency: int = field(
         default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
     )
@@ -245,6 +256,12 @@ class Settings:
             raise ValueError(f"--gate-margin must be between 0 and 1, got {self.gate_margin}")
         if not 0.5 <= self.gate_confidence < 1:
             raise ValueError(f"--gate-confidence must be at least 0.5 and below 1, got {self.gate_confidence}")
+        if not (math.isfinite(self.canary) and 0 <= self.canary < 1):
+            raise ValueError(f"--canary must be a share at least 0 and below 1, got {self.canary}")
+        if self.canary > 0 and self.promotion != "gated":
+            raise ValueError("--canary needs --promotion gated: with `always` every step is promoted at once")
+        if self.canary_min_rewards < 2:
+            raise ValueError(f"--canary-min-rewards must be >= 2, got {self.canary_min_rewards}")
         if self.eval_concurrency < 1:
             raise ValueError(f"--eval-concurrency must be >= 1, got {self.eval_concurrency}")
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too

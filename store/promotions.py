@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from store.tables import eval_sets, evaluations, promotions
+from store.tables import calls, eval_sets, evaluations, group_members, promotions, rewards
 from store.types import EvaluationStatus, PromotionAction, PromotionActor
 
 
@@ -173,3 +173,70 @@ async def evaluation_counts(conn: AsyncConnection) -> dict[tuple[str, str], int]
         evaluations.c.model, evaluations.c.status
     )
     return {(m, status): n for m, status, n in await conn.execute(query)}
+
+
+# ---------------------------------------------------------------- live rewards (the canary)
+
+CANARY = "live-canary"  # the evaluations row of a step served to a share of live traffic (no eval set has it)
+
+
+async def put_reward(conn: AsyncConnection, rollout_id: str, model: str, reward: float) -> bool | None:
+    """Record a single rollout's reward: True if new, False if the same reward was given before, None if a
+    different one was (a conflict: rewards are not rewritten)."""
+    given = (await conn.execute(sa.select(rewards.c.reward).where(rewards.c.rollout_id == rollout_id))).first()
+    if given is not None:
+        return False if given[0] == reward else None
+    await conn.execute(
+        sa.insert(rewards).values(rollout_id=rollout_id, model=model, reward=reward, created_at=time.time())
+    )
+    return True
+
+
+async def live_rewards(conn: AsyncConnection, model: str, steps: list[int], since: float) -> dict[int, list[float]]:
+    """Rewards of the model's rollouts that started at `since` or later, by the step that served them: from
+    groups (the caller's reward, else the group's) and single rewards. A rollout whose calls were served by
+    several steps counts for none."""
+    served = (
+        sa.select(calls.c.rollout_id, sa.func.min(calls.c.step).label("step"))
+        .where(calls.c.model == model)
+        .group_by(calls.c.rollout_id)
+        .having(sa.func.min(calls.c.step) == sa.func.max(calls.c.step))
+        .having(sa.func.min(calls.c.started_at) >= since)
+        .subquery()
+    )
+    given = sa.union_all(
+        sa.select(group_members.c.rollout_id, sa.func.coalesce(group_members.c.caller_reward, group_members.c.reward)),
+        sa.select(rewards.c.rollout_id, rewards.c.reward).where(rewards.c.model == model),
+    ).subquery()
+    reward = given.c[given.c.keys()[1]]
+    query = (
+        sa.select(served.c.step, reward)
+        .join(served, served.c.rollout_id == given.c.rollout_id)
+        .where(served.c.step.in_(steps), reward.is_not(None))
+    )
+    out: dict[int, list[float]] = {step: [] for step in steps}
+    for step, value in await conn.execute(query):
+        out[int(step)].append(float(value))
+    return out
+
+
+async def running_canaries(conn: AsyncConnection) -> dict[str, EvaluationRow]:
+    """model -> its canary under way."""
+    query = sa.select(evaluations).where(evaluations.c.eval_set == CANARY, evaluations.c.status == "running")
+    return {row.model: row for row in (_struct(r, EvaluationRow) for r in await conn.execute(query))}
+
+
+async def finish_canary(conn: AsyncConnection, row: EvaluationRow) -> bool:
+    """End a running canary with `row`'s outcome; False if it was no longer running (decided elsewhere)."""
+    values = {k: v for k, v in msgspec.structs.asdict(row).items() if k not in ("model", "step", "eval_set")}
+    done = await conn.execute(
+        sa.update(evaluations)
+        .where(
+            evaluations.c.model == row.model,
+            evaluations.c.step == row.step,
+            evaluations.c.eval_set == CANARY,
+            evaluations.c.status == "running",
+        )
+        .values(values)
+    )
+    return bool(done.rowcount)

@@ -141,6 +141,17 @@ promotions = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
+# Rewards of single rollouts, posted after the fact (POST /v1/art/rewards): with the groups' rewards, what a
+# canary's arms are judged by (each rollout counts for the step that served it).
+rewards = sa.Table(
+    "rewards",
+    metadata,
+    sa.Column("rollout_id", sa.String(128), primary_key=True),
+    sa.Column("model", sa.String(256), nullable=False, index=True),
+    sa.Column("reward", sa.Float, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
 # Offline eval sets that gate promotion: scenarios (a chat request and its grader) per model and name.
 eval_sets = sa.Table(
     "eval_sets",

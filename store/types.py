@@ -14,7 +14,7 @@ GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
 AdapterStatus = Literal["loaded", "unloaded", "failed"]
 PromotionAction = Literal["promote", "rollback"]
-PromotionActor = Literal["always", "gate", "admin", "migration"]  # who moved `NAME`
+PromotionActor = Literal["always", "gate", "canary", "admin", "migration"]  # who moved `NAME`
 EvaluationStatus = Literal["running", "passed", "failed", "error"]
 
 

@@ -40,3 +40,24 @@ def paired_gate(
     half_width = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * math.sqrt(variance / n)
     low, high = mean - half_width, mean + half_width
     return GateVerdict(n, mean, low, high, low >= -margin)
+
+
+def unpaired_gate(
+    candidate: Sequence[float], baseline: Sequence[float], *, margin: float, confidence: float
+) -> GateVerdict:
+    """The verdict on two independent samples of live rewards (a canary's arms): Welch's interval of the
+    difference of means, with the Welch-Satterthwaite degrees of freedom. `scenarios`: the smaller arm."""
+    n, m = len(candidate), len(baseline)
+    if n < 2 or m < 2:
+        raise ValueError(f"each arm needs 2 rewards or more, got {n} and {m}")
+    mean_c, mean_b = math.fsum(candidate) / n, math.fsum(baseline) / m
+    var_c = math.fsum((x - mean_c) ** 2 for x in candidate) / (n - 1)
+    var_b = math.fsum((x - mean_b) ** 2 for x in baseline) / (m - 1)
+    difference = mean_c - mean_b
+    se2 = var_c / n + var_b / m
+    if se2 == 0:  # every reward the same in both arms: the difference is exact
+        return GateVerdict(min(n, m), difference, difference, difference, difference >= -margin)
+    df = se2**2 / ((var_c / n) ** 2 / (n - 1) + (var_b / m) ** 2 / (m - 1))
+    half_width = float(stats.t.ppf((1 + confidence) / 2, df)) * math.sqrt(se2)
+    low, high = difference - half_width, difference + half_width
+    return GateVerdict(min(n, m), difference, low, high, low >= -margin)

@@ -23,10 +23,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterService, adapter_name
 from gateway.asgi import JSONBody
-from gateway.auth import ADMIN
+from gateway.auth import ADMIN, Caller
 from gateway.chat import ChatService
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.promotion.gate import paired_gate
+from gateway.promotion.gate import paired_gate, unpaired_gate
 from gateway.promotion.graders import (
     Answer,
     EvalScenario,
@@ -38,12 +38,19 @@ from gateway.promotion.graders import (
     ruler_compare,
 )
 from gateway.proxy import EVAL_ROLLOUT_PREFIX, CallOrigin
+from gateway.rollouts import RolloutService
 from store.promotions import (
+    CANARY,
     EvalSetRow,
     EvaluationRow,
     delete_eval_set,
     eval_sets_of,
+    finish_canary,
+    live_rewards,
+    promotion_history,
     put_eval_set,
+    put_reward,
+    running_canaries,
     save_evaluation,
 )
 
@@ -61,21 +68,25 @@ class PromotionService:
         adapters: AdapterService,
         store: AsyncEngine,
         chat: ChatService,
+        rollouts: RolloutService,
         http: httpx.AsyncClient,
         judge: RulerJudge,
         margin: float,
         confidence: float,
         concurrency: int,
+        canary_min_rewards: int = 50,
     ) -> None:
         self.adapters = adapters
         self.registry = adapters.registry
         self.store = store
         self.chat = chat
+        self.rollouts = rollouts  # what a single reward is checked against
         self.http = http  # webhook graders
         self.judge = judge  # RULER's judge settings (ruler graders)
         self.margin = margin
         self.confidence = confidence
         self.concurrency = concurrency
+        self.canary_min_rewards = canary_min_rewards
         self._pending: dict[str, int] = {}  # model -> newest committed step not evaluated yet
         self._workers: dict[str, asyncio.Task[None]] = {}
 
@@ -83,6 +94,8 @@ class PromotionService:
 
     async def put_set(self, model: str, body: EvalSetCreate) -> tuple[EvalSetRow, bool]:
         self._check_model(model)
+        if body.name == CANARY:
+            raise invalid_request(f"`{CANARY}` is the name the canary's results go under.", param="name")
         unjudged = [
             i
             for i, s in enumerate(body.scenarios)
@@ -150,7 +163,8 @@ class PromotionService:
         baseline = trainable.served_step
         async with self.store.connect() as conn:
             sets = await eval_sets_of(conn, model)
-        if not sets:
+        canary = self.registry.canary_share > 0
+        if not sets and not canary:
             log.warning("%s: step %d is held: gated promotion and no eval set (POST .../evals)", model, step)
             return False
         results = [await self._evaluate_set(model, step, baseline, row) for row in sets]
@@ -160,6 +174,9 @@ class PromotionService:
             return False
         if self.registry.models[model].served_step != baseline:  # promoted meanwhile (an admin): judge again
             self.step_committed(model, step)
+            return False
+        if canary:  # live traffic decides now (watch_live_rewards)
+            await self._start_canary(model, step, baseline)
             return False
         summary = "; ".join(
             f"{r.eval_set}: {r.mean:.3f} vs {r.baseline_mean:.3f}, CI [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
@@ -258,6 +275,116 @@ class PromotionService:
             raise EvalFailed(f"the eval call to {body['model']} answered {detail}")
         choices = json.loads(answer.body)["choices"]
         return [Answer.from_choice(c) for c in sorted(choices, key=lambda c: c["index"])]
+
+    # ------------------------------------------------------------ the canary (live rewards)
+
+    async def _start_canary(self, model: str, step: int, baseline: int) -> None:
+        """Serve `step` to the canary share of `model`'s rollouts; a canary under way for an older step ends."""
+        now = time.time()
+        async with self.store.begin() as conn:
+            old = (await running_canaries(conn)).get(model)
+            if old is not None:
+                await finish_canary(
+                    conn,
+                    msgspec.structs.replace(old, status="failed", error=f"superseded by step {step}", finished_at=now),
+                )
+            row = EvaluationRow(
+                model, step, CANARY, "running", None, None, baseline, None, None, None, self.margin, None, now, None
+            )
+            await save_evaluation(conn, row)
+        self.registry.models[model].canary_step = step
+        log.info("%s: step %d serves %.0f%% of the rollouts (canary)", model, step, 100 * self.registry.canary_share)
+
+    async def record_reward(self, rollout_id: str, reward: float, caller: Caller) -> bool:
+        """`POST /v1/art/rewards`: one rollout's reward, given after the fact; True if it is new."""
+        if rollout_id.startswith(EVAL_ROLLOUT_PREFIX):
+            raise invalid_request(f"`{rollout_id}` is an eval rollout of the promotion gate.", param="rollout_id")
+        await self.rollouts.settle([rollout_id], 5.0)  # a reward may arrive before its calls are stored
+        trajectory = await self.rollouts.find(rollout_id)
+        if trajectory is None or trajectory.model is None or not caller.covers(trajectory.model):
+            raise invalid_request(
+                f"Unknown rollout `{rollout_id}`: no call of a trainable model with this rollout id has been recorded.",
+                param="rollout_id",
+                code="unknown_rollout",
+            )
+        async with self.store.begin() as conn:
+            stored = await put_reward(conn, rollout_id, trajectory.model, reward)
+        if stored is None:
+            raise OpenAIError(
+                409, f"Rollout `{rollout_id}` was given a different reward before.", code="reward_conflict"
+            )
+        return stored
+
+    async def watch_live_rewards(self, every: float = 1.0) -> None:
+        """Decide canaries that have their rewards; roll back a promoted step that does clearly worse live."""
+        if self.registry.canary_share <= 0:
+            return
+        while True:
+            await asyncio.sleep(every)
+            for name in list(self.registry.models):
+                try:
+                    await self._decide_canary(name)
+                    await self._check_rollback(name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a store hiccup: next round
+                    log.exception("%s: could not judge live rewards", name)
+
+    async def _decide_canary(self, name: str) -> None:
+        async with self.store.connect() as conn:
+            row = (await running_canaries(conn)).get(name)
+            if row is None or row.baseline_step is None:
+                return
+            arms = await live_rewards(conn, name, [row.step, row.baseline_step], since=row.created_at)
+        candidate, promoted = arms[row.step], arms[row.baseline_step]
+        if min(len(candidate), len(promoted)) < self.canary_min_rewards:
+            return
+        verdict = unpaired_gate(candidate, promoted, margin=self.margin, confidence=self.confidence)
+        done = msgspec.structs.replace(
+            row,
+            status="passed" if verdict.passed else "failed",
+            scores=None,
+            mean=math.fsum(candidate) / len(candidate),
+            baseline_mean=math.fsum(promoted) / len(promoted),
+            ci_low=verdict.ci_low,
+            ci_high=verdict.ci_high,
+            finished_at=time.time(),
+        )
+        async with self.store.begin() as conn:
+            if not await finish_canary(conn, done):  # another replica decided it first
+                return
+        self.registry.models[name].canary_step = None
+        reason = (
+            f"canary: {len(candidate)} rewarded rollouts {done.mean:.3f} vs {len(promoted)} of step "
+            f"{row.baseline_step} {done.baseline_mean:.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
+        )
+        if verdict.passed and self.registry.models[name].served_step == row.baseline_step:
+            await self.adapters.promote(name, row.step, action="promote", actor="canary", reason=reason)
+        else:
+            log.info("%s: step %d dropped (%s)", name, row.step, reason)
+
+    async def _check_rollback(self, name: str) -> None:
+        """The promoted step, once it has its rewards, against the step promoted before it."""
+        current = self.registry.models[name].served_step
+        async with self.store.connect() as conn:
+            history = await promotion_history(conn, name, limit=50)
+            promoted = next((p for p in history if p.step == current), None)
+            if promoted is None or promoted.action != "promote" or promoted.actor not in ("gate", "canary"):
+                return
+            previous = promoted.previous_step
+            if previous is None or previous == current:
+                return
+            mine = (await live_rewards(conn, name, [current], since=promoted.created_at))[current]
+            theirs = (await live_rewards(conn, name, [previous], since=0.0))[previous]
+        if len(mine) < self.canary_min_rewards or len(theirs) < 2:
+            return
+        verdict = unpaired_gate(mine, theirs, margin=self.margin, confidence=self.confidence)
+        if verdict.ci_high < -self.margin:
+            reason = (
+                f"live reward fell: {len(mine)} rollouts {math.fsum(mine) / len(mine):.3f} vs step {previous}'s "
+                f"{math.fsum(theirs) / len(theirs):.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
+            )
+            await self.adapters.promote(name, previous, action="rollback", actor="canary", reason=reason)
 
 
 def _mean(values: Any) -> float:

@@ -1,4 +1,4 @@
-"""promotion of trained steps: their history, offline eval sets and the gate's evaluations
+"""promotion of trained steps: their history, offline eval sets, the gate's evaluations, single rewards
 
 Revision ID: 0007
 Revises: 0006
@@ -33,6 +33,15 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_promotions"),
     )
     op.create_index("ix_promotions_model", "promotions", ["model"])
+    op.create_table(
+        "rewards",
+        sa.Column("rollout_id", sa.String(128), nullable=False),
+        sa.Column("model", sa.String(256), nullable=False),
+        sa.Column("reward", sa.Float(), nullable=False),
+        sa.Column("created_at", sa.Float(), nullable=False),
+        sa.PrimaryKeyConstraint("rollout_id", name="pk_rewards"),
+    )
+    op.create_index("ix_rewards_model", "rewards", ["model"])
     op.create_table(
         "eval_sets",
         sa.Column("model", sa.String(256), nullable=False),
@@ -86,5 +95,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("evaluations")
     op.drop_table("eval_sets")
+    op.drop_index("ix_rewards_model", table_name="rewards")
+    op.drop_table("rewards")
     op.drop_index("ix_promotions_model", table_name="promotions")
     op.drop_table("promotions")

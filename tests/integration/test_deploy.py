@@ -62,6 +62,14 @@ GATEWAY_METRICS = {
     "artgw_ruler_judge_duration_seconds",
     "artgw_ruler_judge_tokens_total",
     "artgw_adapter_step",
+    "artgw_adapter_latest_step",
+    "artgw_promotions_total",
+    "artgw_gate_evaluations_total",
+    "artgw_canary_share",
+    "artgw_canary_reward_mean",
+    "artgw_canary_rewarded_rollouts",
+    "artgw_judge_agreement",
+    "artgw_judge_flagged",
     "artgw_trainer_steps_total",
     "artgw_trainer_loss",
     "artgw_trainer_reward_mean",
@@ -283,6 +291,8 @@ def dashboard_expressions() -> list[str]:
             panels(panel.get("panels") or [])
 
     panels(doc.get("panels") or [])
+    # Prometheus annotations (promotions and rollbacks); Grafana's built-in one has no expression.
+    exprs.extend(a["expr"] for a in (doc.get("annotations") or {}).get("list") or [] if a.get("expr"))
     for var in (doc.get("templating") or {}).get("list") or []:
         query = var.get("query")
         if var.get("type") == "query":
@@ -657,6 +667,9 @@ def test_dashboard_panels_and_metric_coverage() -> None:
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"):
         assert name in used
     assert "vllm:e2e_request_latency_seconds" in used and "vllm:kv_cache_usage_perc" in used
+    for annotation in doc["annotations"]["list"]:
+        if annotation.get("expr"):
+            assert annotation["datasource"]["type"] == "prometheus", annotation["name"]
 
 
 def test_dashboard_expressions_are_valid_promql(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gateway.promotion.gate import paired_gate
+from gateway.promotion.gate import paired_gate, unpaired_gate
 
 T_975_2DF = 4.302652729911275  # Student t, 97.5th percentile, 2 degrees of freedom (printed tables: 4.303)
 
@@ -51,3 +51,28 @@ def test_one_scenario_cannot_pass_and_bad_input_is_refused() -> None:
         paired_gate([1.0, 1.0, 1.0], [0.0, 0.0], margin=0.0, confidence=0.95)
     with pytest.raises(ValueError, match="no scenarios"):
         paired_gate([], [], margin=0.0, confidence=0.95)
+
+
+def test_welch_interval_of_two_arms() -> None:
+    # candidate 1, 0, 1, 1 (mean 0.75, var 0.25); promoted 0, 0, 1 (mean 1/3, var 1/3)
+    # se^2 = 0.25/4 + (1/3)/3 = 0.173611; df = se^4 / (0.0625^2/3 + 0.1111^2/2) = 0.030141 / 0.0074749 = 4.0323
+    se = math.sqrt(0.25 / 4 + (1 / 3) / 3)
+    t_4, t_5 = 2.7764, 2.5706  # Student t, 97.5th percentile, at 4 and 5 degrees of freedom: 4.03 lies between
+    verdict = unpaired_gate([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0], margin=0.1, confidence=0.95)
+    difference = 0.75 - 1 / 3
+    assert verdict.mean_difference == pytest.approx(difference)
+    assert difference - t_4 * se < verdict.ci_low < difference - t_5 * se
+    assert difference + t_5 * se < verdict.ci_high < difference + t_4 * se
+    assert verdict.ci_low == pytest.approx(difference - (verdict.ci_high - difference))  # symmetric
+    assert not verdict.passed  # low end about -0.74
+
+
+def test_welch_decides_clear_arms_and_refuses_tiny_ones() -> None:
+    better = unpaired_gate([0.9, 1.0] * 20, [0.1, 0.0] * 20, margin=0.05, confidence=0.95)
+    assert better.passed and better.ci_low > 0.7
+    worse = unpaired_gate([0.1, 0.0] * 20, [0.9, 1.0] * 20, margin=0.05, confidence=0.95)
+    assert not worse.passed and worse.ci_high < -0.7
+    same = unpaired_gate([1.0, 1.0], [1.0, 1.0], margin=0.0, confidence=0.95)
+    assert same.passed and same.ci_low == same.ci_high == 0.0
+    with pytest.raises(ValueError, match="2 rewards or more"):
+        unpaired_gate([1.0], [0.0, 1.0], margin=0.0, confidence=0.95)
