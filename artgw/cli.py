@@ -379,10 +379,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # `kill -USR1 <pid>` prints every thread's stack to stderr: where a trainer that seems stuck is waiting.
     with contextlib.suppress(ValueError, AttributeError):  # stderr without a file descriptor (captured)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from trainer.tracking import TrackingError
     from trainer.train import main  # torch and the model stack: only once the config is good
 
     if config.nproc_per_node == 1 and config.nnodes == 1:
-        main(config)  # SIGINT/SIGTERM finish or abandon the step cleanly, then it returns
+        try:
+            main(config)  # SIGINT/SIGTERM finish or abandon the step cleanly, then it returns
+        except TrackingError as exc:  # --wandb-project, and W&B would not start the run
+            raise CommandError(str(exc)) from None
         return 0
     from trainer.distributed import LaunchFailed, launch
 
@@ -414,6 +418,9 @@ class _ModelStatus(msgspec.Struct, kw_only=True):
     loaded_steps: list[int] = []
     groups: dict[str, int] = {}
     steps: list[_Step] = []
+    latest_step: int = 0
+    promotion: str = "always"
+    canary_step: int | None = None
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -447,6 +454,9 @@ def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> Non
         f"[bold]{status.name}[/bold] serves step [bold]{status.served_step}[/bold] "
         f"(base {status.base_model}; loaded steps {status.loaded_steps})"
     )
+    if status.promotion == "gated":
+        canary = f"; step {status.canary_step} on canary" if status.canary_step is not None else ""
+        console.print(f"promotion gated: newest step {status.latest_step} ({status.name}@latest){canary}")
     console.print("groups: " + (", ".join(f"{k}={v}" for k, v in sorted(status.groups.items())) or "none"))
     table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
     for row, m in zip(status.steps, metrics, strict=True):

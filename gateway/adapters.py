@@ -37,6 +37,7 @@ from store.adapters import (
     set_status,
 )
 from store.groups import LeaseLost, count_by_state
+from store.judge_report import RubricAgreement
 from store.models import active_models, add_models
 from store.models import retire_model as retire_in_store
 from store.promotions import (
@@ -131,6 +132,10 @@ class AdapterRegistry:
         upstream = self.base_model if step == 0 else adapter_name(model.name, step)
         return Route(upstream, model.name, step)
 
+    def canaries(self) -> dict[str, float]:
+        """model -> the share of its rollouts its canary step serves, for models with a canary running."""
+        return {name: self.canary_share for name, m in self.models.items() if m.canary_step is not None}
+
     def served_steps(self) -> dict[str, tuple[int, int]]:
         """model -> (promoted step, newest step)."""
         return {name: (model.served_step, model.latest_step) for name, model in self.models.items()}
@@ -205,6 +210,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     canary_share: float = 0.0
     promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
     evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
+    judge_flags: list[RubricAgreement] = []  # RULER rubrics that disagree with the callers (judge-report)
     retired: bool = False
     object: str = "art.model"
 

@@ -30,6 +30,8 @@ from gateway.promotion.service import PromotionService
 from gateway.provide import Services, provide_services
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings
+from gateway.ui import TEMPLATE_CONFIG as UI_TEMPLATES
+from gateway.ui import router as ui_router
 
 # ---------------------------------------------------------------- dependencies (built once, in provide.py)
 
@@ -116,7 +118,10 @@ async def retrieve_model(
 async def metrics(services: Services) -> Response[bytes]:
     await services.judge_reports.refresh_metrics()  # remade only when a minute old: not a store read per scrape
     # Litestar adds the charset itself.
-    body = await services.metrics.scrape(services.store.engine, services.recorder, services.registry.served_steps())
+    registry = services.registry
+    body = await services.metrics.scrape(
+        services.store.engine, services.recorder, registry.served_steps(), registry.canaries()
+    )
     return Response(body, media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""))
 
 
@@ -170,6 +175,7 @@ def create_app(settings: Settings) -> Litestar:
             healthz,
             readyz,
             *art_api.routes,
+            ui_router,  # the web UI at /ui (gateway/ui/)
         ],
         dependencies=DEPENDENCIES,
         lifespan=[lifespan],
@@ -178,4 +184,5 @@ def create_app(settings: Settings) -> Litestar:
         debug=False,
         type_encoders={msgspec.Struct: msgspec.to_builtins},
         openapi_config=OPENAPI_CONFIG,
+        template_config=UI_TEMPLATES,
     )

@@ -158,8 +158,11 @@ async def load_adapter(request: Request, adapters: AdapterService, name: str) ->
 
 
 @get("/v1/art/models/{name:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
-async def model_status(adapters: AdapterService, caller: Caller, name: str) -> ModelStatus:
-    return await adapters.status(name, caller)
+async def model_status(
+    adapters: AdapterService, judge_reports: JudgeReportService, caller: Caller, name: str
+) -> ModelStatus:
+    status = await adapters.status(name, caller)
+    return msgspec.structs.replace(status, judge_flags=await judge_reports.flagged(name))
 
 
 @get("/v1/art/models/{name:str}/judge-report", responses=errors(400, 401, 403, 404, 500, 503), **READ)
@@ -263,7 +266,7 @@ async def delete_eval_set(promotions: PromotionService, name: str, eval_set: str
     operation_class=documented(body=struct_schema(RewardIn), example={"rollout_id": "task-42-a", "reward": 1.0}),
     responses={
         200: ResponseSpec(RewardOut, description="The same reward was given before"),
-        **errors(400, 401, 403, 408, 409, 413, 500, 503),
+        **errors(400, 401, 403, 404, 408, 409, 413, 500, 503),
     },
     **REWARD,
 )

@@ -20,7 +20,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import model_not_found
 from gateway.metrics import STORE_READ_SECONDS, GatewayMetrics
-from store.judge_report import JudgeReport, judge_report, judged_groups
+from store.judge_report import JudgeReport, RubricAgreement, judge_report, judged_groups
 
 log = logging.getLogger("artgw.judge_report")
 
@@ -43,6 +43,7 @@ class JudgeReportService:
         self.threshold = threshold  # --judge-agreement-threshold
         self.metrics_max_age = metrics_max_age
         self._made_at: dict[str, float] = {}  # model -> time.monotonic() of its newest report
+        self._reports: dict[str, JudgeReport] = {}
 
     async def report(self, name: str, caller: Caller = ANONYMOUS) -> JudgeReport:
         """The model's judge report, fresh from the store (404 as `GET /v1/art/models/{name}`: for a model the
@@ -58,7 +59,16 @@ class JudgeReportService:
         report = await asyncio.to_thread(judge_report, name, judged, self.threshold)
         self.metrics.judge_reported(report)
         self._made_at[name] = time.monotonic()
+        self._reports[name] = report
         return report
+
+    async def flagged(self, name: str) -> list[RubricAgreement]:
+        """The model's rubrics that disagree with the callers (for `GET /v1/art/models/{name}`): from a report at
+        most `metrics_max_age` old, so a status poll costs no statistics."""
+        report = self._reports.get(name)
+        if report is None or time.monotonic() - self._made_at[name] >= self.metrics_max_age:
+            report = await self._make(name)
+        return [r for r in report.rubrics if r.state == "flagged"]
 
     async def refresh_metrics(self) -> None:
         """Before a scrape: remake the reports older than `metrics_max_age`. A store that does not answer

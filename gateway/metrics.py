@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store.adapters import TrainerSummary, trainer_summaries
 from store.groups import count_by_state
 from store.judge_report import JudgeReport
-from store.promotions import evaluation_counts, promotion_counts
+from store.promotions import canary_rewards, evaluation_counts, promotion_counts
 from store.records import CallRecord
 from store.types import GroupState
 
@@ -44,6 +44,7 @@ class StoreSnapshot(msgspec.Struct, frozen=True):
     recorder: tuple[int, int, int, int] = (0, 0, 0, 0)  # queue depth, written, retries, spilled
     promotions: dict[tuple[str, str, str], int] = {}  # (model, action, actor) -> count
     evaluations: dict[tuple[str, str], int] = {}  # (model, status) -> count
+    canary_arms: dict[tuple[str, str], list[float]] = {}  # (model, candidate|promoted) -> rewards of a canary
 
 
 # The trainer gauges: metric name suffix, help, the StepMetrics field it shows.
@@ -98,6 +99,20 @@ class _StoreCollector(Collector):
         for (model, status), n in sorted(snapshot.evaluations.items()):
             gate.add_metric([model, status], n)
         yield gate
+        means = GaugeMetricFamily(
+            "artgw_canary_reward_mean", "Mean live reward of each arm of a running canary.", labels=["model", "arm"]
+        )
+        counts = GaugeMetricFamily(
+            "artgw_canary_rewarded_rollouts",
+            "Rewarded rollouts of each arm of a running canary.",
+            labels=["model", "arm"],
+        )
+        for (model, arm), rewards in sorted(snapshot.canary_arms.items()):
+            counts.add_metric([model, arm], len(rewards))
+            if rewards:
+                means.add_metric([model, arm], sum(rewards) / len(rewards))
+        yield means
+        yield counts
         yield from (gauge for gauge, _ in gauges)
 
 
@@ -192,6 +207,12 @@ class GatewayMetrics:
         self.adapter_step = Gauge(
             "artgw_adapter_step", "Promoted step each model serves as NAME (0: base).", ["model"], registry=r
         )
+        self.canary_share = Gauge(
+            "artgw_canary_share",
+            "Share of NAME's rollouts served by a canary step (0: none runs).",
+            ["model"],
+            registry=r,
+        )
         self.latest_step = Gauge(
             "artgw_adapter_latest_step", "Newest committed step of each model (NAME@latest).", ["model"], registry=r
         )
@@ -235,19 +256,28 @@ class GatewayMetrics:
 
     # -- at scrape time
 
-    async def refresh(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, tuple[int, int]]) -> None:
-        """`served_steps`: model -> (promoted step, newest step)."""
+    async def refresh(
+        self,
+        engine: AsyncEngine,
+        recorder: Any,
+        served_steps: dict[str, tuple[int, int]],
+        canaries: dict[str, float] | None = None,
+    ) -> None:
+        """`served_steps`: model -> (promoted step, newest step); `canaries`: model -> share of a canary running."""
         for model, (promoted, latest) in served_steps.items():
             self.adapter_step.labels(model).set(promoted)
             self.latest_step.labels(model).set(latest)
+            self.canary_share.labels(model).set((canaries or {}).get(model, 0.0))
         old = self._snapshot
         groups, trainer, promotions, evaluations = old.groups, old.trainer, old.promotions, old.evaluations
+        canary_arms = old.canary_arms
         try:
             async with asyncio.timeout(STORE_READ_SECONDS), engine.connect() as conn:
                 groups = await count_by_state(conn)
                 trainer = await trainer_summaries(conn)
                 promotions = await promotion_counts(conn)
                 evaluations = await evaluation_counts(conn)
+                canary_arms = await canary_rewards(conn)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             # /metrics must answer most when the store is away: the store's families keep their last values
             # and artgw_store_up says they are stale.
@@ -261,11 +291,18 @@ class GatewayMetrics:
             (recorder.depth(), recorder.written, recorder.retries, recorder.spilled),
             promotions,
             evaluations,
+            canary_arms,
         )
 
-    async def scrape(self, engine: AsyncEngine, recorder: Any, served_steps: dict[str, tuple[int, int]]) -> bytes:
+    async def scrape(
+        self,
+        engine: AsyncEngine,
+        recorder: Any,
+        served_steps: dict[str, tuple[int, int]],
+        canaries: dict[str, float] | None = None,
+    ) -> bytes:
         """The Prometheus text of a scrape: store-backed families refreshed first."""
-        await self.refresh(engine, recorder, served_steps)
+        await self.refresh(engine, recorder, served_steps, canaries)
         return self.render()
 
     def render(self) -> bytes:

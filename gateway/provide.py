@@ -46,10 +46,12 @@ from gateway.proxy import EngineCalls
 from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
+from gateway.tracing import CallTracer
 from store.db import create_sync_sqlite_engine
 from store.models import active_models, add_models
 from store.provide import Store, open_store
 from store.responses import ResponseStore
+from store.tracing import start_tracing
 
 log = logging.getLogger("artgw.gateway")
 
@@ -230,7 +232,9 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         metrics.watch_recorder(recorder)
         adapters = AdapterService(registry, client, store.engine, promotion=settings.promotion)
         rollouts = RolloutService(store.rollouts, recorder)
-        scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics)
+        tracing = start_tracing("artgw-gateway")  # None unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
+        tracer = tracing.tracer("artgw.gateway") if tracing is not None else None
+        scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics, tracer=tracer)
         engine: EngineSupervisor | UpstreamEngine
         if settings.base_model is not None:
             assert base_name is not None
@@ -263,6 +267,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             engine_state=lambda: engine.state,
             metrics=metrics,
             limits=keyring.limits,
+            tracer=CallTracer(tracer, settings.upstream_url) if tracer is not None else None,
         )
         chat = ChatService(calls)
         promotions = PromotionService(
@@ -318,3 +323,5 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             await scorer.close()
             await recorder.close()
             await engine.stop()
+            if tracing is not None:  # the spans still queued, for a few seconds at most
+                await asyncio.to_thread(tracing.shutdown)

@@ -28,6 +28,7 @@ from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
+from gateway.tracing import CallTracer
 from store.records import Api, CallRecord, CallStatus, ChoiceRecord
 
 ROLLOUT_HEADER = "X-ART-Rollout-Id"
@@ -219,8 +220,10 @@ class EngineCalls:
         engine_state: EngineStateOf,
         metrics: GatewayMetrics,
         limits: RateLimits | None = None,
+        tracer: CallTracer | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call, made as it ends
         self.limits = limits or RateLimits()  # a finished call's tokens count against its key's minute
         # aiohttp on the data path: httpx's connection pool rescans every connection per request
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
@@ -376,6 +379,7 @@ class _Call:
             spent = sum(len(ids) + sum(len(c.token_ids) for c in mine) for ids, mine in parts)
             self.service.limits.charge(caller, spent)
         first = True
+        records: list[CallRecord] = []
         for prompt_ids, part_choices in parts:
             record = CallRecord(
                 call_id=uuid.uuid4().hex,
@@ -399,8 +403,11 @@ class _Call:
                 key_id=self.origin.caller.key_id,
             )
             first = False
+            records.append(record)
             self.service.metrics.call_ended(self.label, record)
             await self.service.recorder.submit(record)
+        if self.service.tracer is not None:
+            self.service.tracer.ended(records)
 
     def _per_prompt(
         self, prompts: list[list[int]], choices: list[ChoiceRecord]

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from opentelemetry.trace import SpanKind, Tracer
+
 from ruler._prompt import (
     DEFAULT_RUBRIC,
     build_judge_messages,
@@ -78,6 +80,7 @@ async def score_group(
     cache: JudgeCache | None = None,
     max_retries: int = 3,
     backoff_seconds: float = 0.5,
+    tracer: Tracer | None = None,
 ) -> ScoreResult:
     """Score a group of trajectories relative to each other with an LLM judge.
 
@@ -91,6 +94,9 @@ async def score_group(
     retried up to ``max_retries`` times after the first attempt, waiting
     ``backoff_seconds * 2**k`` before retry k+1; other errors (auth, bad request, unknown
     model) raise ``RulerError`` at once.
+
+    With an OpenTelemetry ``tracer``, each judge call is a span (GenAI conventions: ``chat <judge_model>``), a
+    child of the caller's current span.
     """
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -137,6 +143,7 @@ async def score_group(
         params=params,
         max_retries=max_retries,
         backoff_seconds=backoff_seconds,
+        tracer=tracer,
     )
     if cache is not None:
         await cache.put(key, answer)
@@ -151,6 +158,7 @@ async def _judge(
     params: dict[str, Any],
     max_retries: int,
     backoff_seconds: float,
+    tracer: Tracer | None,
 ) -> tuple[str, list[Score], JudgeUsage]:
     """(raw validated answer, scores in id order, usage) from the judge, with retries."""
     litellm = _litellm()
@@ -166,7 +174,8 @@ async def _judge(
             await asyncio.sleep(backoff_seconds * 2 ** (attempt - 1))
         calls += 1
         try:
-            response = await litellm.acompletion(model=judge_model, messages=messages, response_format=fmt, **params)
+            request = {"model": judge_model, "messages": messages, "response_format": fmt, **params}
+            response = await (litellm.acompletion(**request) if tracer is None else _traced(litellm, tracer, request))
         except Exception as exc:
             if not _is_transient(exc, litellm):
                 raise RulerError(f"judge {judge_model!r} failed: {type(exc).__name__}: {exc}") from exc
@@ -202,6 +211,39 @@ async def _judge(
             ),
         )
     raise RulerError(f"judge {judge_model!r} gave no valid scores in {attempts} attempts; last problem: {problem}")
+
+
+async def _traced(litellm: ModuleType, tracer: Tracer, request: dict[str, Any]) -> Any:
+    """One judge call in its GenAI span: `chat <judge model>`, a child of the current span."""
+    model = request["model"]
+    try:
+        provider = str(litellm.get_llm_provider(model=model, api_base=request.get("api_base"))[1])
+    except Exception:
+        provider = "litellm"
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": provider,  # litellm's name for it: openai, anthropic, hosted_vllm, ...
+        "gen_ai.request.model": model,
+    }
+    for field in ("max_tokens", "temperature", "top_p", "seed"):
+        if isinstance(request.get(field), int | float):
+            attributes[f"gen_ai.request.{field}"] = request[field]
+    with tracer.start_as_current_span(f"chat {model}", kind=SpanKind.CLIENT, attributes=attributes) as span:
+        try:
+            response = await litellm.acompletion(**request)
+        except Exception as exc:
+            span.set_attribute("error.type", type(exc).__name__)
+            raise
+        usage = getattr(response, "usage", None)
+        for attribute, field in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+            if isinstance(value := getattr(usage, field, None), int):
+                span.set_attribute(f"gen_ai.usage.{attribute}", value)
+        if getattr(response, "model", None):
+            span.set_attribute("gen_ai.response.model", str(response.model))
+        reasons = [str(c.finish_reason) for c in getattr(response, "choices", None) or () if c.finish_reason]
+        if reasons:
+            span.set_attribute("gen_ai.response.finish_reasons", reasons)
+        return response
 
 
 def check_judge_model(judge_model: str, litellm_params: Mapping[str, Any] | None = None) -> None:

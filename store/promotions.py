@@ -240,3 +240,14 @@ async def finish_canary(conn: AsyncConnection, row: EvaluationRow) -> bool:
         .values(values)
     )
     return bool(done.rowcount)
+
+
+async def canary_rewards(conn: AsyncConnection) -> dict[tuple[str, str], list[float]]:
+    """(model, candidate|promoted) -> the live rewards of each running canary's arms so far."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for model, row in (await running_canaries(conn)).items():
+        if row.baseline_step is None:
+            continue
+        arms = await live_rewards(conn, model, [row.step, row.baseline_step], since=row.created_at)
+        out[model, "candidate"], out[model, "promoted"] = arms[row.step], arms[row.baseline_step]
+    return out

@@ -27,6 +27,10 @@ LossName = Literal["ppo", "cispo", "gspo"]
 Device = Literal["auto", "cpu", "cuda"]
 
 
+# Characters W&B refuses in a project name (wandb/sdk/artifacts/_validators.py: INVALID_URL_CHARS).
+WANDB_NAME_FORBIDDEN = "/\\#?%:\r\n"
+
+
 def _number(value: float) -> bool:
     return math.isfinite(value)
 
@@ -160,6 +164,22 @@ class TrainConfig:
         default="127.0.0.1", metadata={"help": "address of the machine with --node-rank 0, reachable by every node"}
     )
     master_port: int = field(default=29500, metadata={"help": "port torch.distributed meets on at --master-addr"})
+    # -- experiment tracking (trainer/tracking.py): W&B reads its own WANDB_* variables too (WANDB_MODE=offline,
+    # WANDB_DIR, WANDB_API_KEY, ...); these only say which run
+    wandb_project: str | None = field(
+        default=None,
+        metadata={
+            "help": "log each committed step's metrics and adapter to a W&B run in this project (none: off, and "
+            "wandb is not imported; WANDB_MODE=offline writes the run under WANDB_DIR for `wandb sync`)"
+        },
+    )
+    wandb_entity: str | None = field(
+        default=None,
+        metadata={"help": "the W&B team or user that owns --wandb-project (none: WANDB_ENTITY, else your default)"},
+    )
+    wandb_run_name: str | None = field(
+        default=None, metadata={"help": "the W&B run's display name (none: WANDB_NAME, else one W&B makes up)"}
+    )
     # -- misc
     seed: int = field(default=0, metadata={"help": "random seed"})
     device: Device = field(default="auto", metadata={"help": "where to train (auto: cuda when there is one)"})
@@ -230,6 +250,18 @@ class TrainConfig:
         ):
             if value not in choices:
                 raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.wandb_project is not None:
+            # W&B's own rule for a project name (what would appear in its URL).
+            if not 1 <= len(self.wandb_project) <= 128 or set(self.wandb_project) & set(WANDB_NAME_FORBIDDEN):
+                raise ValueError(
+                    f"--wandb-project must be a W&B project name: 1 to 128 characters, none of "
+                    f"{' '.join(WANDB_NAME_FORBIDDEN.strip())}, got {self.wandb_project!r}"
+                )
+        for flag, value in (("--wandb-entity", self.wandb_entity), ("--wandb-run-name", self.wandb_run_name)):
+            if value is not None and self.wandb_project is None:
+                raise ValueError(f"{flag} names a W&B run: give --wandb-project too (W&B logging is off without it)")
+        if self.wandb_entity is not None and (not self.wandb_entity.strip() or "/" in self.wandb_entity):
+            raise ValueError(f"--wandb-entity must be a W&B team or user name, got {self.wandb_entity!r}")
         self.loss()  # validates the GRPO knobs (epsilons, tis_cap, beta)
 
     def loss(self) -> LossConfig:
@@ -245,7 +277,12 @@ class TrainConfig:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The config as every checkpoint's step.json and the W&B run keep it: no secret (admin key, the store's
+        password)."""
+        from sqlalchemy.engine import make_url  # only here: --help reads this module
+
         data = dataclasses.asdict(self)
         data["checkpoints"] = str(self.checkpoints)
         data["admin_key"] = None  # never written to disk
+        data["db"] = make_url(self.db).render_as_string(hide_password=True)
         return data

@@ -39,6 +39,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 import torch
+from opentelemetry.trace import Tracer
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -58,6 +59,7 @@ from store.groups import (
 )
 from store.provide import open_store
 from store.rollouts import RolloutReader
+from store.tracing import traced
 from store.trajectories import Trajectory
 from store.types import StepMetrics
 from trainer import distributed
@@ -66,6 +68,8 @@ from trainer.config import TrainConfig
 from trainer.grammar import GrammarMasks
 from trainer.logprobs import policy_token_logprobs
 from trainer.loss import batch_totals, compute_advantages, grpo_loss, trajectory_log_ratio_sums
+from trainer.tracing import step_span
+from trainer.tracking import Tracker, tracking
 
 log = logging.getLogger("artgw.trainer")
 console = Console(stderr=True)
@@ -585,11 +589,22 @@ async def run(config: TrainConfig, stop: asyncio.Event | None = None) -> int:
     # StoreMissing if the gateway has not made it yet. The trainer is on no client's path: it waits out a
     # store stall (30 s a lock) rather than fail a step.
     async with open_store(config.db, wait_seconds=30.0) as store:
-        return await train(config, store.engine, RolloutReader(store.engine), stop or asyncio.Event())
+        # --wandb-project: one W&B run, finished however the loop ends; OTEL_EXPORTER_OTLP_ENDPOINT: a span per step
+        with tracking(config) as tracker, traced("artgw-trainer", "artgw.trainer") as tracer:
+            rollouts = RolloutReader(store.engine)
+            return await train(config, store.engine, rollouts, stop or asyncio.Event(), tracker, tracer)
 
 
-async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader, stop: asyncio.Event) -> int:
-    """The loop of the one process, or of rank 0 (which alone claims, checkpoints and commits)."""
+async def train(
+    config: TrainConfig,
+    store: AsyncEngine,
+    rollouts: RolloutReader,
+    stop: asyncio.Event,
+    tracker: Tracker,
+    tracer: Tracer | None = None,
+) -> int:
+    """The loop of the one process, or of rank 0 (which alone claims, checkpoints and commits); `tracker` hears
+    of every committed step."""
     torch.manual_seed(config.seed)  # several processes: every rank builds the same fresh LoRA
     device = pick_device(config)
     if distributed.active():
@@ -638,7 +653,9 @@ async def train(config: TrainConfig, store: AsyncEngine, rollouts: RolloutReader
         lineages.remove(lineage)
         lineages.append(lineage)
         group_ids, lineage.claimed, lineage.deadline = lineage.claimed, [], None
-        if await train_one_step(store, rollouts, config, lineage, group_ids, owner, device, pad_id, grammar):
+        if await train_one_step(
+            store, rollouts, config, lineage, group_ids, owner, device, pad_id, grammar, tracker, tracer
+        ):
             done += 1
             lineage.done += 1
     await give_back(store, lineages, owner)  # stopped while waiting: what was claimed is trained by the next run
@@ -696,9 +713,12 @@ async def train_one_step(
     owner: str,
     device: torch.device,
     pad_id: int,
-    grammar: GrammarMasks | None = None,
+    grammar: GrammarMasks | None,
+    tracker: Tracker,
+    tracer: Tracer | None = None,
 ) -> bool:
     """One step of one model on its claimed groups; True once committed (served, its groups trained)."""
+    started = time.time_ns()  # the step's span (with tracing on) runs from here to its commit
     async with store.connect() as conn:
         groups = await load_groups(conn, group_ids)
     step = lineage.step + 1
@@ -725,6 +745,7 @@ async def train_one_step(
     async with store.begin() as conn:  # a long step must not lose its claim just before the commit
         await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
     failure = await commit_step(store, config, lineage.name, step, path, data.group_ids, owner, metrics)
+    step_span(tracer, lineage.name, step, metrics, started, failure)
     if failure is not None:
         # The previous adapter keeps serving; the groups go back to `ready` and the model and optimizer
         # back to the last committed step, so nothing of this step survives.
@@ -739,6 +760,7 @@ async def train_one_step(
     lineage.step = step
     lineage.committed = await _committed(store, lineage.name)
     console.print(_metrics_table(lineage.name, step, metrics))
+    tracker.step(lineage.name, step, metrics, path)
     return True
 
 

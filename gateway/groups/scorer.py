@@ -13,12 +13,14 @@ import time
 from typing import Any
 
 import msgspec
+from opentelemetry.trace import Tracer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.groups.schemas import RulerIn
 from gateway.metrics import GatewayMetrics
-from store.groups import load_groups, scored, scoring_failed, scoring_group_ids
+from gateway.tracing import scoring_ended, scoring_span
+from store.groups import GroupRow, load_groups, scored, scoring_failed, scoring_group_ids
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
 
@@ -39,8 +41,10 @@ class Scorer:
         metrics: GatewayMetrics,
         *,
         max_concurrent_judges: int = 4,
+        tracer: Tracer | None = None,
     ) -> None:
         self.engine = engine
+        self.tracer = tracer  # with tracing on: a span per scoring, its judge calls as children
         self.reader = reader
         self.judge_cache = judge_cache
         self.metrics = metrics
@@ -66,7 +70,10 @@ class Scorer:
             rows = await load_groups(conn, [group_id])
         if not rows:
             return
-        row = rows[0]
+        with scoring_span(self.tracer, group_id, rows[0].model, spec.judge_model):
+            await self._judge(group_id, rows[0], spec)
+
+    async def _judge(self, group_id: str, row: GroupRow, spec: RulerIn) -> None:
         usage: dict[str, Any] | None = None
         try:
             trajectories = []
@@ -81,6 +88,7 @@ class Scorer:
                     rubric=spec.rubric or ruler.DEFAULT_RUBRIC,
                     litellm_params=spec.litellm_params,
                     cache=self.judge_cache,
+                    tracer=self.tracer,
                 )
             self.metrics.judged(
                 row.model,
@@ -90,6 +98,7 @@ class Scorer:
                 result.usage.completion_tokens,
             )
             usage = msgspec.to_builtins(result.usage)
+            scoring_ended(len(row.members), usage, None)
             scores = [(m.position, s.score, s.explanation) for m, s in zip(row.members, result.scores, strict=True)]
             async with self.engine.begin() as conn:
                 await scored(conn, group_id, scores, usage, no_signal([s for _, s, _ in scores]))
@@ -99,6 +108,7 @@ class Scorer:
             self.metrics.judge_errors.labels(row.model).inc()
             reason = f"RULER failed: {exc}" if isinstance(exc, ruler.RulerError) else f"RULER failed: {exc!r}"
             log.warning("group %s: %s", group_id, reason)
+            scoring_ended(len(row.members), usage, reason)
             async with self.engine.begin() as conn:
                 await scoring_failed(conn, group_id, reason[:2000], usage)
 

@@ -45,6 +45,7 @@ from store.promotions import (
     EvaluationRow,
     delete_eval_set,
     eval_sets_of,
+    evaluations_of,
     finish_canary,
     live_rewards,
     promotion_history,
@@ -136,10 +137,15 @@ class PromotionService:
             self._workers[model] = asyncio.create_task(self._work(model), name=f"promotion-gate-{model}")
 
     async def resume(self) -> None:
-        """After a start: a gated model whose newest step is neither promoted nor judged is evaluated."""
-        for model in list(self.registry.models.values()):
-            if model.latest_step > model.served_step:
-                self.step_committed(model.name, model.latest_step)
+        """After a start: a gated model whose newest step is neither promoted nor judged (its evaluation was cut
+        short by the stop) is evaluated."""
+        async with self.store.connect() as conn:
+            for model in list(self.registry.models.values()):
+                if model.latest_step <= model.served_step:
+                    continue
+                judged = [e for e in await evaluations_of(conn, model.name) if e.step == model.latest_step]
+                if not judged or any(e.status == "running" and e.eval_set != CANARY for e in judged):
+                    self.step_committed(model.name, model.latest_step)
 
     async def close(self) -> None:
         for worker in self._workers.values():
@@ -302,11 +308,8 @@ class PromotionService:
         await self.rollouts.settle([rollout_id], 5.0)  # a reward may arrive before its calls are stored
         trajectory = await self.rollouts.find(rollout_id)
         if trajectory is None or trajectory.model is None or not caller.covers(trajectory.model):
-            raise invalid_request(
-                f"Unknown rollout `{rollout_id}`: no call of a trainable model with this rollout id has been recorded.",
-                param="rollout_id",
-                code="unknown_rollout",
-            )
+            # As GET /v1/art/rollouts/{id} says it: another key's rollout does not exist for this one.
+            raise OpenAIError(404, f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         async with self.store.begin() as conn:
             stored = await put_reward(conn, rollout_id, trajectory.model, reward)
         if stored is None:

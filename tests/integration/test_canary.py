@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, poll, start_gateway
+from tests.conftest import GatewayProcess, metric, poll, start_gateway
 
 pytestmark = pytest.mark.engine
 
@@ -133,6 +133,11 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
     for rollout_id, value in zip(on_canary, candidate_rewards, strict=True):
         reward(canary, rollout_id, value)
     assert status(canary)["canary_step"] == 1  # the promoted arm has no rewards yet: nothing decided
+    arm = {"model": MODEL, "arm": "candidate"}
+    assert metric(canary.url, "artgw_canary_share", exported=True, model=MODEL) == SHARE
+    assert metric(canary.url, "artgw_canary_rewarded_rollouts", exported=True, **arm) == len(on_canary)
+    assert metric(canary.url, "artgw_canary_reward_mean", **arm) == pytest.approx(statistics.fmean(candidate_rewards))
+    assert metric(canary.url, "artgw_canary_rewarded_rollouts", model=MODEL, arm="promoted") == 0
     for rollout_id in on_promoted:
         reward(canary, rollout_id, 0.2)
     decided = poll(lambda: (s := status(canary))["served_step"] == 1 and s, 30, "step 1 to be promoted")
@@ -158,6 +163,8 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
         1,
     )
     assert "live reward fell" in rollback["reason"]
+    assert metric(canary.url, "artgw_promotions_total", model=MODEL, action="rollback", actor="canary") == 1
+    assert metric(canary.url, "artgw_canary_share", model=MODEL) == 0
 
     # -- step 2, rewarded worse through groups: dropped, `my-agent` stays on step 0
     load_step(canary, 2, make_adapter(tiny_model, tmp_path / "step-2", seed=2))
@@ -181,6 +188,6 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
     other = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c1-live-0", "reward": 1.0}, timeout=30)
     assert other.status_code == 409 and other.json()["error"]["code"] == "reward_conflict", other.text
     unknown = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "nope", "reward": 1.0}, timeout=30)
-    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "unknown_rollout", unknown.text
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "rollout_not_found", unknown.text
     bad = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c2-0", "reward": "high"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward", bad.text

@@ -268,7 +268,7 @@ async def test_metrics_answer_with_the_last_figures_and_store_up_0_when_the_stor
     try:
         metrics._snapshot = StoreSnapshot(groups={("my-agent", "ready"): 2})
         started = time.monotonic()
-        text = (await metrics.scrape(down, recorder, {"my-agent": 0})).decode()
+        text = (await metrics.scrape(down, recorder, {"my-agent": (0, 0)})).decode()
         assert time.monotonic() - started < 5
         assert "artgw_store_up 0.0" in text
         assert 'artgw_groups{model="my-agent",state="ready"} 2.0' in text  # the last good figures

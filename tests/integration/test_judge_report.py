@@ -134,6 +134,9 @@ def test_the_report_gives_the_rank_correlations_per_rubric_and_judge(gateway: Ga
         assert row["state"] == expected_states[rubric], (rubric, row["spearman_mean"])
     assert rows[JUDGE, MEDIUM]["spearman_mean"] == pytest.approx(0.45)  # below the default 0.5, above 0.3
     assert rows[JUDGE, GOOD]["groups"] == 3 and rows[JUDGE, GOOD]["ranked_groups"] == 2  # the constant group
+    # The model's status lists the flagged rubric.
+    flags = httpx.get(f"{gateway.base_url}/art/models/my-agent", timeout=30).json()["judge_flags"]
+    assert [(f["judge_model"], f["rubric"], f["state"]) for f in flags] == [(OTHER_JUDGE, BAD, "flagged")]
 
 
 def test_a_key_sees_the_reports_of_its_models_only(gateway: GatewayProcess) -> None:

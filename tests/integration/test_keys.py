@@ -282,8 +282,24 @@ def _fresh_rollouts(w: World) -> dict[str, Any]:
 
 
 def _next_adapter(w: World) -> dict[str, Any]:
-    step = w.admin("GET", "/v1/art/models/a").json()["served_step"] + 1
+    step = w.admin("GET", "/v1/art/models/a").json()["latest_step"] + 1
     return {"id": "a", "step": step, "json": {"step": step, "path": str(w.adapter_dir)}}
+
+
+EVAL_SET = {
+    "scenarios": [{"messages": [{"role": "user", "content": "hi"}], "grader": {"type": "exact", "value": "ok"}}]
+}
+
+
+def _fresh_eval_set(w: World) -> dict[str, Any]:
+    """An eval set of `a` named `a`: the path's two {id}s are the same."""
+    w.admin("POST", "/v1/art/models/a/evals", json={**EVAL_SET, "name": "a"})
+    return {"id": "a"}
+
+
+def _fresh_reward(w: World) -> dict[str, Any]:
+    rollout_id = w.record("a", w.admin_key)
+    return {"id": rollout_id, "json": {"rollout_id": rollout_id, "reward": 1.0}}
 
 
 def _fresh_model(w: World) -> dict[str, Any]:
@@ -389,8 +405,13 @@ ENDPOINTS: dict[str, Endpoint] = {
     "GET /v1/art/models/{id}": Endpoint(
         "read", lambda w: {"id": "a"}, _has(200, name="a", retired=False), hidden="model"
     ),
+    "GET /v1/art/models/{id}/judge-report": Endpoint(
+        "read", lambda w: {"id": "a"}, _has(200, model="a"), hidden="model"
+    ),
+    "GET /v1/art/models/{id}/evals": Endpoint("read", lambda w: {"id": "a"}, _has(200, object="list"), hidden="model"),
     # rewards: scope `reward`
     "POST /v1/art/groups": Endpoint("reward", _fresh_rollouts, _has(201, model="a", state="ready"), hidden="model"),
+    "POST /v1/art/rewards": Endpoint("reward", _fresh_reward, _has(201, rollout_id=_id, reward=1.0), hidden="rollout"),
     # admin only
     "POST /v1/art/models/{id}/adapters": Endpoint(
         None, _next_adapter, _has(200, name="a", served_step=lambda a: a.target["step"])
@@ -401,6 +422,18 @@ ENDPOINTS: dict[str, Endpoint] = {
         _has(201, name=lambda a: a.target["json"]["name"], retired=False),
     ),
     "DELETE /v1/art/models/{id}": Endpoint(None, _fresh_model, _has(200, name=_id, retired=True)),
+    "POST /v1/art/models/{id}/promote": Endpoint(
+        None, lambda w: {"id": "a", "json": {"step": 0, "reason": "a row"}}, _has(200, name="a", served_step=0)
+    ),
+    "POST /v1/art/models/{id}/rollback": Endpoint(
+        None, lambda w: {"id": "a", "json": {"step": 0}}, _has(200, name="a", served_step=0)
+    ),
+    "POST /v1/art/models/{id}/evals": Endpoint(
+        None,
+        lambda w: {"id": "a", "json": {**EVAL_SET, "name": f"s-{uuid.uuid4().hex[:8]}"}},
+        _has(201, model="a", name=lambda a: a.target["json"]["name"]),
+    ),
+    "DELETE /v1/art/models/{id}/evals/{id}": Endpoint(None, _fresh_eval_set, lambda a: _status(a, 204)),
     "POST /v1/art/keys": Endpoint(
         None, lambda w: {"json": {"name": "made-in-a-row", "models": ["a"], "scopes": ["infer"]}}, _key_made
     ),
@@ -512,10 +545,17 @@ TABLE: dict[str, tuple[Outcome, ...]] = {
     "GET /v1/art/groups":                      (NO_KEY,    BAD_KEY,   BAD_KEY,   ONLY_B,    NO_READ,   OK,        OK),
     "GET /v1/art/models":                      (NO_KEY,    BAD_KEY,   BAD_KEY,   ONLY_B,    NO_READ,   OK,        OK),
     "GET /v1/art/models/{id}":                 (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_READ,   OK,        OK),
+    "GET /v1/art/models/{id}/judge-report":    (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_READ,   OK,        OK),
+    "GET /v1/art/models/{id}/evals":           (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_READ,   OK,        OK),
     "POST /v1/art/groups":                     (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_REWARD, OK,        OK),
+    "POST /v1/art/rewards":                    (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_REWARD, OK,        OK),
     "POST /v1/art/models/{id}/adapters":       (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
     "POST /v1/art/models":                     (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
     "DELETE /v1/art/models/{id}":              (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
+    "POST /v1/art/models/{id}/promote":        (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
+    "POST /v1/art/models/{id}/rollback":       (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
+    "POST /v1/art/models/{id}/evals":          (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
+    "DELETE /v1/art/models/{id}/evals/{id}":   (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
     "POST /v1/art/keys":                       (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
     "GET /v1/art/keys":                        (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),
     "DELETE /v1/art/keys/{id}":                (NO_ADMIN,  NO_ADMIN,  NO_ADMIN,  NOT_ADMIN, NOT_ADMIN, NOT_ADMIN, OK),

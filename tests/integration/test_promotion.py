@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from artgw import demo_task
-from tests.conftest import Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
+from tests.conftest import ARTGW, Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -221,6 +221,13 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     worst = evaluation(after_bad, bad[-1])
     assert worst["status"] == "failed" and worst["baseline_step"] == promoted, worst
     assert worst["ci_high"] < 0, worst  # clearly worse, not only not clearly better
+
+    # `artgw status` says so too.
+    port = gated.url.rsplit(":", 1)[1]
+    shown = subprocess.run(
+        [ARTGW, "status", "--model", MODEL, "--port", port], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert f"serves step {promoted}" in shown and f"newest step {bad[-1]} ({MODEL}@latest)" in shown, shown
 
     # What each alias serves, as recorded with the calls.
     for alias, step in ((MODEL, promoted), (f"{MODEL}@latest", bad[-1])):

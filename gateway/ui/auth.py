@@ -1,0 +1,108 @@
+"""Who may see the pages: the API's keys with the `read` scope, from a header or the session cookie.
+
+Scripts send `Authorization: Bearer <key>` (or `x-api-key`) as to the API. A browser enters its key once at
+/ui/login; the key then rides in an HttpOnly, SameSite=Strict cookie scoped to /ui (so no other site's page can
+send it, and no script on the page can read it), for the browser session. A page asked for without a key sends
+a browser to the login page; one with a wrong key, or a key without `read`, is answered 401 / 403.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+from litestar import Request, Response
+from litestar.connection import ASGIConnection
+from litestar.datastructures import Cookie
+from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Redirect, Template
+
+from gateway.auth import Caller, KeyRing
+from gateway.errors import OpenAIError, from_http_exception, from_store_error
+from gateway.guards import CALLER
+from store.errors import StoreError
+
+COOKIE = "artgw_ui_key"
+LOGIN = "/ui/login"
+HOME = "/ui/rollouts"
+
+
+def _keyring(connection: ASGIConnection[Any, Any, Any, Any]) -> KeyRing:
+    return connection.app.state.services.keyring  # type: ignore[no-any-return]
+
+
+def _sends_key(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
+    return "authorization" in connection.headers or "x-api-key" in connection.headers
+
+
+def reader_of(keyring: KeyRing, key: str | None) -> Caller:
+    """The caller of `key` (None: no key) if it may read: else the API's own 401 / 403."""
+    caller = keyring.caller({"authorization": f"Bearer {key}"} if key else {})
+    caller.check_scope("read")
+    return caller
+
+
+def ui_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """The guard of every page: a header's key, else the session cookie's; `read` scope."""
+    keyring = _keyring(connection)
+    if _sends_key(connection):
+        caller = keyring.caller(connection.headers)
+        caller.check_scope("read")
+    else:
+        caller = reader_of(keyring, connection.cookies.get(COOKIE))
+    connection.scope[CALLER] = caller  # type: ignore[literal-required]
+
+
+def session_cookie(request: Request[Any, Any, Any], key: str | None) -> Cookie:
+    """The key for this browser session (no max-age: gone when the browser closes); None clears it."""
+    return Cookie(
+        key=COOKIE,
+        value=key or "",
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        max_age=None if key else 0,
+    )
+
+
+def safe_next(target: str | None) -> str:
+    """Where to go after logging in: a page of the UI only (never another site)."""
+    if target and target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
+        return target
+    return HOME
+
+
+def _error_page(request: Request[Any, Any, Any], error: OpenAIError) -> Response[Any]:
+    if error.status == 401 and not _sends_key(request):  # a browser without (a valid) session key: log in
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        response: Response[Any] = Redirect(f"{LOGIN}?next={quote(target, safe='')}", status_code=303)
+        if COOKIE in request.cookies:
+            response.set_cookie(session_cookie(request, None))  # a revoked key: forget it
+        return response
+    return Template(
+        "error.html",
+        context={"status": error.status, "message": error.message, "code": error.code},
+        status_code=error.status,
+    )
+
+
+def handle_openai_error(request: Request[Any, Any, Any], exc: OpenAIError) -> Response[Any]:
+    return _error_page(request, exc)
+
+
+def handle_store_error(request: Request[Any, Any, Any], exc: StoreError) -> Response[Any]:
+    return _error_page(request, from_store_error(exc))
+
+
+def handle_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    return _error_page(request, from_http_exception(request, exc))
+
+
+# The pages' errors as pages (the store being down stays the API's 503; a bug stays its 500).
+exception_handlers = {
+    OpenAIError: handle_openai_error,
+    StoreError: handle_store_error,
+    HTTPException: handle_http_exception,
+}

@@ -1,0 +1,107 @@
+"""Each page's context, from the services the API uses, with the caller: a key sees only its models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from gateway.adapters import AdapterRegistry, AdapterService
+from gateway.auth import Caller
+from gateway.errors import invalid_request
+from gateway.groups.schemas import GroupOut
+from gateway.groups.service import GroupService, split_ref
+from gateway.rollouts import RolloutService
+from gateway.ui.tokens import decoder_for
+from gateway.ui.views import advantages, parse_since, step_charts, token_view
+from store.trajectories import Trajectory
+
+PAGE_SIZE = 25
+VIEWS = ("conversation", "tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutFilters:
+    model: str | None = None
+    since: str | None = None
+    key_id: str | None = None
+    limit: int = PAGE_SIZE
+
+    def query(self, **more: str) -> str:
+        """The filters (and `more`) as a query string, for the pagination links."""
+        values = {"model": self.model, "since": self.since, "key_id": self.key_id, "limit": str(self.limit)}
+        return urlencode(
+            {k: v for k, v in {**values, **more}.items() if v and not (k == "limit" and v == str(PAGE_SIZE))}
+        )
+
+
+async def rollout_list(
+    rollouts: RolloutService, adapters: AdapterService, caller: Caller, filters: RolloutFilters, cursor: str | None
+) -> dict[str, Any]:
+    try:
+        since = parse_since(filters.since)
+    except ValueError:
+        raise invalid_request("`since`: a date-time such as 2026-11-23T21:00 (UTC).", param="since") from None
+    page = await rollouts.page(
+        model=filters.model, since=since, limit=filters.limit, cursor=cursor, key_id=filters.key_id, caller=caller
+    )
+    return {"page": page, "filters": filters, "models": adapters.list_models(caller), "cursor": cursor}
+
+
+async def rollout_detail(
+    rollouts: RolloutService, registry: AdapterRegistry, caller: Caller, rollout_id: str, view: str
+) -> dict[str, Any]:
+    if view not in VIEWS:
+        raise invalid_request(f"`view`: one of {', '.join(VIEWS)}.", param="view")
+    trajectory = await rollouts.get(rollout_id, caller=caller)
+    decoder = await decoder_for(registry.base_model_path)
+    return {"t": trajectory, "view": view, "sequences": token_view(trajectory, decoder.pieces)}
+
+
+async def models_overview(adapters: AdapterService, caller: Caller) -> dict[str, Any]:
+    return {"models": [await adapters.status(name, caller) for name in adapters.list_models(caller)]}
+
+
+async def model_detail(adapters: AdapterService, groups: GroupService, caller: Caller, name: str) -> dict[str, Any]:
+    status = await adapters.status(name, caller)
+    reward_chart, loss_chart = step_charts(status.steps)
+    recent = await groups.page(model=name, state=None, limit=100, cursor=None, caller=caller)
+    return {"m": status, "reward_chart": reward_chart, "loss_chart": loss_chart, "groups": recent.data}
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    ref: str  # the rollout id, or "<rollout id>/<choice>"
+    rollout_id: str
+    reward: float | None
+    caller_reward: float | None
+    ruler_score: float | None
+    ruler_explanation: str | None
+    advantage: float | None
+    trajectory: Trajectory | None  # None: not (yet) in the store
+
+    @property
+    def reply(self) -> dict[str, Any] | None:
+        """The attempt's last message (its final answer), if recorded."""
+        return self.trajectory.messages[-1] if self.trajectory and self.trajectory.messages else None
+
+
+async def group_detail(groups: GroupService, rollouts: RolloutService, caller: Caller, group_id: str) -> dict[str, Any]:
+    group: GroupOut = await groups.get(group_id, caller)
+    scores = advantages([member.reward for member in group.rollouts])
+    attempts = []
+    for member, advantage in zip(group.rollouts, scores, strict=True):
+        rollout_id, choice = split_ref(member.rollout_id)
+        attempts.append(
+            Attempt(
+                member.rollout_id,
+                rollout_id,
+                member.reward,
+                member.caller_reward,
+                member.ruler_score,
+                member.ruler_explanation,
+                advantage,
+                await rollouts.find(rollout_id, choice=choice),
+            )
+        )
+    return {"g": group, "attempts": attempts}
