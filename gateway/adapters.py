@@ -28,7 +28,9 @@ from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.settings import Promotion, valid_model_name
 from store.adapters import (
+    AdapterEvent,
     AdapterRow,
+    adapter_event_history,
     adapter_history,
     commit_step,
     committed_step,
@@ -211,6 +213,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
     evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
     judge_flags: list[RubricAgreement] = []  # RULER rubrics that disagree with the callers (judge-report)
+    adapter_events: list[AdapterEvent] = []  # loads into the engine, unloads, refused loads: newest first
     retired: bool = False
     object: str = "art.model"
 
@@ -344,7 +347,7 @@ class AdapterService:
                     )
                 model.loaded_steps.add(step)
                 async with self.store.begin() as conn:
-                    await set_status(conn, name, [step], "loaded")
+                    await set_status(conn, name, [step], "loaded", "loaded again to be promoted")
             async with self.store.begin() as conn:
                 promotion = await record_promotion(
                     conn,
@@ -382,7 +385,7 @@ class AdapterService:
             if ok:
                 done.append(step)
         async with self.store.begin() as conn:
-            await set_status(conn, model.name, done, "unloaded")
+            await set_status(conn, model.name, done, "unloaded", f"older than the newest {self.keep}")
 
     async def sync_engine(self) -> None:
         """After the engine (re)starts: load what the store says should be serving, newest `keep` per model
@@ -493,6 +496,7 @@ class AdapterService:
             history = await adapter_history(conn, name)
             counts = await count_by_state(conn)
             promotions = await promotion_history(conn, name)
+            events = await adapter_event_history(conn, name)
             evaluations = await evaluations_of(conn, name)
         return ModelStatus(
             name=name,
@@ -508,4 +512,5 @@ class AdapterService:
             canary_share=self.registry.canary_share,
             promotions=promotions,
             evaluations=evaluations,
+            adapter_events=events,
         )

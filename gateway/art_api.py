@@ -25,6 +25,7 @@ from gateway.rollouts import RolloutService
 from store.judge_report import JudgeReport
 from store.keys import ApiKey
 from store.promotions import EvalSetRow
+from store.records import APIS, CALL_STATUSES
 from store.rollouts import MAX_PAGE, RolloutPage
 from store.trajectories import Trajectory
 from store.types import GROUP_STATES
@@ -105,9 +106,23 @@ async def list_rollouts(
     limit: int = PAGE_LIMIT,
     cursor: str | None = None,
     key_id: str | None = None,
+    status: str | None = Parameter(default=None, schema_extra={"enum": list(CALL_STATUSES)}),
+    api: str | None = Parameter(default=None, schema_extra={"enum": list(APIS)}),
+    group_id: str | None = None,
 ) -> RolloutPage:
-    """Rollouts of the key's models, oldest first; `key_id`: only those made with that API key."""
-    return await rollouts.page(model=model, since=since, limit=limit, cursor=cursor, key_id=key_id, caller=caller)
+    """Rollouts of the key's models, oldest first; `key_id`: only those made with that API key; `status`: with a
+    call that ended so; `api`: with a call of that API; `group_id`: the members of that group."""
+    return await rollouts.page(
+        model=model,
+        since=since,
+        limit=limit,
+        cursor=cursor,
+        key_id=key_id,
+        caller=caller,
+        status=status,
+        api=api,
+        group_id=group_id,
+    )
 
 
 @post(

@@ -54,8 +54,20 @@ class RolloutService:
         cursor: str | None,
         key_id: str | None = None,
         caller: Caller = ANONYMOUS,
+        status: str | None = None,
+        api: str | None = None,
+        group_id: str | None = None,
     ) -> RolloutPage:
-        """A page of rollouts, of the caller's models only (`key_id`: made with that key)."""
+        """A page of rollouts, of the caller's models only (`key_id`: made with that key; `status`, `api`: with a
+        call that ended so, or of that API; `group_id`: of that group)."""
         return await self.reader.page(
-            model=model, since=since, limit=limit, cursor=cursor, models=caller.models, key_id=key_id
+            model=model,
+            since=since,
+            limit=limit,
+            cursor=cursor,
+            models=caller.models,
+            key_id=key_id,
+            status=status,
+            api=api,
+            group_id=group_id,
         )

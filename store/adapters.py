@@ -12,8 +12,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from store.groups import mark_trained
-from store.tables import adapters
-from store.types import AdapterStatus, StepMetrics
+from store.tables import adapter_events, adapters
+from store.types import AdapterEventKind, AdapterStatus, StepMetrics
 
 _COMMITTED: tuple[AdapterStatus, ...] = ("loaded", "unloaded")  # steps that served
 
@@ -28,6 +28,37 @@ class AdapterRow(msgspec.Struct, frozen=True):
     group_count: int
     created_at: float
     served_at: float | None
+
+
+class AdapterEvent(msgspec.Struct, frozen=True):
+    """An adapter loaded into the engine, unloaded from it, or refused by it."""
+
+    model: str
+    step: int
+    event: AdapterEventKind
+    detail: str | None
+    at: float
+
+
+async def record_events(
+    conn: AsyncConnection, model: str, steps: Sequence[int], event: AdapterEventKind, detail: str | None = None
+) -> None:
+    if steps:
+        now = time.time()
+        rows = [{"model": model, "step": s, "event": event, "detail": detail, "at": now} for s in steps]
+        await conn.execute(sa.insert(adapter_events), rows)
+
+
+async def adapter_event_history(conn: AsyncConnection, model: str, limit: int = 50) -> list[AdapterEvent]:
+    """Newest first."""
+    query = (
+        sa.select(adapter_events.c.model, adapter_events.c.step, adapter_events.c.event, adapter_events.c.detail)
+        .add_columns(adapter_events.c.at)
+        .where(adapter_events.c.model == model)
+        .order_by(adapter_events.c.id.desc())
+        .limit(limit)
+    )
+    return [AdapterEvent(*row) for row in await conn.execute(query)]
 
 
 def _row(row: sa.Row[Any]) -> AdapterRow:
@@ -64,6 +95,7 @@ async def commit_step(
     """
     now = time.time()
     await mark_trained(conn, group_ids, lease_owner, step)
+    await record_events(conn, model, [step], "loaded", f"step {step}, {len(group_ids)} groups")
     await _upsert(
         conn,
         {
@@ -97,13 +129,19 @@ async def record_failure(
             "served_at": None,
         },
     )
+    await record_events(conn, model, [step], "load_failed", error[:2000])
 
 
-async def set_status(conn: AsyncConnection, model: str, steps: Sequence[int], status: AdapterStatus) -> None:
+async def set_status(
+    conn: AsyncConnection, model: str, steps: Sequence[int], status: AdapterStatus, detail: str | None = None
+) -> None:
+    """The steps' status, and the load or unload in their history."""
     if steps:
         await conn.execute(
             sa.update(adapters).where(adapters.c.model == model, adapters.c.step.in_(steps)).values(status=status)
         )
+        if status in ("loaded", "unloaded"):
+            await record_events(conn, model, steps, status, detail)  # type: ignore[arg-type]
 
 
 async def adapter_history(conn: AsyncConnection, model: str, limit: int = 20) -> list[AdapterRow]:

@@ -12,8 +12,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from store.codec import CallCache, Head, compact, expand
-from store.records import CallRecord
-from store.tables import calls, rollouts
+from store.records import Api, CallRecord, CallStatus
+from store.tables import calls, group_members, rollouts
 
 
 def _upsert(dialect: str):  # type: ignore[no-untyped-def]
@@ -154,10 +154,24 @@ async def list_rollouts(
     since: float | None = None,
     limit: int = 100,
     after: tuple[float, str] | None = None,
+    status: CallStatus | None = None,
+    api: Api | None = None,
+    group_id: str | None = None,
 ) -> list[RolloutRow]:
     """Rollouts by (last_call_at, id), oldest first; `after` is the keyset cursor of the previous page.
-    `models`: only rollouts of these models (an API key's); `key_id`: only those made with that key."""
+    `models`: only rollouts of these models (an API key's); `key_id`: only those made with that key; `status`,
+    `api`: only those with a call that ended so, or of that API; `group_id`: only that group's."""
     query = sa.select(rollouts).order_by(rollouts.c.last_call_at, rollouts.c.id).limit(limit)
+    if status is not None or api is not None:
+        matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
+        if status is not None:
+            matching = matching.where(calls.c.status == status)
+        if api is not None:
+            matching = matching.where(calls.c.api == api)
+        query = query.where(matching.exists())
+    if group_id is not None:
+        members = sa.select(group_members.c.rollout_id).where(group_members.c.group_id == group_id)
+        query = query.where(rollouts.c.id.in_(members))
     if model is not None:
         query = query.where(rollouts.c.model == model)
     if models is not None:

@@ -7,7 +7,7 @@ returned, so training never re-tokenizes text.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -17,6 +17,8 @@ CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error", "inter
 # The API the client spoke. Responses and Messages calls reach the engine as chat completions (their
 # `request` is that chat request, so they assemble with chat calls); completions calls as completions.
 Api = Literal["chat", "completions", "responses", "messages"]
+CALL_STATUSES: tuple[str, ...] = get_args(CallStatus)
+APIS: tuple[str, ...] = get_args(Api)
 
 
 class ChoiceRecord(msgspec.Struct, frozen=True):

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.calls import RolloutRow, list_rollouts, rollout_calls
 from store.errors import Invalid, NotFound
+from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory, assemble
 
 MAX_PAGE = 1000
@@ -71,13 +72,30 @@ class RolloutReader:
         cursor: str | None,
         models: Collection[str] | None = None,
         key_id: str | None = None,
+        status: str | None = None,
+        api: str | None = None,
+        group_id: str | None = None,
     ) -> RolloutPage:
-        """`models`: only rollouts of these (what an API key covers); `key_id`: only those made with that key."""
+        """`models`: only rollouts of these (what an API key covers); `key_id`: only those made with that key;
+        `status`, `api`: only those with a call that ended so, or of that API; `group_id`: that group's."""
         check_limit(limit)
+        if status is not None and status not in CALL_STATUSES:
+            raise Invalid(f"'status' must be one of {', '.join(CALL_STATUSES)}.", param="status")
+        if api is not None and api not in APIS:
+            raise Invalid(f"'api' must be one of {', '.join(APIS)}.", param="api")
         after = decode_cursor_pair(cursor) if cursor else None
         async with self.engine.connect() as conn:
             rows = await list_rollouts(
-                conn, model=model, models=models, key_id=key_id, since=since, limit=limit, after=after
+                conn,
+                model=model,
+                models=models,
+                key_id=key_id,
+                since=since,
+                limit=limit,
+                after=after,
+                status=status,  # type: ignore[arg-type]  # checked above
+                api=api,  # type: ignore[arg-type]
+                group_id=group_id,
             )
         last = rows[-1] if len(rows) == limit else None
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)

@@ -127,6 +127,18 @@ adapters = sa.Table(
     sa.Column("served_at", sa.Float, nullable=True),  # when `model` started to mean this step
 )
 
+# Every load of an adapter into the engine, unload from it, and refused load: the adapters' history.
+adapter_events = sa.Table(
+    "adapter_events",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("model", sa.String(256), nullable=False, index=True),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("event", sa.String(16), nullable=False),  # loaded | unloaded | load_failed
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Column("at", sa.Float, nullable=False),
+)
+
 # What `NAME` serves: every promotion and rollback, newest last. The newest row of a model is its promoted step.
 promotions = sa.Table(
     "promotions",

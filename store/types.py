@@ -13,6 +13,7 @@ import msgspec
 GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
 AdapterStatus = Literal["loaded", "unloaded", "failed"]
+AdapterEventKind = Literal["loaded", "unloaded", "load_failed"]
 PromotionAction = Literal["promote", "rollback"]
 PromotionActor = Literal["always", "gate", "canary", "admin", "migration"]  # who moved `NAME`
 EvaluationStatus = Literal["running", "passed", "failed", "error"]

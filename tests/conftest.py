@@ -520,6 +520,7 @@ def make_call(
         "upstream_model": upstream_model,
         "request": {"model": model or upstream_model, "messages": messages, **(extra or {})},
         "stream": False,
+        "api": "chat",
         "status": status,
         "http_status": _HTTP_STATUS[status],
         "error": None,

@@ -14,6 +14,7 @@ from gateway.groups.service import GroupService, split_ref
 from gateway.rollouts import RolloutService
 from gateway.ui.tokens import decoder_for
 from gateway.ui.views import advantages, parse_since, step_charts, token_view
+from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory
 
 PAGE_SIZE = 25
@@ -26,10 +27,21 @@ class RolloutFilters:
     since: str | None = None
     key_id: str | None = None
     limit: int = PAGE_SIZE
+    status: str | None = None  # a call of the rollout ended so
+    api: str | None = None  # a call of the rollout was of this API
+    group_id: str | None = None
 
     def query(self, **more: str) -> str:
         """The filters (and `more`) as a query string, for the pagination links."""
-        values = {"model": self.model, "since": self.since, "key_id": self.key_id, "limit": str(self.limit)}
+        values = {
+            "model": self.model,
+            "since": self.since,
+            "key_id": self.key_id,
+            "status": self.status,
+            "api": self.api,
+            "group_id": self.group_id,
+            "limit": str(self.limit),
+        }
         return urlencode(
             {k: v for k, v in {**values, **more}.items() if v and not (k == "limit" and v == str(PAGE_SIZE))}
         )
@@ -43,9 +55,24 @@ async def rollout_list(
     except ValueError:
         raise invalid_request("`since`: a date-time such as 2026-11-23T21:00 (UTC).", param="since") from None
     page = await rollouts.page(
-        model=filters.model, since=since, limit=filters.limit, cursor=cursor, key_id=filters.key_id, caller=caller
+        model=filters.model,
+        since=since,
+        limit=filters.limit,
+        cursor=cursor,
+        key_id=filters.key_id,
+        caller=caller,
+        status=filters.status,
+        api=filters.api,
+        group_id=filters.group_id,
     )
-    return {"page": page, "filters": filters, "models": adapters.list_models(caller), "cursor": cursor}
+    return {
+        "page": page,
+        "filters": filters,
+        "models": adapters.list_models(caller),
+        "statuses": CALL_STATUSES,
+        "apis": APIS,
+        "cursor": cursor,
+    }
 
 
 async def rollout_detail(

@@ -57,8 +57,13 @@ async def rollouts_page(
     key_id: str | None = None,
     limit: int = Parameter(default=pages.PAGE_SIZE, ge=1, le=200),
     cursor: str | None = None,
+    status: str | None = None,
+    api: str | None = None,
+    group_id: str | None = None,
 ) -> Template:
-    filters = pages.RolloutFilters(model or None, since or None, key_id or None, limit)
+    filters = pages.RolloutFilters(
+        model or None, since or None, key_id or None, limit, status or None, api or None, group_id or None
+    )
     return Template("rollouts.html", context=await pages.rollout_list(rollouts, adapters, caller, filters, cursor))
 
 

@@ -1,4 +1,5 @@
-"""promotion of trained steps: their history, offline eval sets, the gate's evaluations, single rewards
+"""promotion of trained steps: their history, offline eval sets, the gate's evaluations, single rewards;
+the adapters' load and unload history
 
 Revision ID: 0007
 Revises: 0006
@@ -33,6 +34,17 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_promotions"),
     )
     op.create_index("ix_promotions_model", "promotions", ["model"])
+    op.create_table(
+        "adapter_events",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("model", sa.String(256), nullable=False),
+        sa.Column("step", sa.Integer(), nullable=False),
+        sa.Column("event", sa.String(16), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=True),
+        sa.Column("at", sa.Float(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name="pk_adapter_events"),
+    )
+    op.create_index("ix_adapter_events_model", "adapter_events", ["model"])
     op.create_table(
         "rewards",
         sa.Column("rollout_id", sa.String(128), nullable=False),
@@ -96,6 +108,8 @@ def downgrade() -> None:
     op.drop_table("evaluations")
     op.drop_table("eval_sets")
     op.drop_index("ix_rewards_model", table_name="rewards")
+    op.drop_index("ix_adapter_events_model", table_name="adapter_events")
+    op.drop_table("adapter_events")
     op.drop_table("rewards")
     op.drop_index("ix_promotions_model", table_name="promotions")
     op.drop_table("promotions")

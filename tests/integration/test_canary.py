@@ -181,6 +181,7 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
     row = canary_row(dropped, 2)
     assert row["status"] == "failed" and (row["mean"], row["baseline_mean"]) == (0.0, 1.0), row
     assert (dropped["served_step"], dropped["latest_step"]) == (0, 2)
+    assert [(e["event"], e["step"]) for e in dropped["adapter_events"]] == [("loaded", 2), ("loaded", 1)]
 
     # A reward is given once; an eval or unknown rollout is refused.
     same = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c1-live-0", "reward": 0.0}, timeout=30)

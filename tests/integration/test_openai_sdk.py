@@ -142,7 +142,8 @@ def test_response_has_exactly_the_fields_vllm_gives_the_same_request(engine_gate
 
 def test_models_lists_trainable_and_base(client: openai.OpenAI) -> None:
     ids = [m.id for m in client.models.list()]
-    assert ids == ["my-agent", BASE_NAME]
+    assert ids == ["my-agent", "my-agent@latest", BASE_NAME]  # no step trained yet: no `my-agent@K`
+    assert client.models.retrieve("my-agent@latest").id == "my-agent@latest"
 
 
 def test_base_model_by_name_and_step_zero_pin(client: openai.OpenAI) -> None:

@@ -20,11 +20,14 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import create_engine, downgrade, migrate
+from store.adapters import adapter_event_history, commit_step, record_failure, set_status
 from store.calls import count_calls, list_rollouts, rollout_calls, write_calls
 from store.codec import CallCache
 from store.db import alembic_config
+from store.errors import Invalid
 from store.records import CallRecord, ChoiceRecord
-from store.tables import calls, metadata, rollouts
+from store.rollouts import RolloutReader
+from store.tables import calls, group_members, groups, metadata, rollouts
 from tests.conftest import make_call
 
 # --- databases ---------------------------------------------------------------------------------------
@@ -329,6 +332,77 @@ async def test_list_rollouts_keyset_pagination(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
         first = (await list_rollouts(conn, limit=1))[0]
     assert (first.last_call_at, first.call_count, first.first_call_at) == (1000.0, 2, 997.0)
+
+
+async def test_list_rollouts_by_call_status_api_and_group(engine: AsyncEngine) -> None:
+    """`status` and `api`: rollouts with a call that ended so, or of that API; `group_id`: that group's members."""
+    await write(
+        engine,
+        [
+            call("ok-chat", "r-ok", 10.0),
+            call("failed-chat", "r-mixed", 11.0, status="upstream_error", http_status=502),
+            call("ok-messages", "r-mixed", 12.0, api="messages"),
+            call("cancelled", "r-cancelled", 13.0, status="cancelled", http_status=499, api="responses"),
+        ],
+    )
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.insert(groups).values(
+                id="g", model="agent", state="ready", request_hash="h", created_at=1.0, updated_at=1.0
+            )
+        )
+        await conn.execute(
+            sa.insert(group_members),
+            [
+                {"group_id": "g", "position": 0, "rollout_ref": "r-ok", "rollout_id": "r-ok", "reward": 1.0},
+                {
+                    "group_id": "g",
+                    "position": 1,
+                    "rollout_ref": "r-cancelled",
+                    "rollout_id": "r-cancelled",
+                    "reward": 0.0,
+                },
+            ],
+        )
+    reader = RolloutReader(engine)
+
+    async def ids(**filters: Any) -> list[str]:
+        return [r.id for r in (await reader.page(model=None, since=None, limit=100, cursor=None, **filters)).data]
+
+    assert await ids() == ["r-ok", "r-mixed", "r-cancelled"]
+    assert await ids(status="ok") == ["r-ok", "r-mixed"]
+    assert await ids(status="upstream_error") == ["r-mixed"]
+    assert await ids(status="client_error") == []
+    assert await ids(api="messages") == ["r-mixed"]
+    assert await ids(api="responses", status="cancelled") == ["r-cancelled"]
+    assert await ids(api="responses", status="ok") == []  # one call must match both
+    assert await ids(group_id="g") == ["r-ok", "r-cancelled"]
+    assert await ids(group_id="g", status="ok") == ["r-ok"]
+    assert await ids(group_id="nope") == []
+    with pytest.raises(Invalid, match="'status' must be one of ok, cancelled"):
+        await ids(status="fine")
+    with pytest.raises(Invalid, match="'api' must be one of chat, completions"):
+        await ids(api="grpc")
+
+
+async def test_adapter_history_records_loads_unloads_and_refusals(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        for step in (1, 2):
+            await commit_step(conn, model="m", step=step, path=f"/a/{step}", metrics=None, group_ids=[], lease_owner="")
+        await record_failure(conn, model="m", step=3, path="/a/3", metrics=None, error="engine said no")
+        await set_status(conn, "m", [1], "unloaded", "older than the newest 1")
+        await set_status(conn, "m", [1], "loaded", "loaded again to be promoted")
+        history = await adapter_event_history(conn, "m")
+        other = await adapter_event_history(conn, "nobody")
+    assert [(e.event, e.step, e.detail) for e in history] == [
+        ("loaded", 1, "loaded again to be promoted"),
+        ("unloaded", 1, "older than the newest 1"),
+        ("load_failed", 3, "engine said no"),
+        ("loaded", 2, "step 2, 0 groups"),
+        ("loaded", 1, "step 1, 0 groups"),
+    ]
+    assert all(e.model == "m" for e in history) and other == []
+    assert history[0].at >= history[-1].at
 
 
 # --- concurrency -------------------------------------------------------------------------------------

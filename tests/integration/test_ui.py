@@ -216,7 +216,8 @@ def _listed(driver: Any) -> list[str]:
 @NEEDS_CHROMIUM
 def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     url = site.gateway.url
     login(browser, site)
@@ -248,6 +249,24 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
     assert _listed(browser) == []
     visit(browser, f"{url}/ui/rollouts?since=2000-01-01T00:00")
     assert _listed(browser) == recorded
+    # Status, API and group, by the form: as the API lists them.
+    members = site.api(f"/v1/art/groups/{site.group_ids[0]}")["rollouts"]
+    grouped = [r["rollout_id"] for r in members]
+    for field, value, want in (
+        ("status", "ok", recorded),
+        ("status", "upstream_error", []),
+        ("api", "chat", recorded),
+        ("api", "messages", []),
+    ):
+        visit(browser, f"{url}/ui/rollouts")
+        Select(browser.find_element(By.NAME, field)).select_by_value(value)
+        table = browser.find_element(By.ID, "rollouts")
+        browser.find_element(By.CSS_SELECTOR, "#filters button").click()
+        WebDriverWait(browser, 30).until(expected_conditions.staleness_of(table))  # the filtered page is in
+        assert _listed(browser) == want, (field, value)
+        assert [r["id"] for r in site.api(f"/v1/art/rollouts?{field}={value}&limit=1000")["data"]] == want
+    visit(browser, f"{url}/ui/rollouts?group_id={site.group_ids[0]}")
+    assert sorted(_listed(browser)) == sorted(grouped) and grouped
 
 
 @pytest.mark.engine
