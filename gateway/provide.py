@@ -198,7 +198,10 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         ) as client,
         aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
+            # An idle connection is closed before vLLM's server closes it (uvicorn keep-alive: 5 s): reusing one
+            # the server is closing at that moment fails the call (ClientOSError, seen in CI as a 502).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0),
+            auto_decompress=False,
         ) as session,
         httpx.AsyncClient() as webhooks,  # the eval sets' webhook graders (the user's reward functions)
     ):

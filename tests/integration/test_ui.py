@@ -174,14 +174,19 @@ def login(driver: Any, site: Site) -> None:
     from selenium.webdriver.common.by import By
 
     visit(driver, f"{site.gateway.url}/ui/login")
+    from selenium.webdriver.support.ui import WebDriverWait
+
     driver.find_element(By.ID, "key").send_keys(site.key)
     driver.find_element(By.CSS_SELECTOR, "#login button").click()
+    # The form posts, then redirects: wait until the browser has left the login page.
+    WebDriverWait(driver, 30).until(lambda d: "/ui/login" not in d.current_url)
 
 
 @pytest.mark.engine
 @NEEDS_CHROMIUM
 def test_a_page_without_a_key_is_refused(site: Site, browser: Any) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     url = site.gateway.url
     browser.delete_all_cookies()
@@ -190,6 +195,7 @@ def test_a_page_without_a_key_is_refused(site: Site, browser: Any) -> None:
     screenshot(browser, "login")
     browser.find_element(By.ID, "key").send_keys("not-a-key")
     browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "login-error"))  # the 401 page is in
     assert "Incorrect API key" in browser.find_element(By.ID, "login-error").text
     browser.get_log("browser")  # the 401 answer's own console line: expected here
     # Scripts: a wrong key is a 401, a key without `read` a 403; neither gets a page.
