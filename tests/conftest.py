@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -567,3 +568,19 @@ class Background:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=120)
+
+
+def write_records(db_path: Path, records: list[CallRecord]) -> None:
+    """Write call records straight into a gateway's SQLite store (as its recorder would), all of them new."""
+    from store import create_engine
+    from store.calls import write_calls
+
+    async def write() -> None:
+        engine = create_engine(f"sqlite+aiosqlite:///{db_path}")
+        try:
+            async with engine.begin() as conn:
+                assert await write_calls(conn, records) == len(records)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(write())

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import random
 import statistics
@@ -40,8 +39,6 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
-from store import create_engine
-from store.calls import write_calls
 from tests.conftest import (
     GatewayProcess,
     free_port,
@@ -51,6 +48,7 @@ from tests.conftest import (
     start_stub,
     start_trainer,
     stop_group,
+    write_records,
 )
 
 MODEL = "my-agent"
@@ -292,15 +290,7 @@ def record_group(gateway: GatewayProcess) -> None:
         reply = ({"role": "assistant", "content": f"answer {i}"}, sampled)
         records.append(make_call(f"call-{i}", float(i), None, prompt, reply, rollout_id=f"otel-rollout-{i}"))
 
-    async def write() -> None:
-        engine = create_engine(f"sqlite+aiosqlite:///{gateway.db_path}")
-        try:
-            async with engine.begin() as conn:
-                assert await write_calls(conn, records) == len(records)
-        finally:
-            await engine.dispose()
-
-    asyncio.run(write())
+    write_records(gateway.db_path, records)
     answer = httpx.post(
         f"{gateway.base_url}/art/groups",
         json={

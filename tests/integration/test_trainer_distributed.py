@@ -14,7 +14,6 @@ sampled), so the two ranks' shares of a step differ; the stub would sample the s
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
@@ -29,9 +28,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from store import create_engine
-from store.calls import write_calls
-from tests.conftest import GatewayProcess, TrainerProcess, make_call, poll, start_gateway, start_stub, stop_group
+from tests.conftest import (
+    GatewayProcess,
+    TrainerProcess,
+    make_call,
+    poll,
+    start_gateway,
+    start_stub,
+    stop_group,
+    write_records,
+)
 from tests.integration.test_trainer_crash import assert_exactly_once, checkpoint, group_states, status
 
 MODEL = "my-agent"
@@ -53,15 +59,7 @@ def record_groups(gateway: GatewayProcess) -> list[str]:
         reply = ({"role": "assistant", "content": f"answer {i}"}, sampled, logprobs)
         records.append(make_call(f"call-{i}", float(i), None, prompt, reply, rollout_id=f"rollout-{i}"))
 
-    async def write() -> None:
-        engine = create_engine(f"sqlite+aiosqlite:///{gateway.db_path}")
-        try:
-            async with engine.begin() as conn:
-                assert await write_calls(conn, records) == len(records)
-        finally:
-            await engine.dispose()
-
-    asyncio.run(write())
+    write_records(gateway.db_path, records)
     group_ids = []
     for g in range(GROUPS):
         rewards = REWARDS[g % PER_GROUP :] + REWARDS[: g % PER_GROUP]

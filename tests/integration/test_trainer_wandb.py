@@ -19,7 +19,6 @@ And a run W&B refuses (online, no API key) stops `artgw train` with one line, be
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -33,8 +32,6 @@ from typing import Any
 import httpx
 import pytest
 
-from store import create_engine
-from store.calls import write_calls
 from tests.conftest import (
     ARTGW,
     GatewayProcess,
@@ -46,6 +43,7 @@ from tests.conftest import (
     start_gateway,
     start_stub,
     stop_group,
+    write_records,
 )
 
 GROUPS = {"a": 4, "b": 2}  # 2 groups a step: 2 steps of a, 1 of b
@@ -72,15 +70,7 @@ def record_groups(gateway: GatewayProcess) -> None:
             )
             members[model].append(rollout_id)
 
-    async def write() -> None:
-        engine = create_engine(f"sqlite+aiosqlite:///{gateway.db_path}")
-        try:
-            async with engine.begin() as conn:
-                assert await write_calls(conn, records) == len(records)
-        finally:
-            await engine.dispose()
-
-    asyncio.run(write())
+    write_records(gateway.db_path, records)
     for model, groups in GROUPS.items():
         for g in range(groups):
             rewards = REWARDS[g % PER_GROUP :] + REWARDS[: g % PER_GROUP]
