@@ -143,7 +143,8 @@ class TrainConfig:
     micro_batch_rows: int = field(
         default=8,
         metadata={
-            "help": "packed rows per forward/backward pass (memory only: the update is the same for any value)",
+            "help": "packed rows per forward/backward pass, at most this times --pack-tokens-per-row positions "
+            "(memory only: the update is the same for any value)",
             "aliases": ("--rows-per-micro-batch",),
         },
     )

@@ -17,12 +17,13 @@ import torch
 
 from trainer.batch import TrainSequence
 from trainer.config import TrainConfig
-from trainer.train import StepData, load_policy, make_optimizer, train_step
+from trainer.train import StepData, load_policy, make_optimizer, split_micro_batches, train_step
 
 DEVICE = torch.device("cpu")
 LAYOUTS = [
     {"micro_batch_rows": 1, "pack_tokens_per_row": 24},  # a row per micro-batch, narrow rows
     {"micro_batch_rows": 3, "pack_tokens_per_row": 40},
+    {"micro_batch_rows": 3, "pack_tokens_per_row": 12},  # longer sequences widen the rows: fewer rows per pass
     {"micro_batch_rows": 64, "pack_tokens_per_row": 512},  # the whole batch at once
 ]
 
@@ -95,3 +96,17 @@ def test_the_update_depends_on_the_loss(tiny_model: Path) -> None:
     data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size)
     ppo, cispo = (_run(tiny_model, data, loss_name=loss)[1] for loss in ("ppo", "cispo"))
     assert any(not torch.allclose(ppo[name], cispo[name]) for name in ppo)
+
+
+def test_micro_batches_hold_at_most_rows_times_width_positions() -> None:
+    rows = list(range(8))
+    # Rows as wide as --pack-tokens-per-row: --micro-batch-rows rows per pass.
+    assert split_micro_batches(rows, 512, 4, 512) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_micro_batches(rows, 300, 4, 512) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # narrower: never more rows
+    # A 640-token sequence widened every row: 8 x 640 would exceed 8 x 512 positions, so 6 rows per pass.
+    assert split_micro_batches(rows, 640, 8, 512) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    # A row wider than the whole budget still trains, alone.
+    assert split_micro_batches([3, 5], 5000, 8, 512) == [[3], [5]]
+    assert split_micro_batches([], 512, 8, 512) == []
+    with pytest.raises(ValueError, match="must be >= 1"):
+        split_micro_batches(rows, 512, 0, 512)
