@@ -48,13 +48,21 @@ class CallOrigin:
     rollout_id: str
     explicit: bool  # False when the gateway made the id up
     caller: Caller = ANONYMOUS
+    # The client's W3C trace context (`traceparent`, `tracestate`; gateway/tracing.py::trace_context): the
+    # call's span joins the client's trace, and the engine gets it on.
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
 
-def call_origin(header: str | None, path_id: str | None, caller: Caller = ANONYMOUS) -> CallOrigin:
+def call_origin(
+    header: str | None,
+    path_id: str | None,
+    caller: Caller = ANONYMOUS,
+    trace_headers: tuple[tuple[str, str], ...] = (),
+) -> CallOrigin:
     """The rollout a call belongs to: the path prefix wins over the header; neither → a new id."""
     given = path_id if path_id is not None else header
     if given is None:
-        return CallOrigin(f"r-{uuid.uuid4().hex}", False, caller)
+        return CallOrigin(f"r-{uuid.uuid4().hex}", False, caller, trace_headers)
     if not _ROLLOUT_ID.match(given):
         raise invalid_request(
             "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
@@ -68,7 +76,7 @@ def call_origin(header: str | None, path_id: str | None, caller: Caller = ANONYM
             param=ROLLOUT_HEADER,
             code="invalid_rollout_id",
         )
-    return CallOrigin(given, True, caller)
+    return CallOrigin(given, True, caller, trace_headers)
 
 
 # What reading a malformed engine answer raises: not JSON, or JSON without the fields vLLM always sends.
@@ -223,7 +231,7 @@ class EngineCalls:
         tracer: CallTracer | None = None,
     ) -> None:
         self.metrics = metrics
-        self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call, made as it ends
+        self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
         self.limits = limits or RateLimits()  # a finished call's tokens count against its key's minute
         # aiohttp on the data path: httpx's connection pool rescans every connection per request
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
@@ -264,7 +272,7 @@ class EngineCalls:
         spec = call.spec
         try:
             upstream = await self.session.post(
-                self.upstream_url + spec.path, data=spec.body, headers=_JSON_HEADERS, timeout=self.timeout
+                self.upstream_url + spec.path, data=spec.body, headers=call.engine_headers, timeout=self.timeout
             )
         except BaseException as exc:
             error = self._send_error(exc)
@@ -356,6 +364,21 @@ class _Call:
         self.first_token_at: float | None = None
         self.recorded = False  # exactly once: whichever path ends the call first records it
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
+        tracer = service.tracer
+        # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
+        # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
+        self.span = (
+            tracer.started(spec.api, spec.request, spec.route.upstream_model, origin.trace_headers, started)
+            if tracer
+            else None
+        )
+        self.engine_headers = (
+            tracer.engine_headers(self.span, _JSON_HEADERS)
+            if tracer
+            else {**_JSON_HEADERS, **dict(origin.trace_headers)}
+            if origin.trace_headers
+            else _JSON_HEADERS
+        )
 
     async def finish(
         self,
@@ -407,7 +430,7 @@ class _Call:
             self.service.metrics.call_ended(self.label, record)
             await self.service.recorder.submit(record)
         if self.service.tracer is not None:
-            self.service.tracer.ended(records)
+            self.service.tracer.ended(records, self.span)
 
     def _per_prompt(
         self, prompts: list[list[int]], choices: list[ChoiceRecord]

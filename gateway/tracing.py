@@ -1,9 +1,11 @@
 """The gateway's OpenTelemetry spans, when `store.tracing.start_tracing` turns tracing on.
 
 - One span per inference call, whatever the API, following the GenAI semantic conventions (`chat my-agent`,
-  `text_completion my-agent`), plus ART's `art.*` attributes. It is made when the call ends (gateway/proxy.py),
-  from what is recorded of it, with the call's own start and end times: nothing is carried through the request
-  path, and with tracing off the call pays one `is None` test.
+  `text_completion my-agent`), plus ART's `art.*` attributes. It starts with the call (gateway/proxy.py), a
+  child of the client's span when the client sent a W3C `traceparent`, and goes on to the engine in the
+  request's `traceparent`, so vLLM's own spans (`--otlp-traces-endpoint`) are its children; its attributes
+  are set when the call ends, from what is recorded of it. With tracing off the call pays one `is None` test
+  (and a client's trace context goes on to the engine unchanged).
 - One span per RULER scoring of a group (`score_group MODEL`), current while the judge works, so that ruler/
   makes each judge call a child span of it.
 """
@@ -11,19 +13,25 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from store.records import Api, CallRecord
 from store.tracing import ART_MODEL, ART_ROLLOUT_ID, ART_STEP
 
 log = logging.getLogger("artgw.tracing")
+_PROPAGATOR = TraceContextTextMapPropagator()  # W3C Trace Context: `traceparent` and `tracestate`
+# version-trace id-parent id-flags (W3C Trace Context, level 1); tracestate is at most 32 entries of <= 256 bytes.
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_MAX_TRACESTATE = 8192
 
 # gen_ai.provider.name: the conventions' "best knowledge" of who serves the model. vLLM has no well-known value
 # (the list names hosted APIs); its OpenAI-compatible server is what the gateway calls.
@@ -47,8 +55,21 @@ _REQUESTED = (
 )
 
 
+def trace_context(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The client's W3C trace context headers, if well-formed (a malformed `traceparent` is dropped, as the
+    standard asks, and so is the `tracestate` that goes with it): what the call's span joins."""
+    parent = headers.get("traceparent")
+    if parent is None or not _TRACEPARENT.match(parent.strip().lower()):
+        return ()
+    found = (("traceparent", parent.strip().lower()),)
+    state = headers.get("tracestate")
+    if state and len(state) <= _MAX_TRACESTATE:
+        found += (("tracestate", state),)
+    return found
+
+
 class CallTracer:
-    """Exports the span of each inference call as it ends."""
+    """Exports the span of each inference call: started with the call, finished from its records."""
 
     def __init__(self, tracer: Tracer, upstream_url: str) -> None:
         self.tracer = tracer
@@ -58,16 +79,44 @@ class CallTracer:
             "server.port": url.port or (443 if url.scheme == "https" else 80),
         }
 
-    def ended(self, records: Sequence[CallRecord]) -> None:
-        """The call's span, from its records: one, or one per prompt of a completions call with several (the
-        first carries the engine's usage of the whole call). A span that cannot be made is logged, never the
-        call's failure."""
+    def started(
+        self,
+        api: Api,
+        request: Mapping[str, Any],
+        upstream_model: str,
+        trace_headers: Sequence[tuple[str, str]],
+        started_at: float,
+    ) -> Span | None:
+        """The call's span, started (a child of the client's span if `trace_headers` name one); None if it
+        cannot be made (logged: never the call's failure)."""
         try:
-            self._span(records)
+            parent = _PROPAGATOR.extract(dict(trace_headers)) if trace_headers else None
+            name = f"{OPERATION[api]} {request.get('model') or upstream_model}"
+            return self.tracer.start_span(name, parent, SpanKind.CLIENT, start_time=int(started_at * 1e9))
+        except Exception:
+            log.exception("tracing: no span for a call to %s", upstream_model)
+            return None
+
+    @staticmethod
+    def engine_headers(span: Span | None, headers: Mapping[str, str]) -> dict[str, str]:
+        """`headers` plus the span's `traceparent` (and the client's `tracestate`): the engine's request's."""
+        out = dict(headers)
+        if span is not None:
+            _PROPAGATOR.inject(out, trace.set_span_in_context(span))
+        return out
+
+    def ended(self, records: Sequence[CallRecord], span: Span | None) -> None:
+        """Finish the call's span from its records: one, or one per prompt of a completions call with several
+        (the first carries the engine's usage of the whole call). A span that cannot be finished is logged,
+        never the call's failure."""
+        if span is None:
+            return
+        try:
+            self._finish(span, records)
         except Exception:
             log.exception("tracing: no span for call %s", records[0].call_id if records else "?")
 
-    def _span(self, records: Sequence[CallRecord]) -> None:
+    def _finish(self, span: Span, records: Sequence[CallRecord]) -> None:
         first = records[0]
         request = first.request
         operation = OPERATION[first.api]
@@ -109,12 +158,7 @@ class CallTracer:
             )
         if first.status != "ok":
             attributes["error.type"] = first.status  # cancelled, upstream_error, client_error, internal_error
-        span = self.tracer.start_span(
-            f"{operation} {requested}",
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-            start_time=int(first.started_at * 1e9),
-        )
+        span.set_attributes(attributes)
         if first.stream and first.first_token_at is not None:
             span.add_event("first_token", timestamp=int(first.first_token_at * 1e9))
         if first.status != "ok":

@@ -3,7 +3,8 @@
 its runtime LoRA API with what is loaded in `GET /loras`) and for watching the engine's side of a
 client hang-up: with --endless-stream it streams a token every 20 ms until its client goes away, and
 `GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
-then, but on a busy CPU its own event loop may only notice once the generation is over).
+then, but on a busy CPU its own event loop may only notice once the generation is over), and shows the
+W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it).
 Everything else is tested against the real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
 [--end-stream-early] [--garbled bad-line|no-logprob]."""
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+from typing import Any
 
 import uvicorn
 
@@ -48,7 +50,7 @@ def _chunk(**extra: object) -> bytes:
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
-async def _endless_stream(receive, send, stats: dict[str, int]) -> None:  # type: ignore[no-untyped-def]
+async def _endless_stream(receive, send, stats: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     stats["streams_started"] += 1
     gone = asyncio.Event()
 
@@ -135,7 +137,7 @@ def make_app(  # type: ignore[no-untyped-def]
     end_early: bool = False,
     garbled: str | None = None,
 ):
-    stats = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
+    stats: dict[str, Any] = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
     calls: list[str] = []  # the LoRA API calls, in order: "load NAME", "unload NAME"
 
@@ -160,6 +162,7 @@ def make_app(  # type: ignore[no-untyped-def]
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200
         else:
+            stats["last_traceparent"] = dict(scope["headers"]).get(b"traceparent", b"").decode() or None
             request = json.loads(await _body(receive) or b"{}")
             if delay and not await _wait_unless_aborted(receive, delay):
                 stats["requests_aborted"] += 1  # the client (the gateway) hung up while the "engine" worked

@@ -35,6 +35,7 @@ from gateway.openapi import (
     responses_operation,
 )
 from gateway.proxy import ROLLOUT_HEADER, CallOrigin, call_origin
+from gateway.tracing import trace_context
 from store.errors import StoreError
 
 Create = Callable[[bytes, CallOrigin, HangUp | None], Awaitable[JSONBody | EventStream]]
@@ -52,7 +53,7 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
     caller = keys.caller(request.headers)
     caller.check_scope("infer")
     keys.limits.admit(caller)
-    origin = call_origin(request.headers.get(ROLLOUT_HEADER), rollout_id, caller)
+    origin = call_origin(request.headers.get(ROLLOUT_HEADER), rollout_id, caller, trace_context(request.headers))
     try:
         try:
             body = await request.body()

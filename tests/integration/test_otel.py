@@ -5,7 +5,9 @@
    and Responses arrive as GenAI spans whose token counts are what each API answered, with the rollout id and the
    adapter step; a group scored by RULER is a `score_group` span with each judge call as its child. The judge is
    litellm's own `mock_response` (the real litellm call path, no network): a paid judge API cannot run here.
-2. The collector unreachable (a closed port): every call is answered 200, the gateway keeps serving and still
+2. A client's W3C `traceparent`: the call's span is a child of the client's span, and the engine is sent the
+   gateway's span as its parent (the stand-in engine shows what it got); with tracing off it is passed on.
+   The collector unreachable (a closed port): every call is answered 200, the gateway keeps serving and still
    stops cleanly. Against the stand-in engine (tests/stub_engine.py): calls of ~1 ms, so the exporter's retries
    would show if they were on the calls' path.
 3. A training step (`artgw train` on the tiny model, rollouts written to the store, the stand-in engine loading the
@@ -277,6 +279,55 @@ def test_an_unreachable_collector_costs_the_calls_nothing(tmp_path: Path) -> Non
         code = gateway.stop()  # the spans still queued are given a few seconds, not the SDK's 30
         stop_group(stub)
     assert code == 0 and time.monotonic() - started < 15
+
+
+def test_a_call_joins_the_clients_trace_and_passes_its_span_to_the_engine(
+    receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A client that traces (a `traceparent` header, as OpenTelemetry's httpx or requests instrumentation sends it)
+    sees the gateway's call span as the child of its own, and the engine (the stand-in, which shows the header it
+    got) is told the gateway's span as its parent, so vLLM's spans nest under it. With tracing off the gateway
+    passes the client's context on unchanged."""
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    traceparent = f"00-{trace_id}-{client_span}-01"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    stub_url, stub = start_stub()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, **FAST_BATCHES}
+    traced = start_gateway(tmp_path_factory.mktemp("traced"), "--upstream", stub_url, env=env)
+    untraced = start_gateway(tmp_path_factory.mktemp("untraced"), "--upstream", stub_url)
+    try:
+        rollout_id = f"traced-{uuid.uuid4().hex[:8]}"
+        answer = httpx.post(
+            f"{traced.base_url}/chat/completions",
+            json=body,
+            headers={"traceparent": traceparent, "tracestate": "app=1", "X-ART-Rollout-Id": rollout_id},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        engine_saw = httpx.get(f"{stub_url}/stats", timeout=10).json()["last_traceparent"]
+        poll(lambda: receiver.find(**{"art.rollout_id": rollout_id}), 30, "the call's span at the receiver")
+        (span,) = receiver.find(**{"art.rollout_id": rollout_id})
+        assert (span.trace_id, span.parent_span_id) == (trace_id, client_span)
+        assert engine_saw == f"00-{trace_id}-{span.span_id}-01"
+
+        # A malformed context is dropped: the call is answered, as a trace of its own.
+        other_id = f"traced-{uuid.uuid4().hex[:8]}"
+        headers = {"traceparent": "00-nonsense-01", "X-ART-Rollout-Id": other_id}
+        answer = httpx.post(f"{traced.base_url}/chat/completions", json=body, headers=headers, timeout=30)
+        assert answer.status_code == 200, answer.text
+        poll(lambda: receiver.find(**{"art.rollout_id": other_id}), 30, "the second call's span")
+        (span,) = receiver.find(**{"art.rollout_id": other_id})
+        assert span.parent_span_id == "" and span.trace_id != trace_id
+
+        answer = httpx.post(
+            f"{untraced.base_url}/chat/completions", json=body, headers={"traceparent": traceparent}, timeout=30
+        )
+        assert answer.status_code == 200, answer.text
+        assert httpx.get(f"{stub_url}/stats", timeout=10).json()["last_traceparent"] == traceparent
+    finally:
+        codes = (traced.stop(), untraced.stop())
+        stop_group(stub)
+    assert codes == (0, 0)
 
 
 def record_group(gateway: GatewayProcess) -> None:

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, StatusCode, Tracer
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download
 
 import ruler
-from gateway.tracing import CallTracer, scoring_ended, scoring_span
+from gateway.tracing import CallTracer, scoring_ended, scoring_span, trace_context
 from store.records import CallRecord, ChoiceRecord
 from store.tracing import start_tracing
 from store.types import StepMetrics
@@ -58,6 +58,19 @@ def exported() -> Iterator[tuple[Tracer, InMemorySpanExporter]]:
 def call(*args: Any, api: str = "chat", **fields: Any) -> CallRecord:
     """tests.conftest.make_call, through any API."""
     return msgspec.structs.replace(make_call(*args, **fields), api=api)
+
+
+def trace_call(
+    tracer: Tracer, records: list[CallRecord], url: str = "http://engine", headers: tuple[tuple[str, str], ...] = ()
+) -> dict[str, str]:
+    """What gateway/proxy.py does for a call with tracing on: the span starts with the call, its context goes to
+    the engine, the records finish it. Returns the engine request's headers."""
+    calls = CallTracer(tracer, url)
+    first = records[0]
+    span = calls.started(first.api, first.request, first.upstream_model, headers, first.started_at)
+    engine_headers = calls.engine_headers(span, {"content-type": "application/json"})
+    calls.ended(records, span)
+    return engine_headers
 
 
 def only(memory: InMemorySpanExporter) -> ReadableSpan:
@@ -136,9 +149,10 @@ def test_a_chat_call_is_a_genai_client_span_with_the_rollout_and_the_step(export
         extra={"max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "n": 1},
         usage={"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
     )
-    CallTracer(tracer, "http://127.0.0.1:8100").ended([record])
+    trace_call(tracer, [record], "http://127.0.0.1:8100")
     span = only(memory)
     assert span.name == "chat my-agent"
+    assert span.parent is None  # the client sent no trace context: a trace of its own
     assert span.kind is SpanKind.CLIENT
     assert (span.start_time, span.end_time) == (100_000_000_000, 100_500_000_000)  # the record's own times
     assert span.status.status_code is StatusCode.UNSET
@@ -181,7 +195,7 @@ def test_completions_with_several_prompts_is_one_span_counting_the_recorded_toke
         )
         for i in range(2)
     ]
-    CallTracer(tracer, "http://engine").ended(records)
+    trace_call(tracer, records)
     span = only(memory)
     attributes = span.attributes or {}
     assert span.name == "text_completion my-agent"
@@ -204,7 +218,7 @@ def test_a_failed_call_says_why_and_a_base_model_call_has_no_step(exported) -> N
         error="engine died",
         api="messages",
     )
-    CallTracer(tracer, "http://127.0.0.1:8100").ended([record])
+    trace_call(tracer, [record], "http://127.0.0.1:8100")
     span = only(memory)
     attributes = span.attributes or {}
     assert span.name == "chat tiny"
@@ -219,9 +233,52 @@ def test_a_span_that_cannot_be_made_never_fails_the_call(exported, caplog: pytes
     tracer, memory = exported
     broken = call("c1", api="nonsense")  # not an API the gateway has: no operation name for it
     with caplog.at_level(logging.ERROR, logger="artgw.tracing"):
-        CallTracer(tracer, "http://engine").ended([broken])
+        headers = trace_call(tracer, [broken], headers=(("traceparent", CLIENT_PARENT),))
     assert memory.get_finished_spans() == ()
-    assert "no span for call c1" in caplog.text
+    assert "no span for a call to base" in caplog.text
+    assert headers == {"content-type": "application/json"}  # the engine still gets its request
+
+
+CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+CLIENT_PARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+
+
+def test_a_call_joins_the_clients_trace_and_the_engine_is_told_of_its_span(exported) -> None:
+    tracer, memory = exported
+    record = make_call("c1", 10.0, None, [1, 2], ({"role": "assistant", "content": "hi"}, [7]))
+    headers = trace_call(tracer, [record], headers=(("traceparent", CLIENT_PARENT), ("tracestate", "vendor=x")))
+    span = only(memory)
+    assert span.parent is not None and span.parent.is_remote
+    assert (f"{span.parent.trace_id:032x}", f"{span.parent.span_id:016x}") == (CLIENT_TRACE, CLIENT_SPAN)
+    assert f"{span.context.trace_id:032x}" == CLIENT_TRACE
+    # The engine's request names the gateway's span as the parent, in the client's trace, with its tracestate.
+    assert headers == {
+        "content-type": "application/json",
+        "traceparent": f"00-{CLIENT_TRACE}-{span.context.span_id:016x}-01",
+        "tracestate": "vendor=x",
+    }
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({}, ()),
+        ({"traceparent": CLIENT_PARENT}, (("traceparent", CLIENT_PARENT),)),
+        ({"traceparent": f" {CLIENT_PARENT.upper()} "}, (("traceparent", CLIENT_PARENT),)),  # as W3C reads it
+        (
+            {"traceparent": CLIENT_PARENT, "tracestate": "a=1,b=2"},
+            (("traceparent", CLIENT_PARENT), ("tracestate", "a=1,b=2")),
+        ),
+        ({"traceparent": "00-not-a-trace-01", "tracestate": "a=1"}, ()),  # malformed: dropped with its state
+        ({"traceparent": CLIENT_PARENT[:-1]}, ()),
+        ({"tracestate": "a=1"}, ()),  # a state without a parent means nothing
+        ({"traceparent": CLIENT_PARENT, "tracestate": "a=" + "x" * 9000}, (("traceparent", CLIENT_PARENT),)),
+    ],
+)
+def test_trace_context_keeps_only_a_well_formed_w3c_context(
+    headers: dict[str, str], expected: tuple[tuple[str, str], ...]
+) -> None:
+    assert trace_context(headers) == expected
 
 
 # ---------------------------------------------------------------------------- RULER and the trainer
