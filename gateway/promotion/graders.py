@@ -12,7 +12,7 @@ Specs are checked when decoded: an unknown field, a value out of range, a regex 
 schema that is not a JSON Schema or a URL that is not http(s) is a `msgspec.ValidationError` naming the
 field. Grading never raises for a bad answer (no content, invalid JSON, ...): that answer fails. It raises
 `GraderFailed` only when no reward could be had (a webhook that keeps failing, a judge that gives no
-valid scores, a schema `$ref` that cannot be resolved).
+valid scores, a schema `$ref` that cannot be resolved, a regex search past its time limit).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
+import regex
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 from referencing.exceptions import Unresolvable
@@ -59,6 +60,7 @@ WEBHOOK_BACKOFF_SECONDS = 0.2
 
 _MAX_TEXT = 65_536  # characters of an `exact` value or a rubric
 _MAX_PATTERN = 4_096  # characters of a regex
+REGEX_SECONDS = 1.0  # one regex grader's search of one answer
 _MAX_NAME = 256  # characters of a tool or judge model name
 _MAX_URL = 2_048
 _MAX_HEADERS = 32
@@ -128,15 +130,16 @@ class ExactGrader(_Spec, tag="exact"):
 
 
 class RegexGrader(_Spec, tag="regex"):
-    """Passes when `re.search(pattern, content)` finds a match (Python syntax; flags inline, e.g.
-    `(?i)`). No content fails."""
+    """Passes when `regex.search(pattern, content)` finds a match (Python's `re` syntax, run by the `regex`
+    module for its time limit; flags inline, e.g. `(?i)`). No content fails. A search that takes over
+    `REGEX_SECONDS` (catastrophic backtracking) fails the evaluation with that reason."""
 
     pattern: Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_PATTERN)]
 
     def __post_init__(self) -> None:
         try:
             _compiled(self.pattern)
-        except re.error as exc:
+        except regex.error as exc:
             raise ValueError(f"`pattern` is not a valid regular expression: {exc}") from None
 
 
@@ -248,7 +251,7 @@ async def grade(spec: Grader, scenario: EvalScenario, answer: Answer, http: http
         case ExactGrader():
             return _passed(_exact(spec, answer.content))
         case RegexGrader():
-            return _passed(answer.content is not None and _compiled(spec.pattern).search(answer.content) is not None)
+            return _passed(await _regex_found(spec.pattern, answer.content))
         case JsonSchemaGrader():
             return _passed(_json_schema(spec, answer.content))
         case ToolCallGrader():
@@ -265,8 +268,23 @@ def _passed(ok: bool) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _compiled(pattern: str) -> regex.Pattern[str]:
+    return regex.compile(pattern)
+
+
+async def _regex_found(pattern: str, content: str | None) -> bool:
+    """The search runs in a thread, releasing the GIL (`concurrent`), under a time limit: a pattern that
+    backtracks catastrophically on a model's answer fails its evaluation and never stalls the gateway's calls."""
+    if content is None:
+        return False
+    search = functools.partial(_compiled(pattern).search, content, concurrent=True, timeout=REGEX_SECONDS)
+    try:
+        return await asyncio.to_thread(search) is not None
+    except TimeoutError:
+        raise GraderFailed(
+            f"regex grader: the pattern took over {REGEX_SECONDS:g} s on an answer of {len(content)} characters "
+            "(catastrophic backtracking: nested quantifiers such as `(x+)+`)"
+        ) from None
 
 
 def _exact(spec: ExactGrader, content: str | None) -> bool:

@@ -10,6 +10,7 @@ content, so the test checks which score comes back for which answer.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from typing import Any
@@ -104,6 +105,26 @@ async def test_exact(spec: dict[str, Any], content: str | None, expected: float)
 )
 async def test_regex(pattern: str, content: str | None, expected: float) -> None:
     assert await reward(decode_grader({"type": "regex", "pattern": pattern}), text(content)) == expected
+
+
+async def test_a_regex_that_backtracks_catastrophically_fails_the_evaluation_without_stalling_the_loop() -> None:
+    """`(x+x+)+y` on 5,000 x's backtracks for far longer than anyone waits; meanwhile the event loop (the
+    gateway's calls) keeps running, and the grader fails with the reason after REGEX_SECONDS."""
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        with pytest.raises(GraderFailed, match=r"took over 1 s on an answer of 5000 characters"):
+            await reward(decode_grader({"type": "regex", "pattern": "(x+x+)+y"}), text("x" * 5000))
+    finally:
+        ticker.cancel()
+    assert ticks >= 5  # the loop went on while the pattern ran (about 100 ticks of 10 ms; none if it blocked)
 
 
 # ---------------------------------------------------------------------------------------------- json_schema
