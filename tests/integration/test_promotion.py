@@ -218,9 +218,12 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     # The steps trained on inverted rewards: held back, `my-agent` still serves the last good step.
     assert after_bad["latest_step"] == bad[-1] > promoted
     assert after_bad["served_step"] == promoted
-    worst = evaluation(after_bad, bad[-1])
-    assert worst["status"] == "failed" and worst["baseline_step"] == promoted, worst
-    assert worst["ci_high"] < 0, worst  # clearly worse, not only not clearly better
+    judged_bad = [evaluation(after_bad, step) for step in bad]
+    for judged in judged_bad:
+        assert judged["status"] == "failed" and judged["baseline_step"] == promoted, judged
+    # At least one clearly worse, not only not clearly better. Not necessarily the last: at this learning rate
+    # the inverted steps can swing back (one CI run: yes-rate 0.48, 0.34, then 0.77 against the promoted 0.80).
+    assert min(judged["ci_high"] for judged in judged_bad) < 0, judged_bad
 
     # `artgw status` says so too.
     port = gated.url.rsplit(":", 1)[1]
