@@ -149,8 +149,15 @@ def train_round(gateway: GatewayProcess, round_: int, rewarded: str, bias) -> in
         if not all(g["state"] == "trained" for g in groups):
             return None
         step = max(g["trained_step"] for g in groups)
-        done = [e for e in status(gateway)["evaluations"] if e["step"] == step and e["status"] != "running"]
-        return step if done else None
+        now = status(gateway)
+        done = [e for e in now["evaluations"] if e["step"] == step and e["status"] != "running"]
+        if not done:
+            return None
+        # A step that passed is promoted just after its evaluation is written (the promotion row, then the
+        # served step): wait for the move to show, so that what follows reads the gate's decision applied.
+        if all(e["status"] == "passed" for e in done) and now["served_step"] != step:
+            return None
+        return step
 
     return int(poll(judged, 600, f"round {round_}'s step to be trained and judged", every=0.5))
 
