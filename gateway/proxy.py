@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 import anyio
 import msgspec
+from opentelemetry.trace import Span
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
@@ -364,21 +365,17 @@ class _Call:
         self.first_token_at: float | None = None
         self.recorded = False  # exactly once: whichever path ends the call first records it
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
-        tracer = service.tracer
         # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
         # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
-        self.span = (
-            tracer.started(spec.api, spec.request, spec.route.upstream_model, origin.trace_headers, started)
-            if tracer
-            else None
-        )
-        self.engine_headers = (
-            tracer.engine_headers(self.span, _JSON_HEADERS)
-            if tracer
-            else {**_JSON_HEADERS, **dict(origin.trace_headers)}
-            if origin.trace_headers
-            else _JSON_HEADERS
-        )
+        tracer = service.tracer
+        self.span: Span | None = None
+        self.engine_headers = _JSON_HEADERS
+        if tracer is not None:
+            upstream = spec.route.upstream_model
+            self.span = tracer.started(spec.api, spec.request, upstream, origin.trace_headers, started)
+            self.engine_headers = tracer.engine_headers(self.span, _JSON_HEADERS)
+        elif origin.trace_headers:
+            self.engine_headers = {**_JSON_HEADERS, **dict(origin.trace_headers)}
 
     async def finish(
         self,

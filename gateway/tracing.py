@@ -58,10 +58,10 @@ _REQUESTED = (
 def trace_context(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The client's W3C trace context headers, if well-formed (a malformed `traceparent` is dropped, as the
     standard asks, and so is the `tracestate` that goes with it): what the call's span joins."""
-    parent = headers.get("traceparent")
-    if parent is None or not _TRACEPARENT.match(parent.strip().lower()):
+    parent = (headers.get("traceparent") or "").strip().lower()
+    if not _TRACEPARENT.match(parent):
         return ()
-    found = (("traceparent", parent.strip().lower()),)
+    found = (("traceparent", parent),)
     state = headers.get("tracestate")
     if state and len(state) <= _MAX_TRACESTATE:
         found += (("tracestate", state),)
