@@ -155,6 +155,35 @@ def recorded_status(gateway: GatewayProcess, rollout_id: str) -> str | None:
     return calls[0]["status"] if calls else None
 
 
+def generating_calls(gateway: GatewayProcess, engine_url: str, victim: str, running_before: float) -> list[InFlight]:
+    """A streamed and a plain call, both generating and both with at least half their tokens still to come, so
+    that the kill lands mid-generation however fast the machine is (a slow scrape of the engine's metrics once
+    let the stream reach its last token first). Calls that got too far are left to end, and a new pair starts."""
+    for attempt in range(3):
+        run = uuid.uuid4().hex[:8]
+        calls = [
+            InFlight(gateway, f"restart-{victim}-{run}-stream", True),
+            InFlight(gateway, f"restart-{victim}-{run}", False),
+        ]
+        for call in calls:
+            call.start()
+        calls[0].first_event.wait(60)
+
+        def both_generating(calls: list[InFlight] = calls) -> bool:
+            ended = [c for c in calls if c.thread is not None and not c.thread.is_alive()]
+            assert not ended, [(c.rollout_id, c.status, str(c.body)[-300:], repr(c.failure)) for c in ended]
+            return metric(engine_url, "vllm:num_requests_running") >= running_before + 2
+
+        poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc])
+        streamed = len(calls[0].body or [])  # one event a token
+        if streamed < LONG // 2:
+            return calls
+        print(f"attempt {attempt}: the stream already had {streamed} of {LONG} tokens; starting a new pair")
+        for call in calls:
+            call.join()
+    raise AssertionError(f"three pairs of calls got past {LONG // 2} tokens before the kill could be sent")
+
+
 def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) -> None:
     old = engine_tree(engine_port)
     assert old is not None, "no engine process found"
@@ -162,22 +191,7 @@ def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) ->
     engine_url = f"http://127.0.0.1:{engine_port}"
     running_before = metric(engine_url, "vllm:num_requests_running")
 
-    run = uuid.uuid4().hex[:8]
-    calls = [
-        InFlight(gateway, f"restart-{victim}-{run}-stream", True),
-        InFlight(gateway, f"restart-{victim}-{run}", False),
-    ]
-    for call in calls:
-        call.start()
-    calls[0].first_event.wait(60)
-
-    def both_generating() -> bool:
-        ended = [c for c in calls if c.thread is not None and not c.thread.is_alive()]
-        assert not ended, [(c.rollout_id, c.status, str(c.body)[-300:], repr(c.failure)) for c in ended]
-        return metric(engine_url, "vllm:num_requests_running") >= running_before + 2
-
-    poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc])
-
+    calls = generating_calls(gateway, engine_url, victim, running_before)
     shared = set().union(*(shared_memory_of(p.pid) for p in old.processes))  # vLLM's ring buffers
     target = old.server if victim == "api-server" else old.core()
     killed_at = time.monotonic()

@@ -96,13 +96,17 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     states: list[str] = []
 
     def trained_and_served() -> tuple[int] | None:
-        assert trainer.poll() is None, "the trainer exited"
+        # Asked before the reads: the trainer exits by itself after its last step (--max-steps), and what a
+        # trainer that had already exited left in the store is final; asked after, it could exit in between.
+        exited = trainer.poll()
         groups = [httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10).json() for g in group_ids]
         states[:] = [g["state"] for g in groups]
-        if not all(state == "trained" for state in states):
-            return None
-        served = model_status(gateway)["served_step"]
-        return (int(served),) if served >= max(g["trained_step"] for g in groups) else None
+        if all(state == "trained" for state in states):
+            served = model_status(gateway)["served_step"]
+            if served >= max(g["trained_step"] for g in groups):
+                return (int(served),)
+        assert exited is None, f"the trainer exited ({exited}) before training the groups"
+        return None
 
     try:
         (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
