@@ -99,6 +99,10 @@ class AdapterRegistry:
         self.base_model_path = base_model_path  # the weights' path or hub id (a trainer loads the same)
         self.models = {name: TrainableModel(name) for name in trainable}
         self.canary_share = canary_share  # of `NAME`'s rollouts, served by its canary step while one runs
+        # Held from a store commit that changes what a model serves to the update of these fields that follows
+        # it, and by status reads: a status never shows the store ahead of them (a promotion row with the old
+        # served step). Never held across an engine call.
+        self.changing = asyncio.Lock()
 
     def resolve(self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None) -> Route:
         """Map the `model` field of a request to the engine's model name. A model the caller's key does not
@@ -287,26 +291,31 @@ class AdapterService:
                     502, f"The engine refused adapter {adapter}: {text[:500]}", code="adapter_load_failed"
                 )
             try:
-                async with self.store.begin() as conn:
-                    await commit_step(
-                        conn,
-                        model=name,
-                        step=spec.step,
-                        path=spec.path,
-                        metrics=spec.metrics,
-                        group_ids=spec.group_ids,
-                        lease_owner=spec.lease_owner,
-                    )
-                    if self.promotion == "always":  # in the same transaction: a committed step is a promoted one
-                        await record_promotion(
+                async with self.registry.changing:
+                    async with self.store.begin() as conn:
+                        await commit_step(
                             conn,
                             model=name,
                             step=spec.step,
-                            previous_step=model.served_step,
-                            action="promote",
-                            actor="always",
-                            reason="--promotion always: every committed step",
+                            path=spec.path,
+                            metrics=spec.metrics,
+                            group_ids=spec.group_ids,
+                            lease_owner=spec.lease_owner,
                         )
+                        if self.promotion == "always":  # in the same transaction: a committed step is a promoted one
+                            await record_promotion(
+                                conn,
+                                model=name,
+                                step=spec.step,
+                                previous_step=model.served_step,
+                                action="promote",
+                                actor="always",
+                                reason="--promotion always: every committed step",
+                            )
+                    model.loaded_steps.add(spec.step)
+                    model.latest_step = spec.step  # `name@latest` moves; `name` too unless promotion is gated
+                    if self.promotion == "always":
+                        model.served_step = spec.step
             except BaseException as exc:
                 # Whatever stopped the commit (a lost lease, the store down or locked, a cancelled request),
                 # the adapter must not stay loaded: the store says what serves, and a retry loads it again.
@@ -317,10 +326,6 @@ class AdapterService:
                 if isinstance(exc, LeaseLost):
                     raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
                 raise
-            model.loaded_steps.add(spec.step)
-            model.latest_step = spec.step  # `name@latest` moves; `name` too unless promotion is gated
-            if self.promotion == "always":
-                model.served_step = spec.step
             await self._unload_old(model)
         if self.promotion == "gated" and self.on_commit is not None:
             self.on_commit(name, spec.step)
@@ -348,17 +353,18 @@ class AdapterService:
                 model.loaded_steps.add(step)
                 async with self.store.begin() as conn:
                     await set_status(conn, name, [step], "loaded", "loaded again to be promoted")
-            async with self.store.begin() as conn:
-                promotion = await record_promotion(
-                    conn,
-                    model=name,
-                    step=step,
-                    previous_step=model.served_step,
-                    action=action,
-                    actor=actor,
-                    reason=reason,
-                )
-            model.served_step = step
+            async with self.registry.changing:
+                async with self.store.begin() as conn:
+                    promotion = await record_promotion(
+                        conn,
+                        model=name,
+                        step=step,
+                        previous_step=model.served_step,
+                        action=action,
+                        actor=actor,
+                        reason=reason,
+                    )
+                model.served_step = step
             await self._unload_old(model)
         log.info("%s: %s to step %d by %s (%s)", name, action, step, actor, reason)
         return promotion
@@ -492,25 +498,25 @@ class AdapterService:
 
     async def _status_of(self, model: TrainableModel) -> ModelStatus:
         name = model.name
-        async with self.store.connect() as conn:
+        async with self.registry.changing, self.store.connect() as conn:
             history = await adapter_history(conn, name)
             counts = await count_by_state(conn)
             promotions = await promotion_history(conn, name)
             events = await adapter_event_history(conn, name)
             evaluations = await evaluations_of(conn, name)
-        return ModelStatus(
-            name=name,
-            base_model=self.registry.base_model,
-            base_model_path=self.registry.base_model_path,
-            served_step=model.served_step,
-            loaded_steps=sorted(model.loaded_steps),
-            groups={state: n for (m, state), n in counts.items() if m == name},
-            steps=history,
-            latest_step=model.latest_step,
-            promotion=self.promotion,
-            canary_step=model.canary_step,
-            canary_share=self.registry.canary_share,
-            promotions=promotions,
-            evaluations=evaluations,
-            adapter_events=events,
-        )
+            return ModelStatus(
+                name=name,
+                base_model=self.registry.base_model,
+                base_model_path=self.registry.base_model_path,
+                served_step=model.served_step,
+                loaded_steps=sorted(model.loaded_steps),
+                groups={state: n for (m, state), n in counts.items() if m == name},
+                steps=history,
+                latest_step=model.latest_step,
+                promotion=self.promotion,
+                canary_step=model.canary_step,
+                canary_share=self.registry.canary_share,
+                promotions=promotions,
+                evaluations=evaluations,
+                adapter_events=events,
+            )

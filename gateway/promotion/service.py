@@ -287,18 +287,21 @@ class PromotionService:
     async def _start_canary(self, model: str, step: int, baseline: int) -> None:
         """Serve `step` to the canary share of `model`'s rollouts; a canary under way for an older step ends."""
         now = time.time()
-        async with self.store.begin() as conn:
-            old = (await running_canaries(conn)).get(model)
-            if old is not None:
-                await finish_canary(
-                    conn,
-                    msgspec.structs.replace(old, status="failed", error=f"superseded by step {step}", finished_at=now),
+        async with self.registry.changing:
+            async with self.store.begin() as conn:
+                old = (await running_canaries(conn)).get(model)
+                if old is not None:
+                    await finish_canary(
+                        conn,
+                        msgspec.structs.replace(
+                            old, status="failed", error=f"superseded by step {step}", finished_at=now
+                        ),
+                    )
+                row = EvaluationRow(
+                    model, step, CANARY, "running", None, None, baseline, None, None, None, self.margin, None, now, None
                 )
-            row = EvaluationRow(
-                model, step, CANARY, "running", None, None, baseline, None, None, None, self.margin, None, now, None
-            )
-            await save_evaluation(conn, row)
-        self.registry.models[model].canary_step = step
+                await save_evaluation(conn, row)
+            self.registry.models[model].canary_step = step
         log.info("%s: step %d serves %.0f%% of the rollouts (canary)", model, step, 100 * self.registry.canary_share)
 
     async def record_reward(self, rollout_id: str, reward: float, caller: Caller) -> bool:
@@ -353,10 +356,11 @@ class PromotionService:
             ci_high=verdict.ci_high,
             finished_at=time.time(),
         )
-        async with self.store.begin() as conn:
-            if not await finish_canary(conn, done):  # another replica decided it first
-                return
-        self.registry.models[name].canary_step = None
+        async with self.registry.changing:
+            async with self.store.begin() as conn:
+                if not await finish_canary(conn, done):  # another replica decided it first
+                    return
+            self.registry.models[name].canary_step = None
         reason = (
             f"canary: {len(candidate)} rewarded rollouts {done.mean:.3f} vs {len(promoted)} of step "
             f"{row.baseline_step} {done.baseline_mean:.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
