@@ -319,16 +319,18 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
+    from store.calls import RolloutFilter
     from store.provide import open_store
 
     chosen = _build(ExportOptions, args)
+    where = RolloutFilter(model=chosen.model, since=chosen.since, key_id=chosen.key_id)
 
     async def run() -> int:
         encoder = msgspec.json.Encoder()
         count = 0
         # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
         async with open_store(_store_url(args)) as store:
-            async for trajectory in store.rollouts.export(model=chosen.model, since=chosen.since, key_id=chosen.key_id):
+            async for trajectory in store.rollouts.export(where):
                 sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
                 count += 1
         sys.stdout.flush()

@@ -22,6 +22,7 @@ from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struc
 from gateway.promotion.graders import EvalSetCreate
 from gateway.promotion.service import PromotionService
 from gateway.rollouts import RolloutService
+from store.calls import RolloutFilter
 from store.judge_report import JudgeReport
 from store.keys import ApiKey
 from store.promotions import EvalSetRow
@@ -112,17 +113,16 @@ async def list_rollouts(
 ) -> RolloutPage:
     """Rollouts of the key's models, oldest first; `key_id`: only those made with that API key; `status`: with a
     call that ended so; `api`: with a call of that API; `group_id`: the members of that group."""
-    return await rollouts.page(
+    # Plain strings: RolloutFilter says which values `status` and `api` may take, in OpenAI's error shape.
+    where = RolloutFilter(
         model=model,
         since=since,
-        limit=limit,
-        cursor=cursor,
         key_id=key_id,
-        caller=caller,
         status=status,
         api=api,
-        group_id=group_id,
+        group_id=group_id,  # type: ignore[arg-type]
     )
+    return await rollouts.page(where, limit=limit, cursor=cursor, caller=caller)
 
 
 @post(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
+from store.calls import RolloutFilter
 from store.errors import NotFound
 from store.rollouts import RolloutPage, RolloutReader
 from store.trajectories import Trajectory
@@ -46,28 +49,10 @@ class RolloutService:
         raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
 
     async def page(
-        self,
-        *,
-        model: str | None,
-        since: float | None,
-        limit: int,
-        cursor: str | None,
-        key_id: str | None = None,
-        caller: Caller = ANONYMOUS,
-        status: str | None = None,
-        api: str | None = None,
-        group_id: str | None = None,
+        self, where: RolloutFilter, *, limit: int, cursor: str | None, caller: Caller = ANONYMOUS
     ) -> RolloutPage:
-        """A page of rollouts, of the caller's models only (`key_id`: made with that key; `status`, `api`: with a
-        call that ended so, or of that API; `group_id`: of that group)."""
-        return await self.reader.page(
-            model=model,
-            since=since,
-            limit=limit,
-            cursor=cursor,
-            models=caller.models,
-            key_id=key_id,
-            status=status,
-            api=api,
-            group_id=group_id,
-        )
+        """A page of the rollouts `where` selects, of the caller's models only."""
+        if caller.models is not None:
+            covered = caller.models if where.models is None else where.models & caller.models
+            where = msgspec.structs.replace(where, models=covered)
+        return await self.reader.page(where, limit=limit, cursor=cursor)

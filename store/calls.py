@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -12,8 +12,31 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from store.codec import CallCache, Head, compact, expand
-from store.records import Api, CallRecord, CallStatus
+from store.errors import Invalid
+from store.records import APIS, CALL_STATUSES, Api, CallRecord, CallStatus
 from store.tables import calls, group_members, rollouts
+
+
+class RolloutFilter(msgspec.Struct, frozen=True, kw_only=True):
+    """Which rollouts a list holds (`/v1/art/rollouts`, the UI's list, an export): each field given narrows it."""
+
+    model: str | None = None
+    models: frozenset[str] | None = None  # only rollouts of these models (what an API key covers)
+    key_id: str | None = None  # only those made with that API key
+    since: float | None = None  # only those whose last call came at or after this time
+    status: CallStatus | None = None  # only those with a call that ended so
+    api: Api | None = None  # only those with a call of that API
+    group_id: str | None = None  # only the members of that group
+
+    def __post_init__(self) -> None:
+        # msgspec checks a Literal when it decodes, not when a struct is built from a query string's values.
+        if self.status is not None and self.status not in CALL_STATUSES:
+            raise Invalid(f"'status' must be one of {', '.join(CALL_STATUSES)}.", param="status")
+        if self.api is not None and self.api not in APIS:
+            raise Invalid(f"'api' must be one of {', '.join(APIS)}.", param="api")
+
+
+EVERY_ROLLOUT = RolloutFilter()
 
 
 def _upsert(dialect: str):  # type: ignore[no-untyped-def]
@@ -147,39 +170,32 @@ class RolloutRow(msgspec.Struct, frozen=True):
 
 async def list_rollouts(
     conn: AsyncConnection,
+    where: RolloutFilter = EVERY_ROLLOUT,
     *,
-    model: str | None = None,
-    models: Collection[str] | None = None,
-    key_id: str | None = None,
-    since: float | None = None,
     limit: int = 100,
     after: tuple[float, str] | None = None,
-    status: CallStatus | None = None,
-    api: Api | None = None,
-    group_id: str | None = None,
 ) -> list[RolloutRow]:
-    """Rollouts by (last_call_at, id), oldest first; `after` is the keyset cursor of the previous page.
-    `models`: only rollouts of these models (an API key's); `key_id`: only those made with that key; `status`,
-    `api`: only those with a call that ended so, or of that API; `group_id`: only that group's."""
+    """The rollouts `where` selects by (last_call_at, id), oldest first; `after` is the keyset cursor of the
+    previous page."""
     query = sa.select(rollouts).order_by(rollouts.c.last_call_at, rollouts.c.id).limit(limit)
-    if status is not None or api is not None:
+    if where.status is not None or where.api is not None:  # one call must match both
         matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
-        if status is not None:
-            matching = matching.where(calls.c.status == status)
-        if api is not None:
-            matching = matching.where(calls.c.api == api)
+        if where.status is not None:
+            matching = matching.where(calls.c.status == where.status)
+        if where.api is not None:
+            matching = matching.where(calls.c.api == where.api)
         query = query.where(matching.exists())
-    if group_id is not None:
-        members = sa.select(group_members.c.rollout_id).where(group_members.c.group_id == group_id)
+    if where.group_id is not None:
+        members = sa.select(group_members.c.rollout_id).where(group_members.c.group_id == where.group_id)
         query = query.where(rollouts.c.id.in_(members))
-    if model is not None:
-        query = query.where(rollouts.c.model == model)
-    if models is not None:
-        query = query.where(rollouts.c.model.in_(list(models)))
-    if key_id is not None:
-        query = query.where(rollouts.c.key_id == key_id)
-    if since is not None:
-        query = query.where(rollouts.c.last_call_at >= since)
+    if where.model is not None:
+        query = query.where(rollouts.c.model == where.model)
+    if where.models is not None:
+        query = query.where(rollouts.c.model.in_(sorted(where.models)))
+    if where.key_id is not None:
+        query = query.where(rollouts.c.key_id == where.key_id)
+    if where.since is not None:
+        query = query.where(rollouts.c.last_call_at >= where.since)
     if after is not None:
         query = query.where(sa.tuple_(rollouts.c.last_call_at, rollouts.c.id) > sa.tuple_(*after))
     return [msgspec.convert(_plain(row), RolloutRow) for row in await conn.execute(query)]

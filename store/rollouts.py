@@ -7,14 +7,13 @@ unknown rollout is `NotFound`, a bad cursor or limit `Invalid`.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.calls import RolloutRow, list_rollouts, rollout_calls
+from store.calls import RolloutFilter, RolloutRow, list_rollouts, rollout_calls
 from store.errors import Invalid, NotFound
-from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory, assemble
 
 MAX_PAGE = 1000
@@ -63,50 +62,20 @@ class RolloutReader:
             raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         return trajectory
 
-    async def page(
-        self,
-        *,
-        model: str | None,
-        since: float | None,
-        limit: int,
-        cursor: str | None,
-        models: Collection[str] | None = None,
-        key_id: str | None = None,
-        status: str | None = None,
-        api: str | None = None,
-        group_id: str | None = None,
-    ) -> RolloutPage:
-        """`models`: only rollouts of these (what an API key covers); `key_id`: only those made with that key;
-        `status`, `api`: only those with a call that ended so, or of that API; `group_id`: that group's."""
+    async def page(self, where: RolloutFilter, *, limit: int, cursor: str | None) -> RolloutPage:
+        """A page of the rollouts `where` selects; `cursor`: the previous page's `next_cursor`."""
         check_limit(limit)
-        if status is not None and status not in CALL_STATUSES:
-            raise Invalid(f"'status' must be one of {', '.join(CALL_STATUSES)}.", param="status")
-        if api is not None and api not in APIS:
-            raise Invalid(f"'api' must be one of {', '.join(APIS)}.", param="api")
         after = decode_cursor_pair(cursor) if cursor else None
         async with self.engine.connect() as conn:
-            rows = await list_rollouts(
-                conn,
-                model=model,
-                models=models,
-                key_id=key_id,
-                since=since,
-                limit=limit,
-                after=after,
-                status=status,  # type: ignore[arg-type]  # checked above
-                api=api,  # type: ignore[arg-type]
-                group_id=group_id,
-            )
+            rows = await list_rollouts(conn, where, limit=limit, after=after)
         last = rows[-1] if len(rows) == limit else None
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 
-    async def export(
-        self, *, model: str | None, since: float | None, key_id: str | None = None
-    ) -> AsyncIterator[Trajectory]:
-        """Every rollout of `model` since `since` (made with `key_id`, if given), assembled, page by page."""
+    async def export(self, where: RolloutFilter) -> AsyncIterator[Trajectory]:
+        """Every rollout `where` selects, assembled, page by page."""
         cursor = None
         while True:
-            page = await self.page(model=model, since=since, limit=200, cursor=cursor, key_id=key_id)
+            page = await self.page(where, limit=200, cursor=cursor)
             for row in page.data:
                 yield await self.get(row.id)
             if page.next_cursor is None:

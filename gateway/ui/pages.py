@@ -14,6 +14,7 @@ from gateway.groups.service import GroupService, split_ref
 from gateway.rollouts import RolloutService
 from gateway.ui.tokens import decoder_for
 from gateway.ui.views import advantages, parse_since, step_charts, token_view
+from store.calls import RolloutFilter
 from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory
 
@@ -23,6 +24,8 @@ VIEWS = ("conversation", "tokens")
 
 @dataclass(frozen=True, slots=True)
 class RolloutFilters:
+    """The list's form as typed (its pagination links repeat it); `selection()` is what it selects."""
+
     model: str | None = None
     since: str | None = None
     key_id: str | None = None
@@ -46,25 +49,26 @@ class RolloutFilters:
             {k: v for k, v in {**values, **more}.items() if v and not (k == "limit" and v == str(PAGE_SIZE))}
         )
 
+    def selection(self) -> RolloutFilter:
+        """The store's filter: `since` parsed, `status` and `api` checked (400 for a value out of their lists)."""
+        try:
+            since = parse_since(self.since)
+        except ValueError:
+            raise invalid_request("`since`: a date-time such as 2026-11-23T21:00 (UTC).", param="since") from None
+        return RolloutFilter(
+            model=self.model,
+            since=since,
+            key_id=self.key_id,
+            status=self.status,  # type: ignore[arg-type]  # checked by RolloutFilter
+            api=self.api,  # type: ignore[arg-type]
+            group_id=self.group_id,
+        )
+
 
 async def rollout_list(
     rollouts: RolloutService, adapters: AdapterService, caller: Caller, filters: RolloutFilters, cursor: str | None
 ) -> dict[str, Any]:
-    try:
-        since = parse_since(filters.since)
-    except ValueError:
-        raise invalid_request("`since`: a date-time such as 2026-11-23T21:00 (UTC).", param="since") from None
-    page = await rollouts.page(
-        model=filters.model,
-        since=since,
-        limit=filters.limit,
-        cursor=cursor,
-        key_id=filters.key_id,
-        caller=caller,
-        status=filters.status,
-        api=filters.api,
-        group_id=filters.group_id,
-    )
+    page = await rollouts.page(filters.selection(), limit=filters.limit, cursor=cursor, caller=caller)
     return {
         "page": page,
         "filters": filters,

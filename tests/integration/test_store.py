@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import create_engine, downgrade, migrate
 from store.adapters import adapter_event_history, commit_step, record_failure, set_status
-from store.calls import count_calls, list_rollouts, rollout_calls, write_calls
+from store.calls import RolloutFilter, count_calls, list_rollouts, rollout_calls, write_calls
 from store.codec import CallCache
 from store.db import alembic_config
 from store.errors import Invalid
@@ -287,7 +287,7 @@ async def _all_pages(
     after: tuple[float, str] | None = None
     async with engine.connect() as conn:
         while True:
-            page = await list_rollouts(conn, model=model, since=since, limit=limit, after=after)
+            page = await list_rollouts(conn, RolloutFilter(model=model, since=since), limit=limit, after=after)
             if not page:
                 return pages
             assert len(page) <= limit
@@ -367,7 +367,7 @@ async def test_list_rollouts_by_call_status_api_and_group(engine: AsyncEngine) -
     reader = RolloutReader(engine)
 
     async def ids(**filters: Any) -> list[str]:
-        return [r.id for r in (await reader.page(model=None, since=None, limit=100, cursor=None, **filters)).data]
+        return [r.id for r in (await reader.page(RolloutFilter(**filters), limit=100, cursor=None)).data]
 
     assert await ids() == ["r-ok", "r-mixed", "r-cancelled"]
     assert await ids(status="ok") == ["r-ok", "r-mixed"]
