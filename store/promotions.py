@@ -53,6 +53,26 @@ class EvaluationRow(msgspec.Struct, frozen=True):
     created_at: float
     finished_at: float | None
 
+    @classmethod
+    def running(cls, model: str, step: int, eval_set: str, baseline_step: int, margin: float) -> EvaluationRow:
+        """An evaluation (or a canary) of `step` against `baseline_step` as it starts, nothing measured yet."""
+        return cls(
+            model=model,
+            step=step,
+            eval_set=eval_set,
+            status="running",
+            scores=None,
+            mean=None,
+            baseline_step=baseline_step,
+            baseline_mean=None,
+            ci_low=None,
+            ci_high=None,
+            margin=margin,
+            error=None,
+            created_at=time.time(),
+            finished_at=None,
+        )
+
 
 def _struct(row: sa.Row[Any], kind: type[Any]) -> Any:
     return msgspec.convert({str(k): v for k, v in row._asdict().items()}, kind)

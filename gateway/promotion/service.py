@@ -195,22 +195,7 @@ class PromotionService:
 
     async def _evaluate_set(self, model: str, step: int, baseline: int, row: EvalSetRow) -> EvaluationRow:
         spec = msgspec.convert(row.spec, EvalSetCreate)
-        started = EvaluationRow(
-            model,
-            step,
-            row.name,
-            "running",
-            None,
-            None,
-            baseline,
-            None,
-            None,
-            None,
-            self.margin,
-            None,
-            time.time(),
-            None,
-        )
+        started = EvaluationRow.running(model, step, row.name, baseline, self.margin)
         async with self.store.begin() as conn:
             await save_evaluation(conn, started)
         try:
@@ -297,10 +282,7 @@ class PromotionService:
                             old, status="failed", error=f"superseded by step {step}", finished_at=now
                         ),
                     )
-                row = EvaluationRow(
-                    model, step, CANARY, "running", None, None, baseline, None, None, None, self.margin, None, now, None
-                )
-                await save_evaluation(conn, row)
+                await save_evaluation(conn, EvaluationRow.running(model, step, CANARY, baseline, self.margin))
             self.registry.models[model].canary_step = step
         log.info("%s: step %d serves %.0f%% of the rollouts (canary)", model, step, 100 * self.registry.canary_share)
 
