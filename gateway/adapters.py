@@ -74,6 +74,10 @@ class TrainableModel:
     latest_step: int = 0  # the newest committed step, what `NAME@latest` serves
     canary_step: int | None = None  # a candidate serving a share of `NAME`'s rollouts (--canary), if any
     loaded_steps: set[int] = field(default_factory=set)  # adapters vLLM has loaded, by step
+    # Held from a store commit that changes what this model serves to the update of the fields above that
+    # follows it, and by its status reads, so that a status never shows the store ahead of them (a promotion
+    # row with the old served step). Never held across an engine call.
+    changing: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
 
 def adapter_name(model: str, step: int) -> str:
@@ -99,10 +103,6 @@ class AdapterRegistry:
         self.base_model_path = base_model_path  # the weights' path or hub id (a trainer loads the same)
         self.models = {name: TrainableModel(name) for name in trainable}
         self.canary_share = canary_share  # of `NAME`'s rollouts, served by its canary step while one runs
-        # Held from a store commit that changes what a model serves to the update of these fields that follows
-        # it, and by status reads: a status never shows the store ahead of them (a promotion row with the old
-        # served step). Never held across an engine call.
-        self.changing = asyncio.Lock()
 
     def resolve(self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None) -> Route:
         """Map the `model` field of a request to the engine's model name. A model the caller's key does not
@@ -291,7 +291,7 @@ class AdapterService:
                     502, f"The engine refused adapter {adapter}: {text[:500]}", code="adapter_load_failed"
                 )
             try:
-                async with self.registry.changing:
+                async with model.changing:
                     async with self.store.begin() as conn:
                         await commit_step(
                             conn,
@@ -353,7 +353,7 @@ class AdapterService:
                 model.loaded_steps.add(step)
                 async with self.store.begin() as conn:
                     await set_status(conn, name, [step], "loaded", "loaded again to be promoted")
-            async with self.registry.changing:
+            async with model.changing:
                 async with self.store.begin() as conn:
                     promotion = await record_promotion(
                         conn,
@@ -476,17 +476,18 @@ class AdapterService:
                     del self.registry.models[name]  # retired elsewhere (which unloaded its adapters)
             for name in active:
                 self.registry.models.setdefault(name, TrainableModel(name))
-            for model in self.registry.models.values():
-                canary = canaries.get(model.name)
-                model.canary_step = canary.step if canary is not None else None
+            for model in list(self.registry.models.values()):
                 steps = {r.step for r in rows if r.model == model.name}
                 target = promoted.get(model.name, 0)
-                if (steps and max(steps) > model.latest_step) or target != model.served_step:
-                    # Mirror what the committing replica left in the engine, unloads included: a pinned
-                    # `NAME@K` must not be routed to an adapter that is gone.
-                    model.loaded_steps = steps
-                    model.latest_step = max(steps, default=0)
-                    model.served_step = target if target == 0 or target in steps else model.served_step
+                canary = canaries.get(model.name)
+                async with model.changing:  # not while one of its status reads runs (it lags the store anyway)
+                    model.canary_step = canary.step if canary is not None else None
+                    if (steps and max(steps) > model.latest_step) or target != model.served_step:
+                        # Mirror what the committing replica left in the engine, unloads included: a pinned
+                        # `NAME@K` must not be routed to an adapter that is gone.
+                        model.loaded_steps = steps
+                        model.latest_step = max(steps, default=0)
+                        model.served_step = target if target == 0 or target in steps else model.served_step
 
     async def status(self, name: str, caller: Caller = ANONYMOUS) -> ModelStatus:
         """A model's served step, adapters, groups and step history (404 for a model the caller's key lacks)."""
@@ -498,7 +499,7 @@ class AdapterService:
 
     async def _status_of(self, model: TrainableModel) -> ModelStatus:
         name = model.name
-        async with self.registry.changing, self.store.connect() as conn:
+        async with model.changing, self.store.connect() as conn:
             history = await adapter_history(conn, name)
             counts = await count_by_state(conn)
             promotions = await promotion_history(conn, name)

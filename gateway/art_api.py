@@ -118,9 +118,9 @@ async def list_rollouts(
         model=model,
         since=since,
         key_id=key_id,
-        status=status,
-        api=api,
-        group_id=group_id,  # type: ignore[arg-type]
+        status=status,  # type: ignore[arg-type]
+        api=api,  # type: ignore[arg-type]
+        group_id=group_id,
     )
     return await rollouts.page(where, limit=limit, cursor=cursor, caller=caller)
 

@@ -272,7 +272,7 @@ class PromotionService:
     async def _start_canary(self, model: str, step: int, baseline: int) -> None:
         """Serve `step` to the canary share of `model`'s rollouts; a canary under way for an older step ends."""
         now = time.time()
-        async with self.registry.changing:
+        async with self.registry.models[model].changing:
             async with self.store.begin() as conn:
                 old = (await running_canaries(conn)).get(model)
                 if old is not None:
@@ -338,7 +338,7 @@ class PromotionService:
             ci_high=verdict.ci_high,
             finished_at=time.time(),
         )
-        async with self.registry.changing:
+        async with self.registry.models[name].changing:
             async with self.store.begin() as conn:
                 if not await finish_canary(conn, done):  # another replica decided it first
                     return

@@ -191,9 +191,9 @@ def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) ->
     engine_url = f"http://127.0.0.1:{engine_port}"
     running_before = metric(engine_url, "vllm:num_requests_running")
 
-    calls = generating_calls(gateway, engine_url, victim, running_before)
     shared = set().union(*(shared_memory_of(p.pid) for p in old.processes))  # vLLM's ring buffers
     target = old.server if victim == "api-server" else old.core()
+    calls = generating_calls(gateway, engine_url, victim, running_before)  # nothing slow between this and the kill
     killed_at = time.monotonic()
     target.send_signal(signal.SIGKILL)
 
