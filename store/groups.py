@@ -144,9 +144,13 @@ async def list_group_ids(
     limit: int,
     after: tuple[float, str] | None,
     models: Collection[str] | None = None,
+    newest_first: bool = False,
 ) -> list[tuple[float, str]]:
-    """(created_at, id) of a page of groups; `models`: only groups of these (what an API key covers)."""
-    query = sa.select(groups.c.created_at, groups.c.id).order_by(groups.c.created_at, groups.c.id).limit(limit)
+    """(created_at, id) of a page of groups, oldest first (`newest_first`: the other way); `after`: the last
+    key of the previous page; `models`: only groups of these (what an API key covers)."""
+    key = sa.tuple_(groups.c.created_at, groups.c.id)
+    order = (groups.c.created_at.desc(), groups.c.id.desc()) if newest_first else (groups.c.created_at, groups.c.id)
+    query = sa.select(groups.c.created_at, groups.c.id).order_by(*order).limit(limit)
     if model is not None:
         query = query.where(groups.c.model == model)
     if models is not None:
@@ -154,7 +158,7 @@ async def list_group_ids(
     if state is not None:
         query = query.where(groups.c.state == state)
     if after is not None:
-        query = query.where(sa.tuple_(groups.c.created_at, groups.c.id) > sa.tuple_(*after))
+        query = query.where(key < sa.tuple_(*after) if newest_first else key > sa.tuple_(*after))
     return [(row.created_at, row.id) for row in await conn.execute(query)]
 
 

@@ -274,9 +274,16 @@ class GroupService:
         return group_out(row)
 
     async def page(
-        self, *, model: str | None, state: str | None, limit: int, cursor: str | None, caller: Caller = ANONYMOUS
+        self,
+        *,
+        model: str | None,
+        state: str | None,
+        limit: int,
+        cursor: str | None,
+        caller: Caller = ANONYMOUS,
+        newest_first: bool = False,
     ) -> GroupPage:
-        """A page of groups, of the caller's models only."""
+        """A page of groups, of the caller's models only, oldest first (`newest_first`: as the UI lists them)."""
         if state is not None and state not in GROUP_STATES:
             raise invalid_request(f"'state' must be one of {', '.join(GROUP_STATES)}.", param="state")
         check_limit(limit)
@@ -284,7 +291,13 @@ class GroupService:
         group_state = cast(GroupState | None, state)  # checked just above
         async with self.engine.connect() as conn:
             keys = await list_group_ids(
-                conn, model=model, state=group_state, limit=limit, after=after, models=caller.models
+                conn,
+                model=model,
+                state=group_state,
+                limit=limit,
+                after=after,
+                models=caller.models,
+                newest_first=newest_first,
             )
             rows = await load_groups(conn, [gid for _, gid in keys])
         next_cursor = encode_cursor_pair(*keys[-1]) if len(keys) == limit else None

@@ -17,13 +17,22 @@ from gateway.ui.views import advantages, parse_since, step_charts, token_view
 from store.calls import RolloutFilter
 from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory
+from store.types import GROUP_STATES
 
 PAGE_SIZE = 25
+MODEL_GROUPS = 25  # a model's page shows its newest groups; /ui/groups lists them all
 VIEWS = ("conversation", "tokens")
 
 
+def _query(values: dict[str, str | None], more: dict[str, str]) -> str:
+    """A list's filters (and `more`) as a query string for its pagination links: the empty ones and the
+    default page size left out."""
+    pairs = {**values, **more}.items()
+    return urlencode({k: v for k, v in pairs if v and not (k == "limit" and v == str(PAGE_SIZE))})
+
+
 @dataclass(frozen=True, slots=True)
-class RolloutFilters:
+class RolloutForm:
     """The list's form as typed (its pagination links repeat it); `selection()` is what it selects."""
 
     model: str | None = None
@@ -45,9 +54,7 @@ class RolloutFilters:
             "group_id": self.group_id,
             "limit": str(self.limit),
         }
-        return urlencode(
-            {k: v for k, v in {**values, **more}.items() if v and not (k == "limit" and v == str(PAGE_SIZE))}
-        )
+        return _query(values, more)
 
     def selection(self) -> RolloutFilter:
         """The store's filter: `since` parsed, `status` and `api` checked (400 for a value out of their lists)."""
@@ -66,7 +73,7 @@ class RolloutFilters:
 
 
 async def rollout_list(
-    rollouts: RolloutService, adapters: AdapterService, caller: Caller, filters: RolloutFilters, cursor: str | None
+    rollouts: RolloutService, adapters: AdapterService, caller: Caller, filters: RolloutForm, cursor: str | None
 ) -> dict[str, Any]:
     page = await rollouts.page(filters.selection(), limit=filters.limit, cursor=cursor, caller=caller)
     return {
@@ -96,8 +103,49 @@ async def models_overview(adapters: AdapterService, caller: Caller) -> dict[str,
 async def model_detail(adapters: AdapterService, groups: GroupService, caller: Caller, name: str) -> dict[str, Any]:
     status = await adapters.status(name, caller)
     reward_chart, loss_chart = step_charts(status.steps)
-    recent = await groups.page(model=name, state=None, limit=100, cursor=None, caller=caller)
-    return {"m": status, "reward_chart": reward_chart, "loss_chart": loss_chart, "groups": recent.data}
+    newest = await groups.page(
+        model=name, state=None, limit=MODEL_GROUPS, cursor=None, caller=caller, newest_first=True
+    )
+    return {
+        "m": status,
+        "reward_chart": reward_chart,
+        "loss_chart": loss_chart,
+        "groups": newest.data,
+        "group_count": sum(status.groups.values()),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class GroupForm:
+    """The group list's form as typed; its pagination links repeat it."""
+
+    model: str | None = None
+    state: str | None = None  # checked by GroupService.page
+    limit: int = PAGE_SIZE
+
+    def query(self, **more: str) -> str:
+        return _query({"model": self.model, "state": self.state, "limit": str(self.limit)}, more)
+
+
+async def group_list(
+    groups: GroupService, adapters: AdapterService, caller: Caller, filters: GroupForm, cursor: str | None
+) -> dict[str, Any]:
+    """Groups of every model the caller may read, newest first."""
+    page = await groups.page(
+        model=filters.model,
+        state=filters.state,
+        limit=filters.limit,
+        cursor=cursor,
+        caller=caller,
+        newest_first=True,
+    )
+    return {
+        "page": page,
+        "filters": filters,
+        "models": adapters.list_models(caller),
+        "states": GROUP_STATES,
+        "cursor": cursor,
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ async def rollouts_page(
     api: str | None = None,
     group_id: str | None = None,
 ) -> Template:
-    filters = pages.RolloutFilters(
+    filters = pages.RolloutForm(
         model or None, since or None, key_id or None, limit, status or None, api or None, group_id or None
     )
     return Template("rollouts.html", context=await pages.rollout_list(rollouts, adapters, caller, filters, cursor))
@@ -72,6 +72,20 @@ async def rollout_page(
     rollouts: RolloutService, registry: AdapterRegistry, caller: Caller, rollout_id: str, view: str = "conversation"
 ) -> Template:
     return Template("rollout.html", context=await pages.rollout_detail(rollouts, registry, caller, rollout_id, view))
+
+
+@get("/groups", **PAGE)
+async def groups_page(
+    groups: GroupService,
+    adapters: AdapterService,
+    caller: Caller,
+    model: str | None = None,
+    group_state: str | None = Parameter(query="state", default=None),  # `state` is Litestar's own kwarg
+    limit: int = Parameter(default=pages.PAGE_SIZE, ge=1, le=200),
+    cursor: str | None = None,
+) -> Template:
+    filters = pages.GroupForm(model or None, group_state or None, limit)
+    return Template("groups.html", context=await pages.group_list(groups, adapters, caller, filters, cursor))
 
 
 @get("/groups/{group_id:str}", **PAGE)
@@ -118,6 +132,7 @@ router = Router(
         model_page,
         rollouts_page,
         rollout_page,
+        groups_page,
         group_page,
         login_form,
         login,

@@ -25,6 +25,7 @@ from store.calls import RolloutFilter, count_calls, list_rollouts, rollout_calls
 from store.codec import CallCache
 from store.db import alembic_config
 from store.errors import Invalid
+from store.groups import list_group_ids
 from store.records import CallRecord, ChoiceRecord
 from store.rollouts import RolloutReader
 from store.tables import calls, group_members, groups, metadata, rollouts
@@ -383,6 +384,36 @@ async def test_list_rollouts_by_call_status_api_and_group(engine: AsyncEngine) -
         await ids(status="fine")
     with pytest.raises(Invalid, match="'api' must be one of chat, completions"):
         await ids(api="grpc")
+
+
+async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:
+    """Keyset pages of groups, oldest first and newest first (the UI's list): every group once, ties in time
+    broken by id, the filters kept from page to page."""
+    rows = [("g-a", "agent", 1.0), ("g-b", "agent", 2.0), ("g-c", "agent", 2.0), ("g-d", "other", 3.0)]
+    rows += [("g-e", "agent", 4.0), ("g-f", "agent", 5.0)]
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.insert(groups),
+            [
+                {"id": i, "model": m, "state": "ready", "request_hash": "h", "created_at": at, "updated_at": at}
+                for i, m, at in rows
+            ],
+        )
+
+    async def pages(size: int, **filters: Any) -> list[list[str]]:
+        found, after = [], None
+        while True:
+            async with engine.connect() as conn:
+                keys = await list_group_ids(conn, state=None, limit=size, after=after, **filters)
+            if not keys:
+                return found
+            found.append([group_id for _, group_id in keys])
+            after = keys[-1]
+
+    assert await pages(2, model="agent") == [["g-a", "g-b"], ["g-c", "g-e"], ["g-f"]]
+    assert await pages(2, model="agent", newest_first=True) == [["g-f", "g-e"], ["g-c", "g-b"], ["g-a"]]
+    assert await pages(4, model=None, newest_first=True) == [["g-f", "g-e", "g-d", "g-c"], ["g-b", "g-a"]]
+    assert await pages(1, model=None, models={"other"}, newest_first=True) == [["g-d"]]
 
 
 async def test_adapter_history_records_loads_unloads_and_refusals(engine: AsyncEngine) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -343,8 +344,13 @@ def test_models_and_group_pages(site: Site, browser: Any) -> None:
     assert len(charts[0].find_elements(By.CSS_SELECTOR, "circle")) == len(steps) >= 1
     first = browser.find_element(By.CSS_SELECTOR, "#steps tbody tr").text.split()
     assert first[0] == str(status["steps"][0]["step"]) and first[3] == f"{status['steps'][0]['metrics']['loss']:.4f}"
-    listed = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#groups tbody a")]
-    assert listed == site.group_ids
+    # The model's groups, newest first (the API lists them oldest first); the list of all groups, the same here.
+    newest_first = [g["id"] for g in site.api(f"/v1/art/groups?model={MODEL}")["data"]][::-1]
+    assert sorted(newest_first) == sorted(site.group_ids)
+    assert _groups_listed(browser.page_source) == newest_first
+    browser.find_element(By.ID, "all-groups").click()
+    assert _groups_listed(browser.page_source) == newest_first
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     # A group: its attempts side by side, rewards and advantages as GRPO computes them, the step that trained it.
     group = site.api(f"/v1/art/groups/{site.group_ids[0]}")
     visit(browser, f"{url}/ui/groups/{site.group_ids[0]}", shot="group")
@@ -448,6 +454,68 @@ def test_bad_parameters_are_pages_naming_them(stub_site: StubSite) -> None:
     assert view.status_code == 400 and "`view`" in view.text
     limit = stub_site.get("/ui/rollouts?limit=0", stub_site.reader)
     assert limit.status_code == 400 and limit.headers["content-type"].startswith("text/html")
+
+
+def _groups_listed(html: str) -> list[str]:
+    return re.findall(r'<tr class="group-row" data-group="([^"]+)"', html)
+
+
+def _next_page(html: str) -> str | None:
+    found = re.search(r'href="([^"]+)" id="next-page"', html)
+    return found.group(1).replace("&amp;", "&") if found else None
+
+
+def test_group_list_newest_first_by_model_and_state_in_pages(stub_site: StubSite) -> None:
+    gateway = stub_site.gateway
+    made = []  # (group id, model), oldest first
+    for k, model in enumerate([MODEL, MODEL, "other", MODEL, MODEL, MODEL]):
+        rollout_ids = [f"grouped-{k}-{attempt}" for attempt in range(2)]
+        for rollout_id in rollout_ids:
+            answer = httpx.post(
+                f"{gateway.url}/v1/chat/completions",
+                headers={**gateway.admin, "X-ART-Rollout-Id": rollout_id},
+                json={"model": model, "messages": [{"role": "user", "content": f"task {k}"}]},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+        body = {
+            "model": model,
+            "group_id": f"ui-list-{k}",
+            "rollouts": [{"rollout_id": r, "reward": float(a)} for a, r in enumerate(rollout_ids)],
+        }
+        answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=gateway.admin, timeout=30)
+        assert answer.status_code == 201, answer.text
+        made.append((body["group_id"], model))
+    mine = [gid for gid, model in reversed(made) if model == MODEL]
+    everyone = [gid for gid, _ in reversed(made)]
+
+    def listed(path: str, key: str) -> list[str]:
+        answer = stub_site.get(path, key)
+        assert answer.status_code == 200, answer.text
+        return _groups_listed(answer.text)
+
+    # A key sees its models' groups only, newest first; the admin key every model's.
+    assert listed("/ui/groups", stub_site.reader) == mine
+    assert listed("/ui/groups", gateway.admin_key) == everyone
+    assert listed("/ui/groups?model=other", gateway.admin_key) == ["ui-list-2"]
+    assert listed("/ui/groups?model=other", stub_site.reader) == []
+    # Every group here has its rewards and no trainer runs: all ready, none trained.
+    assert listed("/ui/groups?state=ready", stub_site.reader) == mine
+    assert listed("/ui/groups?state=trained", stub_site.reader) == []
+    # Pages of 2 by the "older" link, to the end: each group once, in order, the filter kept.
+    seen, path = [], f"/ui/groups?model={MODEL}&limit=2"
+    while path is not None:
+        answer = stub_site.get(path, stub_site.reader)
+        assert len(_groups_listed(answer.text)) <= 2
+        seen += _groups_listed(answer.text)
+        path = _next_page(answer.text)
+        assert path is None or f"model={MODEL}" in path
+    assert seen == mine
+    # The model's page: its newest groups, and how many there are in all.
+    page = stub_site.get(f"/ui/models/{MODEL}", stub_site.reader).text
+    assert _groups_listed(page) == mine and f"of {len(mine)}" in page
+    bad = stub_site.get("/ui/groups?state=done", stub_site.reader)
+    assert bad.status_code == 400 and "must be one of scoring, ready, training" in bad.text
 
 
 def test_advantages_are_grpo_s() -> None:
