@@ -384,21 +384,30 @@ class StubSite:
         return httpx.get(f"{self.gateway.url}{path}", headers=headers, timeout=30, **kwargs)
 
 
+def _chat(gateway: GatewayProcess, rollout_id: str, model: str, content: str) -> None:
+    """One call of the rollout, with the admin key."""
+    answer = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers={**gateway.admin, "X-ART-Rollout-Id": rollout_id},
+        json={"model": model, "messages": [{"role": "user", "content": content}]},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+
+
 @pytest.fixture(scope="module")
 def stub_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StubSite]:
     url, stub = start_stub()
-    gateway = start_gateway(
-        tmp_path_factory.mktemp("ui-stub"), "--upstream", url, "--auth", "required", models=(MODEL, "other")
-    )
+    try:
+        gateway = start_gateway(
+            tmp_path_factory.mktemp("ui-stub"), "--upstream", url, "--auth", "required", models=(MODEL, "other")
+        )
+    except BaseException:
+        stop_group(stub)
+        raise
     try:
         for rollout_id, model in [("mine-0", MODEL), ("mine-1", MODEL), ("theirs", "other")]:
-            answer = httpx.post(
-                f"{gateway.url}/v1/chat/completions",
-                headers={**gateway.admin, "X-ART-Rollout-Id": rollout_id},
-                json={"model": model, "messages": [{"role": "user", "content": f"hi {rollout_id}"}]},
-                timeout=30,
-            )
-            assert answer.status_code == 200, answer.text
+            _chat(gateway, rollout_id, model, f"hi {rollout_id}")
         reader = _make_key(gateway, "ui-reader", ["read"])["key"]
         yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"])
     finally:
@@ -471,13 +480,7 @@ def test_group_list_newest_first_by_model_and_state_in_pages(stub_site: StubSite
     for k, model in enumerate([MODEL, MODEL, "other", MODEL, MODEL, MODEL]):
         rollout_ids = [f"grouped-{k}-{attempt}" for attempt in range(2)]
         for rollout_id in rollout_ids:
-            answer = httpx.post(
-                f"{gateway.url}/v1/chat/completions",
-                headers={**gateway.admin, "X-ART-Rollout-Id": rollout_id},
-                json={"model": model, "messages": [{"role": "user", "content": f"task {k}"}]},
-                timeout=30,
-            )
-            assert answer.status_code == 200, answer.text
+            _chat(gateway, rollout_id, model, f"task {k}")
         body = {
             "model": model,
             "group_id": f"ui-list-{k}",
