@@ -49,10 +49,17 @@ class RolloutService:
         raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
 
     async def page(
-        self, where: RolloutFilter, *, limit: int, cursor: str | None, caller: Caller = ANONYMOUS
+        self,
+        where: RolloutFilter,
+        *,
+        limit: int,
+        cursor: str | None,
+        caller: Caller = ANONYMOUS,
+        newest_first: bool = False,
     ) -> RolloutPage:
-        """A page of the rollouts `where` selects, of the caller's models only."""
+        """A page of the rollouts `where` selects, of the caller's models only (`newest_first`: as the UI lists
+        them)."""
         if caller.models is not None:
             covered = caller.models if where.models is None else where.models & caller.models
             where = msgspec.structs.replace(where, models=covered)
-        return await self.reader.page(where, limit=limit, cursor=cursor)
+        return await self.reader.page(where, limit=limit, cursor=cursor, newest_first=newest_first)

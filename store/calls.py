@@ -174,10 +174,14 @@ async def list_rollouts(
     *,
     limit: int = 100,
     after: tuple[float, str] | None = None,
+    newest_first: bool = False,
 ) -> list[RolloutRow]:
-    """The rollouts `where` selects by (last_call_at, id), oldest first; `after` is the keyset cursor of the
-    previous page."""
-    query = sa.select(rollouts).order_by(rollouts.c.last_call_at, rollouts.c.id).limit(limit)
+    """The rollouts `where` selects by (last_call_at, id), oldest first (`newest_first`: the other way); `after`
+    is the keyset cursor of the previous page."""
+    oldest = (rollouts.c.last_call_at, rollouts.c.id)
+    key = sa.tuple_(*oldest)
+    order = tuple(column.desc() for column in oldest) if newest_first else oldest
+    query = sa.select(rollouts).order_by(*order).limit(limit)
     if where.status is not None or where.api is not None:  # one call must match both
         matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
         if where.status is not None:
@@ -197,5 +201,5 @@ async def list_rollouts(
     if where.since is not None:
         query = query.where(rollouts.c.last_call_at >= where.since)
     if after is not None:
-        query = query.where(sa.tuple_(rollouts.c.last_call_at, rollouts.c.id) > sa.tuple_(*after))
+        query = query.where(key < sa.tuple_(*after) if newest_first else key > sa.tuple_(*after))
     return [msgspec.convert(_plain(row), RolloutRow) for row in await conn.execute(query)]

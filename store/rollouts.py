@@ -62,12 +62,15 @@ class RolloutReader:
             raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         return trajectory
 
-    async def page(self, where: RolloutFilter, *, limit: int, cursor: str | None) -> RolloutPage:
-        """A page of the rollouts `where` selects; `cursor`: the previous page's `next_cursor`."""
+    async def page(
+        self, where: RolloutFilter, *, limit: int, cursor: str | None, newest_first: bool = False
+    ) -> RolloutPage:
+        """A page of the rollouts `where` selects, oldest first (`newest_first`: as the UI lists them); `cursor`:
+        the previous page's `next_cursor`."""
         check_limit(limit)
         after = decode_cursor_pair(cursor) if cursor else None
         async with self.engine.connect() as conn:
-            rows = await list_rollouts(conn, where, limit=limit, after=after)
+            rows = await list_rollouts(conn, where, limit=limit, after=after, newest_first=newest_first)
         last = rows[-1] if len(rows) == limit else None
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 

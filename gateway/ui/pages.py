@@ -75,7 +75,9 @@ class RolloutForm:
 async def rollout_list(
     rollouts: RolloutService, adapters: AdapterService, caller: Caller, filters: RolloutForm, cursor: str | None
 ) -> dict[str, Any]:
-    page = await rollouts.page(filters.selection(), limit=filters.limit, cursor=cursor, caller=caller)
+    page = await rollouts.page(
+        filters.selection(), limit=filters.limit, cursor=cursor, caller=caller, newest_first=True
+    )
     return {
         "page": page,
         "filters": filters,

@@ -282,13 +282,19 @@ async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine, cached: boo
 
 
 async def _all_pages(
-    engine: AsyncEngine, *, limit: int, model: str | None = None, since: float | None = None
+    engine: AsyncEngine,
+    *,
+    limit: int,
+    model: str | None = None,
+    since: float | None = None,
+    newest_first: bool = False,
 ) -> list[list[str]]:
     pages: list[list[str]] = []
     after: tuple[float, str] | None = None
+    where = RolloutFilter(model=model, since=since)
     async with engine.connect() as conn:
         while True:
-            page = await list_rollouts(conn, RolloutFilter(model=model, since=since), limit=limit, after=after)
+            page = await list_rollouts(conn, where, limit=limit, after=after, newest_first=newest_first)
             if not page:
                 return pages
             assert len(page) <= limit
@@ -329,6 +335,8 @@ async def test_list_rollouts_keyset_pagination(engine: AsyncEngine) -> None:
             got = [rid for page in pages for rid in page]
             assert got == want, (model, since, limit)  # every rollout once, in (last_call_at, id) order
             assert all(len(page) == limit for page in pages[:-1])
+            newest = await _all_pages(engine, limit=limit, model=model, since=since, newest_first=True)
+            assert [rid for page in newest for rid in page] == want[::-1], (model, since, limit)  # the UI's order
 
     async with engine.connect() as conn:
         first = (await list_rollouts(conn, limit=1))[0]

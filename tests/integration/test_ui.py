@@ -228,9 +228,9 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
 
     url = site.gateway.url
     login(browser, site)
-    recorded = [row["id"] for row in site.api("/v1/art/rollouts?limit=1000")["data"]]
+    recorded = [row["id"] for row in site.api("/v1/art/rollouts?limit=1000")["data"]][::-1]  # the UI: newest first
     assert len(recorded) == SCENARIOS * ATTEMPTS
-    # Pages of 3, by the form (per page, model), then "next page" to the end: every rollout once, in order.
+    # Pages of 3, by the form (per page, model), then "older" to the end: every rollout once, newest first.
     visit(browser, f"{url}/ui/rollouts")
     Select(browser.find_element(By.NAME, "model")).select_by_value(MODEL)
     per_page = browser.find_element(By.NAME, "limit")
@@ -271,7 +271,7 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
         browser.find_element(By.CSS_SELECTOR, "#filters button").click()
         WebDriverWait(browser, 30).until(expected_conditions.staleness_of(table))  # the filtered page is in
         assert _listed(browser) == want, (field, value)
-        assert [r["id"] for r in site.api(f"/v1/art/rollouts?{field}={value}&limit=1000")["data"]] == want
+        assert [r["id"] for r in site.api(f"/v1/art/rollouts?{field}={value}&limit=1000")["data"]][::-1] == want
     visit(browser, f"{url}/ui/rollouts?group_id={site.group_ids[0]}")
     assert sorted(_listed(browser)) == sorted(grouped) and grouped
 
