@@ -14,18 +14,23 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import pytest
 
+from artgw.tiny_model import TinyModelSpec, build_tiny_model
 from gateway.engine import ENGINE_TAG_VAR, shared_memory_of
 from tests.conftest import GatewayProcess, free_port, metric, poll, wait_http
 
 pytestmark = pytest.mark.engine
 
-LONG = 4000  # tokens: the calls are still generating when the engine is killed (ignore_eos: no early stop)
+# Tokens each call asks for (ignore_eos: no early stop). The tiny model makes ~1,000 a second here, so 4,000 once
+# ended before the test saw both calls running (CI, 2026-11-24); 60,000 take a minute, the kill comes in seconds.
+LONG = 60_000
+MAX_MODEL_LEN = 65_536  # the engine's context, and the long tiny model's positions
 
 
 @dataclass
@@ -177,6 +182,7 @@ def generating_calls(gateway: GatewayProcess, engine_url: str, victim: str, runn
         poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc])
         streamed = len(calls[0].body or [])  # one event a token
         if streamed < LONG // 2:
+            print(f"the stream had {streamed} of {LONG} tokens when both calls were generating")
             return calls
         print(f"attempt {attempt}: the stream already had {streamed} of {LONG} tokens; starting a new pair")
         for call in calls:
@@ -237,10 +243,22 @@ def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) ->
         assert status == "upstream_error", (call.rollout_id, status)
 
 
-def test_a_killed_engine_is_ended_whole_and_restarted(tiny_model, gateway_factory) -> None:
+@pytest.fixture(scope="module")
+def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for LONG tokens."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("models") / "tiny-long", TinyModelSpec(max_position_embeddings=MAX_MODEL_LEN)
+    )
+
+
+def test_a_killed_engine_is_ended_whole_and_restarted(long_tiny_model: Path, gateway_factory) -> None:
     engine_port = free_port()
     started = time.monotonic()
-    gateway = gateway_factory("--base-model", str(tiny_model), "--engine-port", str(engine_port), wait=False)
+    gateway = gateway_factory(
+        *("--base-model", str(long_tiny_model), "--engine-port", str(engine_port)),
+        *("--max-model-len", str(MAX_MODEL_LEN)),
+        wait=False,
+    )
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
     print(f"cold start: gateway ready after {time.monotonic() - started:.1f}s")
 

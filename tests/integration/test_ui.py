@@ -213,6 +213,17 @@ def test_a_page_without_a_key_is_refused(site: Site, browser: Any) -> None:
     assert browser.execute_script("return document.cookie") == ""  # no script on the page can read the key
 
 
+def _click_to_next_page(driver: Any, button: str) -> None:
+    """Click what loads the list's next page, then wait until the old list is gone (a click may return first)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    table = driver.find_element(By.ID, "rollouts")
+    driver.find_element(By.CSS_SELECTOR, button).click()
+    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(table))
+
+
 def _listed(driver: Any) -> list[str]:
     from selenium.webdriver.common.by import By
 
@@ -223,8 +234,7 @@ def _listed(driver: Any) -> list[str]:
 @NEEDS_CHROMIUM
 def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     url = site.gateway.url
     login(browser, site)
@@ -236,11 +246,11 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
     per_page = browser.find_element(By.NAME, "limit")
     per_page.clear()
     per_page.send_keys("3")
-    browser.find_element(By.CSS_SELECTOR, "#filters button").click()
+    _click_to_next_page(browser, "#filters button")
     seen = _listed(browser)
     screenshot(browser, "rollouts")
     while browser.find_elements(By.ID, "next-page"):
-        browser.find_element(By.ID, "next-page").click()
+        _click_to_next_page(browser, "#next-page")
         assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert len(_listed(browser)) <= 3
         seen += _listed(browser)
@@ -267,9 +277,7 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
     ):
         visit(browser, f"{url}/ui/rollouts")
         Select(browser.find_element(By.NAME, field)).select_by_value(value)
-        table = browser.find_element(By.ID, "rollouts")
-        browser.find_element(By.CSS_SELECTOR, "#filters button").click()
-        WebDriverWait(browser, 30).until(expected_conditions.staleness_of(table))  # the filtered page is in
+        _click_to_next_page(browser, "#filters button")
         assert _listed(browser) == want, (field, value)
         assert [r["id"] for r in site.api(f"/v1/art/rollouts?{field}={value}&limit=1000")["data"]][::-1] == want
     visit(browser, f"{url}/ui/rollouts?group_id={site.group_ids[0]}")
@@ -330,6 +338,7 @@ def test_rollout_page_shows_the_recorded_tokens(site: Site, browser: Any, tiny_m
 @NEEDS_CHROMIUM
 def test_models_and_group_pages(site: Site, browser: Any) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     url = site.gateway.url
     login(browser, site)
@@ -349,6 +358,7 @@ def test_models_and_group_pages(site: Site, browser: Any) -> None:
     assert sorted(newest_first) == sorted(site.group_ids)
     assert _groups_listed(browser.page_source) == newest_first
     browser.find_element(By.ID, "all-groups").click()
+    WebDriverWait(browser, 30).until(lambda d: "<h1>Groups</h1>" in d.page_source)  # the list, not the model page
     assert _groups_listed(browser.page_source) == newest_first
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     # A group: its attempts side by side, rewards and advantages as GRPO computes them, the step that trained it.
