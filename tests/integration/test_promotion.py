@@ -222,25 +222,29 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     assert firsts["baseline_step"] == 0 and firsts["mean"] > firsts["baseline_mean"] + 0.2, firsts
     assert all(p["actor"] == "gate" and p["action"] == "promote" for p in after_good["promotions"])
 
-    # The steps trained on inverted rewards: held back, `my-agent` still serves the last good step.
+    # The steps trained on inverted rewards, judged by the gate's rule: one not clearly worse than the step
+    # serving (CI low >= -MARGIN) is promoted, one clearly worse is held back. A single inverted step moves little
+    # and its evaluation can land either side (CI runs: the first, right after the good step, measured 0.84
+    # against 0.73 and was promoted; yes-rates 0.48, 0.34, then 0.77 against 0.80). So: each judged by the rule,
+    # `my-agent` serves the newest one promoted, and at least one is clearly worse and held back.
     assert after_bad["latest_step"] == bad[-1] > promoted
-    assert after_bad["served_step"] == promoted
     judged_bad = [evaluation(after_bad, step) for step in bad]
     for judged in judged_bad:
-        assert judged["status"] == "failed" and judged["baseline_step"] == promoted, judged
-    # At least one clearly worse, not only not clearly better. Not necessarily the last: at this learning rate
-    # the inverted steps can swing back (one CI run: yes-rate 0.48, 0.34, then 0.77 against the promoted 0.80).
-    assert min(judged["ci_high"] for judged in judged_bad) < 0, judged_bad
+        assert judged["status"] == ("passed" if judged["ci_low"] >= -MARGIN else "failed"), judged
+    served = after_bad["served_step"]
+    assert served == max([promoted] + [j["step"] for j in judged_bad if j["status"] == "passed"]), judged_bad
+    held_back = [j for j in judged_bad if j["status"] == "failed"]
+    assert held_back and min(j["ci_high"] for j in held_back) < 0, judged_bad
 
     # `artgw status` says so too.
     port = gated.url.rsplit(":", 1)[1]
     shown = subprocess.run(
         [ARTGW, "status", "--model", MODEL, "--port", port], capture_output=True, text=True, timeout=120, check=True
     ).stdout
-    assert f"serves step {promoted}" in shown and f"newest step {bad[-1]} ({MODEL}@latest)" in shown, shown
+    assert f"serves step {served}" in shown and f"newest step {bad[-1]} ({MODEL}@latest)" in shown, shown
 
     # What each alias serves, as recorded with the calls.
-    for alias, step in ((MODEL, promoted), (f"{MODEL}@latest", bad[-1])):
+    for alias, step in ((MODEL, served), (f"{MODEL}@latest", bad[-1])):
         answer = httpx.post(
             f"{gated.base_url}/chat/completions",
             json={"model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -269,7 +273,7 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
         f"{gated.base_url}/art/models/{MODEL}/rollback", json={"reason": "test"}, headers=gated.admin, timeout=60
     )
     assert back.status_code == 200, back.text
-    previous = good[-2] if len(good) > 1 else 0
+    previous = after_bad["promotions"][0]["previous_step"]  # what the newest promotion replaced
     assert back.json()["served_step"] == previous
     forward = httpx.post(
         f"{gated.base_url}/art/models/{MODEL}/promote", json={"step": bad[-1]}, headers=gated.admin, timeout=60
@@ -292,7 +296,8 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     assert samples[("artgw_adapter_step", model)] == bad[-1]
     assert samples[("artgw_adapter_latest_step", model)] == bad[-1]
     gate_promotions = (("action", "promote"), ("actor", "gate"), ("model", MODEL))
-    assert samples[("artgw_promotions_total", gate_promotions)] == len(good)
+    by_gate = [p for p in after_bad["promotions"] if p["actor"] == "gate" and p["action"] == "promote"]
+    assert samples[("artgw_promotions_total", gate_promotions)] == len(by_gate) >= len(good)
     assert samples[("artgw_promotions_total", (("action", "rollback"), ("actor", "admin"), ("model", MODEL)))] == 1
     failed = samples[("artgw_gate_evaluations_total", (("model", MODEL), ("status", "failed")))]
-    assert failed >= BAD_ROUNDS - 1
+    assert failed == len([e for e in after_bad["evaluations"] if e["status"] == "failed"]) >= len(held_back)
