@@ -12,6 +12,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from store.codec import CallCache, Head, compact, expand
+from store.db import keyset_page
 from store.errors import Invalid
 from store.records import APIS, CALL_STATUSES, Api, CallRecord, CallStatus
 from store.tables import calls, group_members, rollouts
@@ -178,10 +179,8 @@ async def list_rollouts(
 ) -> list[RolloutRow]:
     """The rollouts `where` selects by (last_call_at, id), oldest first (`newest_first`: the other way); `after`
     is the keyset cursor of the previous page."""
-    oldest = (rollouts.c.last_call_at, rollouts.c.id)
-    key = sa.tuple_(*oldest)
-    order = tuple(column.desc() for column in oldest) if newest_first else oldest
-    query = sa.select(rollouts).order_by(*order).limit(limit)
+    key = (rollouts.c.last_call_at, rollouts.c.id)
+    query = keyset_page(sa.select(rollouts), key, after, limit, newest_first)
     if where.status is not None or where.api is not None:  # one call must match both
         matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
         if where.status is not None:
@@ -200,6 +199,4 @@ async def list_rollouts(
         query = query.where(rollouts.c.key_id == where.key_id)
     if where.since is not None:
         query = query.where(rollouts.c.last_call_at >= where.since)
-    if after is not None:
-        query = query.where(key < sa.tuple_(*after) if newest_first else key > sa.tuple_(*after))
     return [msgspec.convert(_plain(row), RolloutRow) for row in await conn.execute(query)]

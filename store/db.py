@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import sqlalchemy as sa
@@ -54,6 +55,23 @@ def _connect_errors_as_dbapi_errors(engine: Engine) -> None:
             return dialect.loaded_dbapi.connect(*cargs, **cparams)
         except (OSError, TimeoutError) as exc:
             raise dialect.loaded_dbapi.OperationalError(f"cannot connect to the store: {exc!r}") from exc
+
+
+def keyset_page(
+    query: sa.Select[Any],
+    key: tuple[sa.ColumnElement[Any], ...],
+    after: tuple[Any, ...] | None,
+    limit: int,
+    newest_first: bool = False,
+) -> sa.Select[Any]:
+    """`limit` rows of `query` in `key` order (ascending, or descending with `newest_first`), those after
+    `after`: the key of the previous page's last row."""
+    order = [column.desc() for column in key] if newest_first else list(key)
+    query = query.order_by(*order).limit(limit)
+    if after is not None:
+        row, last = sa.tuple_(*key), sa.tuple_(*after)
+        query = query.where(row < last if newest_first else row > last)
+    return query
 
 
 def create_engine(url: str, *, wait_seconds: float = STORE_WAIT_SECONDS) -> AsyncEngine:

@@ -23,6 +23,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.db import keyset_page
 from store.errors import Conflict
 from store.tables import group_members, groups
 from store.types import GroupState
@@ -148,17 +149,14 @@ async def list_group_ids(
 ) -> list[tuple[float, str]]:
     """(created_at, id) of a page of groups, oldest first (`newest_first`: the other way); `after`: the last
     key of the previous page; `models`: only groups of these (what an API key covers)."""
-    key = sa.tuple_(groups.c.created_at, groups.c.id)
-    order = (groups.c.created_at.desc(), groups.c.id.desc()) if newest_first else (groups.c.created_at, groups.c.id)
-    query = sa.select(groups.c.created_at, groups.c.id).order_by(*order).limit(limit)
+    key = (groups.c.created_at, groups.c.id)
+    query = keyset_page(sa.select(*key), key, after, limit, newest_first)
     if model is not None:
         query = query.where(groups.c.model == model)
     if models is not None:
         query = query.where(groups.c.model.in_(list(models)))
     if state is not None:
         query = query.where(groups.c.state == state)
-    if after is not None:
-        query = query.where(key < sa.tuple_(*after) if newest_first else key > sa.tuple_(*after))
     return [(row.created_at, row.id) for row in await conn.execute(query)]
 
 
