@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -94,6 +95,25 @@ def poll(check: Callable[[], Any], timeout: float, what: str, *, every: float = 
         time.sleep(every)
 
 
+def holds(check: Callable[[], Any], duration: float, what: str, *, every: float = 0.1) -> None:
+    """Assert that `check` stays truthy for `duration` seconds (something must not come back, e.g. a revoked key
+    after the next refreshes); fails at the first falsy answer."""
+    deadline = time.monotonic() + duration
+    while time.monotonic() < deadline:
+        assert check(), f"{what} stopped holding"
+        time.sleep(every)
+
+
+async def apoll(check: Callable[[], Any], within: float, what: str, *, every: float = 0.05) -> Any:
+    """`poll` for a test that runs in the event loop it waits on: sleeps with asyncio, so the loop goes on."""
+    deadline = time.monotonic() + within
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(every)
+    return value
+
+
 def metric(url: str, name: str, *, exported: bool = False, **labels: str) -> float:
     """A sample of `url`/metrics (a gateway's or vLLM's), parsed with prometheus_client's parser and summed
     over the labels not given; 0 when no sample matches. `exported`: fail if no sample has the name at all."""
@@ -151,6 +171,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from artgw.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    """The tiny model's tokenizer (transformers')."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -584,3 +612,26 @@ def write_records(db_path: Path, records: list[CallRecord]) -> None:
             await engine.dispose()
 
     asyncio.run(write())
+
+
+CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
+
+
+def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str, Any]:
+    """Run tests/clients/`app`.py, an agent app written against a framework at its defaults, in the frameworks'
+    own locked environment (.venv-clients, requirements/clients.txt) as a process of its own; returns the JSON
+    it prints. A failure shows the app's exit, the framework versions it announced and its traceback."""
+    if not CLIENTS_PYTHON.exists():
+        pytest.fail(f"{CLIENTS_PYTHON} is missing: scripts/setup installs requirements/clients.txt there")
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "ARTGW_"))}
+    proc = subprocess.run(
+        [str(CLIENTS_PYTHON), str(ROOT / "tests" / "clients" / f"{app}.py")],
+        env={**inherited, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"client app {app} exited {proc.returncode}:\n{proc.stderr[-6000:]}", pytrace=False)
+    return json.loads(proc.stdout.strip().splitlines()[-1])

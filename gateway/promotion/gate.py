@@ -12,7 +12,14 @@ import math
 from collections.abc import Sequence
 
 import msgspec
-from scipy import stats
+
+
+def _t_quantile(p: float, df: float) -> float:
+    """Student's t quantile. scipy.stats takes ~1.5 s to import: the first evaluation pays it, not every gateway
+    start (and so every test's gateway)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(p, df))
 
 
 class GateVerdict(msgspec.Struct, frozen=True):
@@ -37,7 +44,7 @@ def paired_gate(
     if n == 1:  # no spread to judge by: the interval is unbounded and the gate holds
         return GateVerdict(1, mean, -math.inf, math.inf, False)
     variance = math.fsum((d - mean) ** 2 for d in differences) / (n - 1)
-    half_width = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * math.sqrt(variance / n)
+    half_width = _t_quantile((1 + confidence) / 2, n - 1) * math.sqrt(variance / n)
     low, high = mean - half_width, mean + half_width
     return GateVerdict(n, mean, low, high, low >= -margin)
 
@@ -58,6 +65,6 @@ def unpaired_gate(
     if se2 == 0:  # every reward the same in both arms: the difference is exact
         return GateVerdict(min(n, m), difference, difference, difference, difference >= -margin)
     df = se2**2 / ((var_c / n) ** 2 / (n - 1) + (var_b / m) ** 2 / (m - 1))
-    half_width = float(stats.t.ppf((1 + confidence) / 2, df)) * math.sqrt(se2)
+    half_width = _t_quantile((1 + confidence) / 2, df) * math.sqrt(se2)
     low, high = difference - half_width, difference + half_width
     return GateVerdict(min(n, m), difference, low, high, low >= -margin)

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from tests.conftest import poll
+from tests.recorded import decode, new_id, rollout, sampled_by_call, texts
 
 pytestmark = pytest.mark.engine
 
@@ -37,43 +35,6 @@ ANTHROPIC_TOOL = {
     "input_schema": WEATHER_SCHEMA,
     "strict": True,  # vLLM samples a tool's arguments under its schema only when strict
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def rollout(gateway, rollout_id: str) -> dict[str, Any]:
-    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def sampled_by_call(recorded: dict[str, Any]) -> dict[str, list[int]]:
-    """Each call's sampled token ids, from the assembled sequences (what training would use)."""
-    out: dict[str, list[int]] = {}
-    for seq in recorded["sequences"]:
-        for call_id, (start, end) in zip(seq["call_ids"], seq["sampled_spans"], strict=True):
-            assert all(seq["sampled_mask"][start:end])
-            out[call_id] = seq["token_ids"][start:end]
-    return out
-
-
-def decode(tokenizer, ids: list[int]) -> str:
-    """Token ids as vLLM's detokenizer writes them: every token's text but the end-of-turn token that stopped
-    the generation (a random-weight model may sample `<|endoftext|>` mid-text, and vLLM keeps it)."""
-    return tokenizer.decode(ids, skip_special_tokens=False).removesuffix("<|im_end|>")
-
-
-def texts(recorded: dict[str, Any], tokenizer) -> list[str]:
-    """The decoded sampled text of each call, in call order."""
-    sampled = sampled_by_call(recorded)
-    return [decode(tokenizer, sampled[c["id"]]) for c in recorded["calls"]]
 
 
 def openai_client(gateway, rollout_id: str) -> openai.OpenAI:
@@ -386,7 +347,7 @@ def test_a_rollout_mixing_chat_responses_completions_and_messages_is_one_traject
     assert texts(recorded, tokenizer) == ["the", "the", completion.choices[0].text, message.content[0].text]
 
 
-# ---------------------------------------------------------------- agent frameworks, default settings
+# ---------------------------------------------------------------- LiteLLM (in the main environment: RULER uses it)
 
 
 @pytest.fixture
@@ -396,90 +357,6 @@ def openai_env(engine_gateway, monkeypatch) -> Iterator[str]:
     monkeypatch.setenv("OPENAI_BASE_URL", f"{engine_gateway.url}/rollouts/{rid}/v1")
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
     yield rid
-
-
-def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engine_gateway, openai_env, tokenizer):
-    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)  # traces would go to OpenAI's servers
-    asked: list[str] = []
-
-    @function_tool
-    def get_weather(city: Literal["Paris", "Rome"]) -> str:
-        """Current weather of a city."""
-        asked.append(city)
-        return "sunny"
-
-    for seed in range(8):
-        agent = Agent(
-            name="weather",
-            instructions=INSTRUCTIONS,
-            model="my-agent",
-            tools=[get_weather],
-            # Forced to call the tool first; the SDK resets tool_choice after a tool call, so the run ends.
-            model_settings=ModelSettings(
-                tool_choice="required", parallel_tool_calls=False, max_tokens=64, extra_body={"seed": seed}
-            ),
-        )
-        try:
-            result = Runner.run_sync(agent, QUESTION, max_turns=3, run_config=RunConfig(tracing_disabled=True))
-        except Exception:  # the model padded its JSON past the token limit on this seed: try another
-            continue
-        break
-    else:
-        pytest.fail("the agent never completed in 8 seeded attempts")
-    assert asked and asked[-1] in ("Paris", "Rome")
-    assert isinstance(result.final_output, str)
-    recorded = poll(lambda: rollout(engine_gateway, openai_env), 10, "the rollout")
-    calls = [c for c in recorded["calls"] if c["status"] == "ok"]
-    assert {c["api"] for c in recorded["calls"]} == {"responses"}
-    # The successful run's last two calls: the forced tool call, then the answer after the tool's result.
-    tool_turn, answer_turn = calls[-2:]
-    # Both are sampled under a grammar: the answer turn's tool_choice is back to `auto`, but the Agents SDK's
-    # function tools are `strict`, so vLLM constrains whatever would follow a `<tool_call>`.
-    assert tool_turn["constrained"] is True and answer_turn["constrained"] is True
-    answer_request = answer_turn["grammar_request"]
-    assert answer_request.get("tool_choice", "auto") == "auto"
-    assert all(tool["function"]["strict"] for tool in answer_request["tools"])
-    assert recorded["messages"][-2] == {
-        "role": "tool",
-        "tool_call_id": recorded["messages"][-3]["tool_calls"][0]["id"],
-        "content": "sunny",
-    }
-    assert texts(recorded, tokenizer)[-1] == result.final_output
-
-
-def test_pydantic_ai_default_openai_model(engine_gateway, openai_env, tokenizer) -> None:
-    from pydantic_ai import Agent
-
-    agent = Agent("openai:my-agent", instructions=INSTRUCTIONS)
-    result = agent.run_sync(QUESTION, model_settings={"max_tokens": 8})
-    recorded = rollout(engine_gateway, openai_env)
-    (call,) = recorded["calls"]
-    assert call["api"] == "responses" and call["status"] == "ok"
-    assert texts(recorded, tokenizer) == [result.output]
-
-
-def test_langchain_responses_mode(engine_gateway, openai_env, tokenizer) -> None:
-    from langchain_openai import ChatOpenAI
-
-    llm = ChatOpenAI(model="my-agent", use_responses_api=True, max_tokens=8, max_retries=0)
-    reply = llm.invoke(QUESTION)
-    recorded = rollout(engine_gateway, openai_env)
-    (call,) = recorded["calls"]
-    assert call["api"] == "responses"
-    assert texts(recorded, tokenizer) == [reply.text]
-
-
-def test_llama_index_openai_like_defaults(engine_gateway, openai_env, tokenizer) -> None:
-    from llama_index.llms.openai_like import OpenAILike
-
-    llm = OpenAILike(model="my-agent", api_base=os.environ["OPENAI_BASE_URL"], api_key="unused", max_tokens=8)
-    reply = llm.complete("Once upon a time")
-    recorded = rollout(engine_gateway, openai_env)
-    (call,) = recorded["calls"]
-    assert call["api"] == "completions"  # OpenAILike's default: not a chat model
-    assert texts(recorded, tokenizer) == [reply.text]
 
 
 def test_litellm_text_completion(engine_gateway, openai_env, tokenizer, monkeypatch) -> None:

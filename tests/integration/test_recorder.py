@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +19,7 @@ from store import create_engine, migrate
 from store.db import create_sync_sqlite_engine
 from store.records import CallRecord
 from store.tables import calls
-from tests.conftest import make_call
+from tests.conftest import apoll, make_call
 
 
 def record(rollout: str) -> CallRecord:
@@ -47,18 +46,16 @@ async def test_slow_store_is_absorbed_by_the_queue(tmp_path: Path) -> None:
     holder = sqlite3.connect(db, timeout=30, check_same_thread=False)
     holder.execute("BEGIN EXCLUSIVE")  # the store stalls: every write waits on this lock
 
-    async def submit_all() -> float:
-        started = time.monotonic()
+    async def submit_all() -> None:
         for i in range(500):
             await recorder.submit(record(f"slow-{i % 7}"))
-        return time.monotonic() - started
 
-    release = threading.Timer(2.0, holder.rollback)
-    release.start()
-    submit_seconds = await submit_all()
-    assert submit_seconds < 1.0  # never on the client's path: submits did not wait for the stalled store
+    # Never on the client's path: every submit returns while the store is still locked (one that waited for the
+    # store would wait for ever: the lock is released only after them).
+    await asyncio.wait_for(submit_all(), 120)
+    assert count(db) == 0  # WAL: readers pass the writer's lock
+    holder.rollback()
     await recorder.close()
-    release.join()
     holder.close()
     assert count(db) == 500
     await engine.dispose()
@@ -71,8 +68,8 @@ async def test_failing_store_is_retried_until_it_recovers(tmp_path: Path) -> Non
         await conn.execute(sa.text("ALTER TABLE calls RENAME TO calls_away"))  # every insert now fails
     for i in range(50):
         await recorder.submit(record(f"fail-{i}"))
-    await asyncio.sleep(1.0)
-    assert recorder.retries >= 2 and recorder.written == 0
+    await apoll(lambda: recorder.retries >= 2, 60, "two retries of the failing store")
+    assert recorder.written == 0
     async with engine.begin() as conn:
         await conn.execute(sa.text("ALTER TABLE calls_away RENAME TO calls"))  # the store is back
     await recorder.close()

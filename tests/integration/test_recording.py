@@ -9,7 +9,6 @@ import uuid
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from tests.conftest import ARTGW, BASE_NAME, WEATHER_TOOLS
 
@@ -28,11 +27,6 @@ def rollout(gateway, rollout_id: str) -> dict:
 def client_for(gateway, rollout_id: str | None = None) -> openai.OpenAI:
     base = gateway.base_url if rollout_id is None else f"{gateway.url}/rollouts/{rollout_id}/v1"
     return openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def test_non_stream_tokens_decode_to_the_text_and_prompt_ids_are_vllms(engine_gateway, vllm_url, tokenizer) -> None:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from trainer.grammar import GrammarMasks, GrammarSpec, grammar_spec
 
@@ -60,11 +58,6 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "guided_json_removed": {"guided_json": CITY_SCHEMA},
     "plain": {},
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+"""Reading a rollout back as the tests check it: its calls, each call's sampled ids, and their decoded text."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def rollout(gateway: Any, rollout_id: str) -> dict[str, Any]:
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sampled_by_call(recorded: dict[str, Any]) -> dict[str, list[int]]:
+    """Each call's sampled token ids, from the assembled sequences (what training would use)."""
+    out: dict[str, list[int]] = {}
+    for seq in recorded["sequences"]:
+        for call_id, (start, end) in zip(seq["call_ids"], seq["sampled_spans"], strict=True):
+            assert all(seq["sampled_mask"][start:end])
+            out[call_id] = seq["token_ids"][start:end]
+    return out
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    """Token ids as vLLM's detokenizer writes them: every token's text but the end-of-turn token that stopped
+    the generation (a random-weight model may sample `<|endoftext|>` mid-text, and vLLM keeps it)."""
+    return tokenizer.decode(ids, skip_special_tokens=False).removesuffix("<|im_end|>")
+
+
+def texts(recorded: dict[str, Any], tokenizer: Any) -> list[str]:
+    """The decoded sampled text of each call, in call order."""
+    sampled = sampled_by_call(recorded)
+    return [decode(tokenizer, sampled[c["id"]]) for c in recorded["calls"]]
