@@ -238,7 +238,9 @@ class EngineCalls:
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
         self.session = session
         self.upstream_url = upstream_url
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=request_timeout)
+        # sock_connect: a loopback connect is instant, but its timer runs on this event loop, so a stall of the
+        # loop (a busy 2-core machine) can fire a short one on a connect that had succeeded.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
         self.registry = registry
         self.recorder = recorder
         self.engine_state = engine_state
@@ -277,8 +279,8 @@ class EngineCalls:
             )
         except BaseException as exc:
             error = self._send_error(exc)
-            if error is not None:
-                await call.finish("upstream_error", error.status, error.message)
+            if error is not None:  # the record says which exception, for a post-mortem
+                await call.finish("upstream_error", error.status, f"{error.message} ({type(exc).__name__})")
                 raise error from None
             if isinstance(exc, Exception):  # the gateway's own bug: a 500 with its traceback logged, not a 502
                 await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
@@ -332,6 +334,8 @@ class EngineCalls:
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send to the engine; None when the engine is not at fault."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):  # nothing was sent: unreachable, not slow
+            return self._unreachable(exc)
         if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
             return OpenAIError(504, "The engine did not answer in time.", code="upstream_timeout")
         if isinstance(exc, aiohttp.ClientError | OSError):

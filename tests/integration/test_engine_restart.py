@@ -121,6 +121,9 @@ class InFlight:
                 return
             with httpx.stream("POST", url, json=request, headers=headers, timeout=300) as r:
                 self.status, self.body = r.status_code, []
+                if r.status_code != 200:  # refused before any event: its error body says why
+                    self.body = [r.read().decode(errors="replace")]
+                    return
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         self.body.append(line[6:])
@@ -176,7 +179,9 @@ def generating_calls(gateway: GatewayProcess, engine_url: str, victim: str, runn
 
         def both_generating(calls: list[InFlight] = calls) -> bool:
             ended = [c for c in calls if c.thread is not None and not c.thread.is_alive()]
-            assert not ended, [(c.rollout_id, c.status, str(c.body)[-300:], repr(c.failure)) for c in ended]
+            if ended:  # before the kill: the gateway's log says why
+                ends = [(c.rollout_id, c.status, str(c.body)[-300:], repr(c.failure)) for c in ended]
+                raise AssertionError(f"a call ended before the kill: {ends}\n{gateway.log()[-6000:]}")
             return metric(engine_url, "vllm:num_requests_running") >= running_before + 2
 
         poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc])

@@ -141,6 +141,7 @@ def test_engine_timeout_is_504_and_gateway_keeps_serving(gateway_factory) -> Non
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
         (call,) = httpx.get(f"{gateway.base_url}/art/rollouts/timeout-1").json()["calls"]
         assert call["status"] == "upstream_error" and call["finish_reasons"] == []
+        assert call["error"] == "The engine did not answer in time. (SocketTimeoutError)"  # read, not connect
     finally:
         stop_group(proc)
 
