@@ -635,3 +635,13 @@ def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str,
     if proc.returncode != 0:
         pytest.fail(f"client app {app} exited {proc.returncode}:\n{proc.stderr[-6000:]}", pytrace=False)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that starts or uses a real vLLM engine runs on one xdist worker (`--dist loadgroup`), one after
+    another: two engines never compete for this machine's two cores, and the session's shared engine is started
+    once. The rest spread over the workers."""
+    for item in items:
+        if item.get_closest_marker("engine") is not None:
+            item.add_marker(pytest.mark.xdist_group("engine"))
