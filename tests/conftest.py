@@ -237,8 +237,9 @@ class GatewayProcess:
         """Headers of an admin request."""
         return {"Authorization": f"Bearer {self.admin_key}"}
 
-    def stop(self) -> int:
-        stop_group(self.proc)
+    def stop(self, grace: float = 20) -> int:
+        """SIGTERM; SIGKILL after `grace` seconds (the returncode then says -9, a stop that did not end by itself)."""
+        stop_group(self.proc, grace)
         return int(self.proc.returncode)
 
 
@@ -353,8 +354,8 @@ class TrainerProcess:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
-    def stop(self) -> int:
-        stop_group(self.proc, grace=60)
+    def stop(self, grace: float = 60) -> int:
+        stop_group(self.proc, grace)
         return int(self.proc.returncode)
 
 
@@ -645,3 +646,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("engine") is not None:
             item.add_marker(pytest.mark.xdist_group("engine"))
+

@@ -22,7 +22,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 if __name__ != "__main__":
-    from tests.conftest import ARTGW, free_port, stop_group, wait_http
+    from tests.conftest import ARTGW, apoll, free_port, stop_group, wait_http
 
 ROUNDS = int(os.environ.get("ARTGW_CRASH_ROUNDS", "3"))
 CONCURRENCY = int(os.environ.get("ARTGW_CRASH_CONCURRENCY", "48"))
@@ -237,19 +236,17 @@ async def load(url: str, prefix: str, stop: asyncio.Event, complete: set[str], s
         await asyncio.gather(*(worker(w) for w in range(CONCURRENCY)))
 
 
-def stall(db: Path, seconds: float) -> threading.Thread:
-    """Lock the store (a writer holding BEGIN EXCLUSIVE) for `seconds`, from a thread of the test."""
+def stall(db: Path) -> sqlite3.Connection:
+    """Lock the store (a writer holding BEGIN EXCLUSIVE) until the returned connection rolls back."""
+    conn = sqlite3.connect(db, timeout=30, check_same_thread=False)
+    conn.execute("BEGIN EXCLUSIVE")
+    return conn
 
-    def hold() -> None:
-        conn = sqlite3.connect(db, timeout=30)
-        conn.execute("BEGIN EXCLUSIVE")
-        time.sleep(seconds)
-        conn.rollback()
-        conn.close()
 
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
-    return thread
+async def answered_more(complete: set[str], more: int) -> None:
+    """Until `more` calls more than now were answered."""
+    target = len(complete) + more
+    await apoll(lambda: len(complete) >= target, 120, f"{more} more answered calls")
 
 
 # -- the tests
@@ -265,17 +262,19 @@ async def test_sigkill_under_load_loses_no_acknowledged_call(tmp_path: Path, ups
         for round_ in range(ROUNDS):
             stop = asyncio.Event()
             task = asyncio.create_task(load(gateway.url, f"k{round_}", stop, complete, started))
-            stalled = round_ % 3 == 1  # every third round, from the second: killed during a store stall
-            await asyncio.sleep(rng.uniform(0.5, 1.5))
+            # Killed after a random number of answered calls (from the seed), not after a time: as many calls are
+            # in flight at the kill on a fast machine as on a slow one.
+            await answered_more(complete, rng.randint(45, 90))
             holder = None
-            if stalled:
-                holder = stall(gateway.db, 2.0 + rng.uniform(0, 1))
-                await asyncio.sleep(rng.uniform(1.0, 1.8))  # the journal grows, the store takes nothing
+            if round_ % 3 == 1:  # every third round, from the second: killed during a store stall
+                holder = stall(gateway.db)
+                await answered_more(complete, rng.randint(40, 80))  # the journal grows, the store takes nothing
             gateway.kill()  # SIGKILL: no flush, no shutdown
             stop.set()
             await task
             if holder is not None:
-                await asyncio.to_thread(holder.join)
+                holder.rollback()
+                holder.close()
             gateway.start()  # on the same data dir: the journal is replayed
         # Wait for the last run to record everything it was handed, then stop it gracefully.
         await asyncio.to_thread(wait_recorded, gateway.db, complete, 60)

@@ -275,10 +275,10 @@ def test_an_unreachable_collector_costs_the_calls_nothing(tmp_path: Path) -> Non
         ms = sorted(s * 1000 for s in seconds)
         print(f"200 calls, collector unreachable: p50 {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms")
     finally:
-        started = time.monotonic()
-        code = gateway.stop()  # the spans still queued are given a few seconds, not the SDK's 30
+        # The spans still queued are given a few seconds, not the SDK's 30: it exits by itself within 15 s.
+        code = gateway.stop(grace=15)
         stop_group(stub)
-    assert code == 0 and time.monotonic() - started < 15
+    assert code == 0
 
 
 def test_a_call_joins_the_clients_trace_and_passes_its_span_to_the_engine(

@@ -19,7 +19,6 @@ import os
 import random
 import re
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,11 +159,10 @@ def test_a_killed_rank_costs_no_group(gateway: GatewayProcess, tiny_model: Path)
             alive=[trainer],
         )
     finally:
-        started = time.monotonic()
-        code = trainer.stop()
+        # SIGTERM stops the ranks together (rank 0 tells the others) within 20 s, not the launcher's SIGKILL 30 s
+        # later: past 20 s it is SIGKILLed here, and its returncode is not 0.
+        code = trainer.stop(grace=20)
     assert code == 0, trainer.log()
-    # SIGTERM stops the ranks together (rank 0 tells the others), not the launcher's SIGKILL 30 s later.
-    assert time.monotonic() - started < 20, trainer.log()
 
     log = " ".join(trainer.log().split())
     assert "gave back 2 groups claimed by the previous attempt" in log, log

@@ -113,7 +113,8 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     except AssertionError as exc:
         if trainer.poll() is None:  # its every thread's stack into its log (faulthandler on SIGUSR1)
             trainer.send_signal(signal.SIGUSR1)
-            time.sleep(2)
+            log = gateway.data_dir / "trainer.log"
+            poll(lambda: "most recent call first" in log.read_text(errors="replace"), 10, "the stack dump")
         raise AssertionError(f"{exc}; group states {states}") from None
     return served
 

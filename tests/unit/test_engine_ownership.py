@@ -3,7 +3,6 @@ process that holds, or answers on, the engine's port; plain sockets play the res
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import signal
@@ -11,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -27,7 +26,7 @@ from gateway.engine import (
     port_owners,
     wait_until_ready,
 )
-from tests.conftest import ROOT, free_port, stop_group, wait_http
+from tests.conftest import ROOT, apoll, free_port, poll, stop_group, wait_http
 
 STUB = str(ROOT / "tests" / "stub_engine.py")  # serves one model, `stub`
 
@@ -69,6 +68,11 @@ class FakeEngine(EngineConfig):
         return list(self.argv)
 
 
+def closing_wait(local_port: int) -> bool:
+    """The client socket on `local_port` got its peer's FIN (CLOSE_WAIT)."""
+    return any(c.laddr.port == local_port and c.status == psutil.CONN_CLOSE_WAIT for c in psutil.net_connections("tcp"))
+
+
 def test_port_in_use_tells_a_listener_from_harmless_leftovers() -> None:
     port = free_port()
     assert not port_in_use("127.0.0.1", port)
@@ -83,7 +87,8 @@ def test_port_in_use_tells_a_listener_from_harmless_leftovers() -> None:
         client = socket.create_connection(("127.0.0.1", port))
         accepted, _ = listener.accept()
         accepted.close()
-        time.sleep(0.1)
+        # The client closes only once the server's FIN reached it: the server side is the one left in TIME_WAIT.
+        poll(lambda: closing_wait(client.getsockname()[1]), 10, "the server's FIN to reach the client")
         client.close()
     assert any(c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT for c in psutil.net_connections("tcp"))
     assert not port_in_use("127.0.0.1", port)  # the restarted engine can bind it: no false clash
@@ -219,14 +224,6 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
-async def until(check: Callable[[], object], within: float, what: str) -> None:
-    for _ in range(round(within / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
-
-
 @pytest.fixture
 def escaping_engine(tmp_path: Path) -> tuple[FakeEngine, Path]:
     """An engine like vLLM's tree, made harder: the API server has a child that left its process group and
@@ -261,12 +258,12 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
     try:
         assert supervisor.process is not None and supervisor.tag is not None
         server, tag = supervisor.process.pid, supervisor.tag
-        await until(lambda: len(tagged(tag)) == 2, 10, "the server and its escaped child")
+        await apoll(lambda: len(tagged(tag)) == 2, 10, "the server and its escaped child")
         (escaped,) = [p for p in tagged(tag) if p.pid != server]
         assert os.getsid(escaped.pid) != os.getsid(server) and os.getpgid(escaped.pid) != server
 
         os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
-        await until(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
+        await apoll(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
         assert supervisor.process.pid != server
         assert tagged(tag) == []  # the escaped child too (gone, or a zombie if PID 1 does not reap it)
         assert len(readied) == 2  # on_ready ran again: the serving adapters are reloaded
@@ -285,7 +282,7 @@ async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_eng
         assert supervisor.process is not None and supervisor.tag is not None
         server, tag = supervisor.process, supervisor.tag
         flag.touch()  # /health answers 503 from now on, while the server process lives
-        await until(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
+        await apoll(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
         assert server.returncode is not None and supervisor.process is not server
         assert tagged(tag) == []
     finally:
