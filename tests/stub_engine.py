@@ -7,7 +7,9 @@ then, but on a busy CPU its own event loop may only notice once the generation i
 W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it).
 Everything else is tested against the real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
-[--end-stream-early] [--garbled bad-line|no-logprob]."""
+[--end-stream-early] [--garbled bad-line|no-logprob] [--answers JSON].
+--answers scripts the content of a plain answer per requested model (a LoRA step is `NAME@K`; "*": any other), so
+that what an eval grades, and what a gate decides, is known in advance."""
 
 from __future__ import annotations
 
@@ -136,6 +138,7 @@ def make_app(  # type: ignore[no-untyped-def]
     endless_stream: bool = False,
     end_early: bool = False,
     garbled: str | None = None,
+    answers: dict[str, str] | None = None,
 ):
     stats: dict[str, Any] = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
@@ -192,6 +195,10 @@ def make_app(  # type: ignore[no-untyped-def]
                     {"error": {"message": "engine exploded", "type": "InternalServerError", "code": status}}
                 ).encode()
                 code = status
+            elif answers:
+                content = answers.get(str(request.get("model")), answers.get("*", "ok"))
+                choice = {**COMPLETION["choices"][0], "message": {"role": "assistant", "content": content}}  # type: ignore[dict-item]
+                body, code = json.dumps({**COMPLETION, "choices": [choice]}).encode(), 200
             else:
                 body, code = json.dumps(COMPLETION).encode(), 200
         await send(
@@ -215,6 +222,7 @@ if __name__ == "__main__":
     parser.add_argument("--endless-stream", action="store_true")
     parser.add_argument("--end-stream-early", action="store_true", help="one event, then the end: no [DONE]")
     parser.add_argument("--garbled", choices=("bad-line", "no-logprob"), help="an answer vLLM never sends")
+    parser.add_argument("--answers", type=json.loads, help='{"MODEL": "content", "*": "content"}: plain answers')
     a = parser.parse_args()
-    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early, a.garbled)
+    app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early, a.garbled, a.answers)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")

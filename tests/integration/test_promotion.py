@@ -1,19 +1,23 @@
-"""Gated promotion end to end: a real vLLM, `artgw serve --promotion gated` and `artgw train` as processes.
+"""Gated promotion end to end, every decision known in advance: `artgw serve --promotion gated` and `artgw train`
+as processes, in front of the stand-in engine (tests/stub_engine.py) whose `--answers` script what each step's
+adapter answers. The steps are real (LoRA steps of the tiny model, trained from recorded groups and loaded as
+the trainer loads them); what they answer the eval set is the script's, so the gate's verdict on each is fixed:
 
-The task is the demo's `report(passed)` call (artgw/demo_task.py) on scenarios whose answer is always `yes`, asked
-in one call with the ballots already looked up. An eval set of such scenarios with a `tool_call` grader is
-registered; the random-weight base model answers it at about chance. Then:
-
-- rounds of groups rewarded for `yes` train steps that the gate evaluates against the promoted step and promotes;
-- rounds rewarded for `no` (inverted rewards) train steps that do worse: the gate holds them back, so `my-agent`
-  keeps serving the good step while `my-agent@latest` serves the newest, and calls made all along are answered;
+- step 1 answers "yes" where the base answered "no": better, the gate promotes it;
+- step 2 answers "no": clearly worse than step 1, held back; `my-agent` keeps serving step 1 while
+  `my-agent@latest` serves step 2, and calls made all along are answered;
+- step 3 answers "yes": as good as step 1, not worse, promoted;
+- step 4 answers "no": held back again;
 - an admin's rollback and promote move `my-agent` by hand; every move is in the history with its reason, and
   in the Prometheus counters.
+
+What a real training run learns is the business of tests/integration/test_trainer_e2e.py (and the gate's interval
+rule of tests/unit/test_gate.py); the real engine serving gated steps, of the canary's test.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,75 +25,40 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from artgw import demo_task
-from tests.conftest import ARTGW, Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
-
-pytestmark = pytest.mark.engine
+from tests.conftest import ARTGW, Background, GatewayProcess, poll, start_gateway, start_stub, start_trainer, stop_group
 
 MODEL = "my-agent"
-GROUPS = 8  # scenarios per training step
-ATTEMPTS = 8  # attempts per scenario
-LEARNING_RATE = 5e-2  # large: each step moves the answer clearly, so the gate has something to see
-GOOD_ROUNDS = 1  # one step rewarded for `yes`: about 0.3 -> 0.8 on the eval set (seed 0: 0.30 -> 0.78)
-BAD_ROUNDS = 3  # then three rewarded for `no`
-EVAL_SCENARIOS = 16
-SAMPLES = 8
-# No step may look worse at all: a margin of 0.1 would (rightly) let the first inverted step through, as its
-# eval reward falls by only ~0.07.
-MARGIN = 0.0
-
-
-def yes_scenarios(split: demo_task.Split, n: int) -> list[demo_task.Scenario]:
-    """`n` scenarios whose correct answer is `yes`."""
-    return [s for s in demo_task.scenarios(split, 8 * n, seed=3) if s.verdict == "yes"][:n]
-
-
-def report_messages(scenario: demo_task.Scenario) -> list[dict[str, Any]]:
-    """The conversation up to the `report` call: the question, the get_ballots call and its result."""
-    call_id = "call_ballots"
-    return [
-        *demo_task.first_turn(scenario),
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": demo_task.BALLOTS_TOOL, "arguments": "{}"}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": call_id, "content": scenario.tool_result()},
-    ]
-
-
-def report_params(bias: dict[str, dict[str, int]]) -> dict[str, Any]:
-    return {
-        "tool_choice": {"type": "function", "function": {"name": demo_task.REPORT_TOOL}},
-        "max_tokens": demo_task.TOOL_CALL_MAX_TOKENS,
-        "logit_bias": bias[demo_task.REPORT_TOOL],
-        "temperature": 1.0,
-    }
+RIGHT = "yes"
+# What each step's adapter answers (the base, step 0, answers "no" like any model not named).
+ANSWERS = {f"{MODEL}@1": RIGHT, f"{MODEL}@2": "no", f"{MODEL}@3": RIGHT, f"{MODEL}@4": "no", "*": "no"}
+STEPS = 4
+EVAL_SCENARIOS = 4
+SAMPLES = 2
+MARGIN = 0.0  # not worse at all: equal answers pass (the interval of identical scores is [0, 0])
 
 
 @pytest.fixture(scope="module")
-def gated(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gateway = start_gateway(
-        tmp_path_factory.mktemp("gated"),
-        *("--upstream", vllm_url, "--promotion", "gated", "--gate-margin", str(MARGIN)),
-    )
-    yield gateway
-    gateway.stop()
+def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    stub_url, stub = start_stub("--answers", json.dumps(ANSWERS))
+    try:
+        gateway = start_gateway(
+            tmp_path_factory.mktemp("gated"),
+            *("--upstream", stub_url, "--promotion", "gated", "--gate-margin", str(MARGIN)),
+        )
+        yield gateway
+        gateway.stop()
+    finally:
+        stop_group(stub)
 
 
 @pytest.fixture(scope="module")
 def trainer(gated: GatewayProcess, tiny_model: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """One group a step: each round's group trains the next step."""
     proc, log_path = start_trainer(
-        gated,
-        tiny_model,
-        *("--groups-per-step", str(GROUPS), "--min-groups-per-step", str(GROUPS), "--max-wait", "600"),
-        *("--learning-rate", str(LEARNING_RATE), "--seed", "0"),
+        gated, tiny_model, *("--groups-per-step", "1", "--min-groups-per-step", "1", "--max-wait", "1", "--seed", "0")
     )
     yield proc
     stop_group(proc)
@@ -102,64 +71,38 @@ def status(gateway: GatewayProcess) -> dict[str, Any]:
     return answer.json()
 
 
-async def answers(
-    gateway: GatewayProcess, model: str, jobs: list[tuple[demo_task.Scenario, str]], bias
-) -> list[str | None]:
-    """The `passed` value of one report call per (scenario, rollout id)."""
-    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=120)
-    slots = asyncio.Semaphore(16)
-
-    async def one(scenario: demo_task.Scenario, rollout_id: str) -> str | None:
-        async with slots:
-            completion = await client.chat.completions.create(
-                model=model,
-                messages=report_messages(scenario),
-                tools=demo_task.TOOLS,
-                extra_headers={"X-ART-Rollout-Id": rollout_id},
-                **report_params(bias),
-            )
-        calls = completion.choices[0].message.tool_calls or []
-        return demo_task.parse_argument(calls[0].function.arguments) if calls else None
-
-    try:
-        return list(await asyncio.gather(*(one(s, r) for s, r in jobs)))
-    finally:
-        await client.close()
-
-
-def train_round(gateway: GatewayProcess, round_: int, rewarded: str, bias) -> int:
-    """One step's groups, rewarded for answering `rewarded`; returns the step once the gate has judged it."""
-    pool = yes_scenarios("train", GROUPS * (GOOD_ROUNDS + BAD_ROUNDS))
-    chosen = pool[(round_ - 1) * GROUPS : round_ * GROUPS]
-    jobs = [(s, f"p{round_}-{s.id}-{k}") for s in chosen for k in range(ATTEMPTS)]
-    got = asyncio.run(answers(gateway, MODEL + "@latest", jobs, bias))
-    group_ids = []
-    for scenario in chosen:
-        rollouts = [
-            {"rollout_id": rid, "reward": 1.0 if answer == rewarded else 0.0}
-            for (s, rid), answer in zip(jobs, got, strict=True)
-            if s.id == scenario.id
-        ]
-        group_ids.append(f"pg-{round_}-{scenario.id}")
-        body = {"model": MODEL, "group_id": group_ids[-1], "rollouts": rollouts}
-        httpx.post(f"{gateway.base_url}/art/groups", json=body, timeout=30).raise_for_status()
+def train_round(gateway: GatewayProcess, round_: int) -> int:
+    """One group of two recorded rollouts (rewards 1 and 0: a signal to train on), posted; returns its step once
+    the gate has judged it and its decision shows in what `my-agent` serves."""
+    rollouts = []
+    for k, reward in enumerate((1.0, 0.0)):
+        rollout_id = f"p{round_}-{k}"
+        answer = httpx.post(
+            f"{gateway.base_url}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Did it pass?"}], "max_tokens": 4},
+            headers={"X-ART-Rollout-Id": rollout_id},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        rollouts.append({"rollout_id": rollout_id, "reward": reward})
+    group_id = f"pg-{round_}"
+    body = {"model": MODEL, "group_id": group_id, "rollouts": rollouts}
+    httpx.post(f"{gateway.base_url}/art/groups", json=body, timeout=30).raise_for_status()
 
     def judged() -> int | None:
-        groups = [httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10).json() for g in group_ids]
-        if not all(g["state"] == "trained" for g in groups):
+        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", timeout=10).json()
+        if group["state"] != "trained":
             return None
-        step = max(g["trained_step"] for g in groups)
-        now = status(gateway)
+        step, now = int(group["trained_step"]), status(gateway)
         done = [e for e in now["evaluations"] if e["step"] == step and e["status"] != "running"]
         if not done:
             return None
-        # A step that passed is promoted just after its evaluation is written (the promotion row, then the
-        # served step): wait for the move to show, so that what follows reads the gate's decision applied.
+        # A step that passed is promoted just after its evaluation is written: wait for the move to show.
         if all(e["status"] == "passed" for e in done) and now["served_step"] != step:
             return None
         return step
 
-    return int(poll(judged, 600, f"round {round_}'s step to be trained and judged", every=0.5))
+    return int(poll(judged, 300, f"round {round_}'s step to be trained and judged", every=0.3))
 
 
 def evaluation(model_status: dict[str, Any], step: int) -> dict[str, Any]:
@@ -177,74 +120,64 @@ def metric_samples(gateway: GatewayProcess) -> dict[tuple[str, tuple[tuple[str, 
 
 
 def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
-    gated: GatewayProcess, trainer: subprocess.Popen[bytes], tiny_model: Path
+    gated: GatewayProcess, trainer: subprocess.Popen[bytes]
 ) -> None:
-    bias = demo_task.call_logit_bias(tiny_model)
     eval_set = {
-        "name": "always-yes",
+        "name": "says-yes",
         "samples": SAMPLES,
         "scenarios": [
             {
-                "messages": report_messages(s),
-                "tools": demo_task.TOOLS,
-                "params": report_params(bias),
-                "grader": {"type": "tool_call", "name": demo_task.REPORT_TOOL, "arguments": {"passed": "yes"}},
+                "messages": [{"role": "user", "content": f"Did motion {i} pass?"}],
+                "params": {"max_tokens": 4},
+                "grader": {"type": "exact", "value": RIGHT},
             }
-            for s in yes_scenarios("heldout", EVAL_SCENARIOS)
+            for i in range(EVAL_SCENARIOS)
         ],
     }
     created = httpx.post(f"{gated.base_url}/art/models/{MODEL}/evals", json=eval_set, headers=gated.admin, timeout=30)
     assert created.status_code == 201, created.text
     listed = httpx.get(f"{gated.base_url}/art/models/{MODEL}/evals", timeout=10).json()["data"]
-    assert [s["name"] for s in listed] == ["always-yes"]
+    assert [s["name"] for s in listed] == ["says-yes"]
     first = status(gated)
     assert (first["promotion"], first["served_step"], first["latest_step"]) == ("gated", 0, 0)
 
+    verdicts: dict[int, dict[str, Any]] = {}
+    started = time.time()
     with Background(gated.base_url, MODEL) as background:
-        good = [train_round(gated, r, "yes", bias) for r in range(1, GOOD_ROUNDS + 1)]
-        after_good = status(gated)
-        bad_started = time.time()
-        bad = [train_round(gated, r, "no", bias) for r in range(GOOD_ROUNDS + 1, GOOD_ROUNDS + BAD_ROUNDS + 1)]
-        after_bad = status(gated)
+        for round_ in range(1, STEPS + 1):
+            assert train_round(gated, round_) == round_
+            now = status(gated)
+            verdicts[round_] = {"served": now["served_step"], **evaluation(now, round_)}
     assert background.calls > 0 and not background.failures, background.failures[:5]
-    print(f"good steps {good}, bad steps {bad}; evaluations:")
-    for e in reversed(after_bad["evaluations"]):
-        print(
-            f"  step {e['step']}: {e['status']} mean {e['mean']} vs {e['baseline_mean']} (step {e['baseline_step']}),"
-            f" CI [{e['ci_low']}, {e['ci_high']}]"
-        )
+    final = status(gated)
 
-    # The steps rewarded for the right answer: the gate judged them better than the base and promoted them.
-    promoted = after_good["served_step"]
-    assert promoted == good[-1] == after_good["latest_step"], after_good["promotions"]
-    assert evaluation(after_good, promoted)["status"] == "passed"
-    firsts = evaluation(after_good, good[0])
-    assert firsts["baseline_step"] == 0 and firsts["mean"] > firsts["baseline_mean"] + 0.2, firsts
-    assert all(p["actor"] == "gate" and p["action"] == "promote" for p in after_good["promotions"])
-
-    # The steps trained on inverted rewards, judged by the gate's rule: one not clearly worse than the step
-    # serving (CI low >= -MARGIN) is promoted, one clearly worse is held back. A single inverted step moves little
-    # and its evaluation can land either side (CI runs: the first, right after the good step, measured 0.84
-    # against 0.73 and was promoted; yes-rates 0.48, 0.34, then 0.77 against 0.80). So: each judged by the rule,
-    # `my-agent` serves the newest one promoted, and at least one is clearly worse and held back.
-    assert after_bad["latest_step"] == bad[-1] > promoted
-    judged_bad = [evaluation(after_bad, step) for step in bad]
-    for judged in judged_bad:
-        assert judged["status"] == ("passed" if judged["ci_low"] >= -MARGIN else "failed"), judged
-    served = after_bad["served_step"]
-    assert served == max([promoted] + [j["step"] for j in judged_bad if j["status"] == "passed"]), judged_bad
-    held_back = [j for j in judged_bad if j["status"] == "failed"]
-    assert held_back and min(j["ci_high"] for j in held_back) < 0, judged_bad
+    # Each verdict as scripted: (served after it, status, the step judged against, its mean, the baseline's).
+    got = {
+        step: (v["served"], v["status"], v["baseline_step"], v["mean"], v["baseline_mean"])
+        for step, v in verdicts.items()
+    }
+    assert got == {
+        1: (1, "passed", 0, 1.0, 0.0),  # better than the base: promoted
+        2: (1, "failed", 1, 0.0, 1.0),  # clearly worse than step 1: held back
+        3: (3, "passed", 1, 1.0, 1.0),  # as good as step 1 (CI [0, 0] >= -margin): promoted
+        4: (3, "failed", 3, 0.0, 1.0),  # held back again
+    }, got
+    assert all(v["ci_high"] < 0 for v in (verdicts[2], verdicts[4]))
+    assert (final["served_step"], final["latest_step"]) == (3, 4)
+    assert [(p["action"], p["actor"], p["step"]) for p in final["promotions"]] == [
+        ("promote", "gate", 3),
+        ("promote", "gate", 1),
+    ]
 
     # `artgw status` says so too.
     port = gated.url.rsplit(":", 1)[1]
     shown = subprocess.run(
         [ARTGW, "status", "--model", MODEL, "--port", port], capture_output=True, text=True, timeout=120, check=True
     ).stdout
-    assert f"serves step {served}" in shown and f"newest step {bad[-1]} ({MODEL}@latest)" in shown, shown
+    assert "serves step 3" in shown and f"newest step 4 ({MODEL}@latest)" in shown, shown
 
-    # What each alias serves, as recorded with the calls.
-    for alias, step in ((MODEL, served), (f"{MODEL}@latest", bad[-1])):
+    # What each alias serves, as recorded with the calls, and answered by that step's adapter.
+    for alias, step in ((MODEL, 3), (f"{MODEL}@latest", 4)):
         answer = httpx.post(
             f"{gated.base_url}/chat/completions",
             json={"model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -252,12 +185,13 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
             timeout=60,
         )
         assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == ANSWERS[f"{MODEL}@{step}"]
         calls = httpx.get(f"{gated.base_url}/art/rollouts/alias-{step}", timeout=10).json()["calls"]
         assert calls[0]["step"] == step, calls[0]
 
     # The gate's own calls were recorded, and no group may take them.
     page = httpx.get(
-        f"{gated.base_url}/art/rollouts", params={"model": MODEL, "since": bad_started, "limit": 1000}, timeout=10
+        f"{gated.base_url}/art/rollouts", params={"model": MODEL, "since": started, "limit": 1000}, timeout=10
     ).json()
     eval_ids = [r["id"] for r in page["data"] if r["id"].startswith("artgw-eval:")]
     assert eval_ids
@@ -273,16 +207,15 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
         f"{gated.base_url}/art/models/{MODEL}/rollback", json={"reason": "test"}, headers=gated.admin, timeout=60
     )
     assert back.status_code == 200, back.text
-    previous = after_bad["promotions"][0]["previous_step"]  # what the newest promotion replaced
-    assert back.json()["served_step"] == previous
+    assert back.json()["served_step"] == 1  # what the newest promotion (of step 3) replaced
     forward = httpx.post(
-        f"{gated.base_url}/art/models/{MODEL}/promote", json={"step": bad[-1]}, headers=gated.admin, timeout=60
+        f"{gated.base_url}/art/models/{MODEL}/promote", json={"step": 4}, headers=gated.admin, timeout=60
     )
-    assert forward.status_code == 200 and forward.json()["served_step"] == bad[-1], forward.text
+    assert forward.status_code == 200 and forward.json()["served_step"] == 4, forward.text
     history = forward.json()["promotions"]
     assert [(p["action"], p["actor"], p["step"]) for p in history[:2]] == [
-        ("promote", "admin", bad[-1]),
-        ("rollback", "admin", previous),
+        ("promote", "admin", 4),
+        ("rollback", "admin", 1),
     ]
     missing = httpx.post(
         f"{gated.base_url}/art/models/{MODEL}/promote", json={"step": 999}, headers=gated.admin, timeout=30
@@ -293,11 +226,9 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
 
     samples = metric_samples(gated)
     model = (("model", MODEL),)
-    assert samples[("artgw_adapter_step", model)] == bad[-1]
-    assert samples[("artgw_adapter_latest_step", model)] == bad[-1]
-    gate_promotions = (("action", "promote"), ("actor", "gate"), ("model", MODEL))
-    by_gate = [p for p in after_bad["promotions"] if p["actor"] == "gate" and p["action"] == "promote"]
-    assert samples[("artgw_promotions_total", gate_promotions)] == len(by_gate) >= len(good)
+    assert samples[("artgw_adapter_step", model)] == 4
+    assert samples[("artgw_adapter_latest_step", model)] == 4
+    assert samples[("artgw_promotions_total", (("action", "promote"), ("actor", "gate"), ("model", MODEL)))] == 2
     assert samples[("artgw_promotions_total", (("action", "rollback"), ("actor", "admin"), ("model", MODEL)))] == 1
-    failed = samples[("artgw_gate_evaluations_total", (("model", MODEL), ("status", "failed")))]
-    assert failed == len([e for e in after_bad["evaluations"] if e["status"] == "failed"]) >= len(held_back)
+    assert samples[("artgw_gate_evaluations_total", (("model", MODEL), ("status", "failed")))] == 2
+    assert samples[("artgw_gate_evaluations_total", (("model", MODEL), ("status", "passed")))] == 2
