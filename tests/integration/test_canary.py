@@ -1,7 +1,8 @@
-"""The canary, with a real vLLM: `artgw serve --promotion gated --canary 0.3` and no eval set.
+"""The canary: `artgw serve --promotion gated --canary 0.3` and no eval set, in front of the stand-in engine.
 
-Steps are real LoRA adapters (PEFT, random weights, on the tiny model) loaded as a trainer loads them. The
-rewards are the test's own (`POST /v1/art/rewards` and groups), so what is decided is known in advance:
+Steps are real LoRA adapters (PEFT, random weights, on the tiny model) loaded as a trainer loads them (the real
+engine serving hot-loaded steps is test_trainer_e2e's). The rewards are the test's own (`POST /v1/art/rewards`
+and groups), so what is decided is known in advance:
 
 - a candidate gets 30% of the rollouts asking for `my-agent`, every call of a rollout on one step, and each
   reward counts for the step that served its rollout; rewarded better, it is promoted;
@@ -21,9 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, metric, poll, start_gateway
-
-pytestmark = pytest.mark.engine
+from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_stub, stop_group
 
 MODEL = "my-agent"
 SHARE = 0.3
@@ -52,14 +51,18 @@ def make_adapter(tiny_model: Path, path: Path, seed: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def canary(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gateway = start_gateway(
-        tmp_path_factory.mktemp("canary"),
-        *("--upstream", vllm_url, "--promotion", "gated", "--canary", str(SHARE)),
-        *("--canary-min-rewards", str(MIN_REWARDS), "--gate-margin", "0.05"),
-    )
-    yield gateway
-    gateway.stop()
+def canary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    stub_url, stub = start_stub()  # loads adapters as vLLM's runtime LoRA API does; what it answers is not judged
+    try:
+        gateway = start_gateway(
+            tmp_path_factory.mktemp("canary"),
+            *("--upstream", stub_url, "--promotion", "gated", "--canary", str(SHARE)),
+            *("--canary-min-rewards", str(MIN_REWARDS), "--gate-margin", "0.05"),
+        )
+        yield gateway
+        gateway.stop()
+    finally:
+        stop_group(stub)
 
 
 def status(gateway: GatewayProcess) -> dict[str, Any]:
