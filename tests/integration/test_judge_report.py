@@ -25,7 +25,7 @@ from PIL import Image
 from store import create_engine
 from store.groups import NewGroup, NewMember, insert_group, scored
 from tests.conftest import ARTGW, GatewayProcess, metric, start_gateway, start_stub, stop_group
-from tests.unit.test_judge_report import reference_kendall_tau_b, reference_spearman
+from tests.rank_stats import reference_kendall_tau_b, reference_spearman
 
 THRESHOLD = 0.3  # not the default (0.5): the MEDIUM rubric (mean rho 0.45) passes only if the setting reaches it
 JUDGE = "openai/gpt-4o-mini"

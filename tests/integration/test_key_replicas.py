@@ -19,7 +19,7 @@ import pytest
 
 from gateway.auth import REFRESH_SECONDS
 from tests.conftest import GatewayProcess, holds, poll, start_stub, started_together, stop_group
-from tests.integration.test_keys import CHAT_A, sent, serve
+from tests.key_helpers import CHAT_A, sent, serve
 
 pytestmark = [pytest.mark.postgres]
 

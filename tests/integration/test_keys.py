@@ -36,32 +36,17 @@ import psutil
 import pytest
 
 from gateway.errors import OpenAIError
-from tests.conftest import ARTGW, GatewayProcess, poll, start_gateway, start_stub, stop_group
+from tests.conftest import ARTGW, GatewayProcess, poll, start_stub, stop_group
+from tests.key_helpers import CHAT_A, MODELS, USER, sent, serve
 
-MODELS = ("a", "b")
 SCOPES = ("infer", "reward", "read")
 METRICS_KEY = "metrics-key-for-prometheus-0123"
 NEVER_MADE = "sk-art-this-key-was-never-made-0000"  # a well-formed key the gateway never issued
-USER = [{"role": "user", "content": "hi"}]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a process started here: the shell's ARTGW_* removed, so only what a test sets counts."""
     return {**{k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}, **extra}
-
-
-def serve(
-    where: Path, upstream: str, *args: str, env: dict[str, str] | None = None, wait: bool = True
-) -> GatewayProcess:
-    """`artgw serve` for models `a` and `b` in front of `upstream`, the shell's ARTGW_* variables left out."""
-    return start_gateway(where, "--upstream", upstream, *args, env=env, wait=wait, models=MODELS, isolated=True)
-
-
-def sent(secret: str | None, how: str = "bearer") -> dict[str, str]:
-    """The headers that carry `secret`: `Authorization: Bearer` (the OpenAI SDK) or `x-api-key` (Anthropic's)."""
-    if secret is None:
-        return {}
-    return {"Authorization": f"Bearer {secret}"} if how == "bearer" else {"x-api-key": secret}
 
 
 def shown(secret: str) -> str:
@@ -176,8 +161,6 @@ def _populated(w: World) -> World:
 
 
 # ---------------------------------------------------------------- the endpoints: each row's request, and its success
-
-CHAT_A = {"model": "a", "messages": USER, "max_tokens": 4}
 
 
 @dataclass

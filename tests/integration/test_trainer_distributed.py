@@ -37,7 +37,7 @@ from tests.conftest import (
     stop_group,
     write_records,
 )
-from tests.integration.test_trainer_crash import assert_exactly_once, checkpoint, group_states, status
+from tests.trainer_checks import assert_exactly_once, checkpoint, group_states, status
 
 MODEL = "my-agent"
 GROUPS = 6

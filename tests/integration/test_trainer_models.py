@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests.conftest import GatewayProcess, TrainerProcess, poll, query_store, start_gateway, stop_group
-from tests.integration.test_trainer_crash import assert_exactly_once, checkpoint, status
+from tests.trainer_checks import assert_exactly_once, checkpoint, status
 
 pytestmark = pytest.mark.engine
 

@@ -116,3 +116,15 @@ def test_importing_a_room_loads_nothing_above_it(module: str, forbidden: set[str
     code = f"import {module}, sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(forbidden)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared fixtures and builders live in tests/conftest.py or small helper modules (tests/*.py), never in a
+    test module another one imports (importing it would collect its tests twice over and tie the two together)."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names if ".test_" in f".{name}"]
+    assert offenders == []
