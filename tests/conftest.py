@@ -280,6 +280,23 @@ def start_gateway(
 
 
 @contextmanager
+def gateway_on_stub(
+    tmp_path: Path, *args: str, stub_args: Sequence[str] = (), models: Sequence[str] = ("my-agent",)
+) -> Iterator[GatewayProcess]:
+    """`artgw serve ... args` in front of a stand-in engine of its own (`start_stub(*stub_args)`); both stopped on
+    exit, the stand-in also when the gateway fails to start."""
+    stub_url, stub = start_stub(*stub_args)
+    try:
+        gateway = start_gateway(tmp_path, "--upstream", stub_url, *args, models=models)
+        try:
+            yield gateway
+        finally:
+            gateway.stop()
+    finally:
+        stop_group(stub)
+
+
+@contextmanager
 def started_together(gateways: list[GatewayProcess], timeout: float = 90) -> Iterator[list[GatewayProcess]]:
     """Replicas started at once (`wait=False`: both migrate the empty store on start, one waits for the
     other's lock), once all are ready; stopped on exit."""

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_stub, stop_group
+from tests.conftest import GatewayProcess, gateway_on_stub, metric, poll
 
 MODEL = "my-agent"
 SHARE = 0.3
@@ -52,17 +52,13 @@ def make_adapter(tiny_model: Path, path: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def canary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    stub_url, stub = start_stub()  # loads adapters as vLLM's runtime LoRA API does; what it answers is not judged
-    try:
-        gateway = start_gateway(
-            tmp_path_factory.mktemp("canary"),
-            *("--upstream", stub_url, "--promotion", "gated", "--canary", str(SHARE)),
-            *("--canary-min-rewards", str(MIN_REWARDS), "--gate-margin", "0.05"),
-        )
+    # The stand-in engine loads adapters as vLLM's runtime LoRA API does; what it answers is not judged here.
+    with gateway_on_stub(
+        tmp_path_factory.mktemp("canary"),
+        *("--promotion", "gated", "--canary", str(SHARE)),
+        *("--canary-min-rewards", str(MIN_REWARDS), "--gate-margin", "0.05"),
+    ) as gateway:
         yield gateway
-        gateway.stop()
-    finally:
-        stop_group(stub)
 
 
 def status(gateway: GatewayProcess) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ARTGW, Background, GatewayProcess, poll, start_gateway, start_stub, start_trainer, stop_group
+from tests.conftest import ARTGW, Background, GatewayProcess, gateway_on_stub, poll, start_trainer, stop_group
 
 MODEL = "my-agent"
 RIGHT = "yes"
@@ -42,16 +42,12 @@ MARGIN = 0.0  # not worse at all: equal answers pass (the interval of identical 
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    stub_url, stub = start_stub("--answers", json.dumps(ANSWERS))
-    try:
-        gateway = start_gateway(
-            tmp_path_factory.mktemp("gated"),
-            *("--upstream", stub_url, "--promotion", "gated", "--gate-margin", str(MARGIN)),
-        )
+    with gateway_on_stub(
+        tmp_path_factory.mktemp("gated"),
+        *("--promotion", "gated", "--gate-margin", str(MARGIN)),
+        stub_args=("--answers", json.dumps(ANSWERS)),
+    ) as gateway:
         yield gateway
-        gateway.stop()
-    finally:
-        stop_group(stub)
 
 
 @pytest.fixture(scope="module")
