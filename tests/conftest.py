@@ -660,6 +660,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every test that starts or uses a real vLLM engine runs on one xdist worker (`--dist loadgroup`), one after
     another: two engines never compete for this machine's two cores, and the session's shared engine is started
     once. The rest spread over the workers."""
+    if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups to make (nor their marker)
+        return
     for item in items:
         if item.get_closest_marker("engine") is not None:
             item.add_marker(pytest.mark.xdist_group("engine"))
