@@ -11,7 +11,9 @@ below the ASGI app, so the app and the data path are untouched:
 - body: from the end of the head until the last byte of the body: a total, not a gap between reads, so a
   client trickling a byte now and then can't hold the connection either.
 
-Past one of them the connection is closed; a request cut off in its head or body (and not yet answered) gets
+A deadline found past is confirmed once more after the loop's next poll of its sockets: a stalled loop must
+not cut off a client whose bytes arrived in time but were not read yet. Past one of them the connection is
+closed; a request cut off in its head or body (and not yet answered) gets
 a 408 in OpenAI's error shape first. Cost on the data path: each request moves a deadline (a float); a timer
 is only re-armed when none is pending or the new deadline is earlier than the pending one, so a busy
 keep-alive connection arms about one timer per timeout period, not one per request.
@@ -34,6 +36,9 @@ log = logging.getLogger("artgw.gateway")
 # What the connection is waiting for; `_NOTHING` while the app handles a request (a response may stream for
 # as long as the engine takes: that is --request-timeout's business, not a read timeout's).
 _NOTHING, _IDLE, _HEAD, _BODY = range(4)
+# A timer this far ahead runs on the loop's next turn, after its poll (libuv runs the timers due when a turn
+# starts; a zero delay could run in the same pass).
+_AFTER_POLL = 0.001
 
 
 def _timeout_response(message: str) -> bytes:
@@ -78,13 +83,19 @@ class TimedHttpProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_at(deadline, self._expired)
             self._timer_at = deadline
 
-    def _expired(self) -> None:
+    def _expired(self, after_poll: bool = False) -> None:
         self._timer, self._timer_at = None, math.inf
         if self._phase == _NOTHING or self.transport.is_closing():
             return
         if self.loop.time() < self._deadline:  # the deadline moved on since this timer was armed
             self._timer = self.loop.call_at(self._deadline, self._expired)
             self._timer_at = self._deadline
+            return
+        if not after_poll:
+            # uvloop runs due timers before it polls sockets: after a stall (a starved or busy loop), bytes the
+            # client sent in time may still sit unread in the kernel. Decide after the next poll has read them.
+            self._timer = self.loop.call_later(_AFTER_POLL, self._expired, True)
+            self._timer_at = self.loop.time() + _AFTER_POLL
             return
         phase, self._phase = self._phase, _NOTHING
         # No response of ours in the middle of one the app is sending (a pipelined request's head).
