@@ -32,6 +32,7 @@ from gateway.rollouts import RolloutService
 from gateway.settings import Settings
 from gateway.ui import TEMPLATE_CONFIG as UI_TEMPLATES
 from gateway.ui import router as ui_router
+from store.clock import SYSTEM_CLOCK, Clock
 
 # ---------------------------------------------------------------- dependencies (built once, in provide.py)
 
@@ -159,10 +160,12 @@ OPENAPI_CONFIG = OpenAPIConfig(
 )
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> Litestar:
+    """The gateway's ASGI app; its services are built on startup (`clock`: see provide_services)."""
+
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with provide_services(settings) as services:
+        async with provide_services(settings, clock) as services:
             app.state.services = services
             yield
 

@@ -13,7 +13,6 @@ refilled continuously, so a key is back to its full minute 60 s after it stopped
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import math
@@ -21,12 +20,13 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import OpenAIError, model_not_found
+from store.clock import SYSTEM_CLOCK, Clock
 from store.keys import SCOPES, ApiKey, Scope, live_keys, secret_hash
 
 log = logging.getLogger("artgw.auth")
@@ -110,14 +110,15 @@ def same_secret(given: str, expected: str) -> bool:
 class KeyRing:
     """The live keys of this replica, checked in memory; `follow()` keeps them in step with the store."""
 
-    def __init__(self, store: AsyncEngine, *, admin_key: str, required: bool) -> None:
+    def __init__(self, store: AsyncEngine, *, admin_key: str, required: bool, clock: Clock = SYSTEM_CLOCK) -> None:
         self.store = store
         self.admin_key = admin_key
         self.required = required  # --auth required: no key, no call
+        self.clock = clock  # the pace of `follow`, and the rate limits' minutes
         self._by_hash: dict[str, Caller] = {}
         # Bumped by each key made or revoked here: a store read that was under way meanwhile may predate it.
         self._changes = 0
-        self.limits = RateLimits()
+        self.limits = RateLimits(clock)
 
     def caller(self, headers: Mapping[str, str]) -> Caller:
         """The caller a request's headers name; 401 `invalid_api_key` for a missing or unknown key when
@@ -181,7 +182,7 @@ class KeyRing:
     async def follow(self, every: float = REFRESH_SECONDS) -> None:
         """Re-read the keys forever; a store hiccup keeps the last good set (and is logged)."""
         while True:
-            await asyncio.sleep(every)
+            await self.clock.sleep(every)
             try:
                 await self.refresh()
             except Exception as exc:
@@ -195,7 +196,7 @@ class KeyRing:
 class _Bucket:
     per_minute: int
     level: float  # what is left; the token bucket may go below 0 (a call's tokens are known only at its end)
-    at: float = field(default_factory=time.monotonic)
+    at: float  # when `level` was last refilled (the clock's monotonic seconds)
 
     def refill(self, now: float) -> None:
         self.level = min(float(self.per_minute), self.level + (now - self.at) * self.per_minute / 60.0)
@@ -209,7 +210,8 @@ class _Bucket:
 class RateLimits:
     """Requests and tokens per minute, per key, on this replica (N replicas: up to N times the limit)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self._requests: dict[str, _Bucket] = {}
         self._tokens: dict[str, _Bucket] = {}
 
@@ -226,10 +228,10 @@ class RateLimits:
         """Take one request from the caller's minute, or 429 `rate_limit_exceeded` with Retry-After."""
         if caller.key_id is None or (caller.rpm is None and caller.tpm is None):
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if caller.tpm is not None:
             tokens = self._bucket(self._tokens, caller.key_id, caller.tpm, now)
-            if tokens.level <= 0:
+            if tokens.level < 1:  # a token at least: the Retry-After below counts to one
                 raise _limited(f"{caller.tpm} tokens per minute", tokens.wait_for(1.0))
         if caller.rpm is not None:
             requests = self._bucket(self._requests, caller.key_id, caller.rpm, now)
@@ -241,7 +243,7 @@ class RateLimits:
         """A finished call's tokens (prompt + completion) count against the caller's tokens per minute."""
         if caller.key_id is None or caller.tpm is None or tokens <= 0:
             return
-        self._bucket(self._tokens, caller.key_id, caller.tpm, time.monotonic()).level -= tokens
+        self._bucket(self._tokens, caller.key_id, caller.tpm, self.clock.monotonic()).level -= tokens
 
 
 def _limited(limit: str, seconds: float) -> OpenAIError:

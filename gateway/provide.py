@@ -47,6 +47,7 @@ from gateway.recorder import Recorder
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.tracing import CallTracer
+from store.clock import SYSTEM_CLOCK, Clock
 from store.db import create_sync_sqlite_engine
 from store.models import active_models, add_models
 from store.provide import Store, open_store
@@ -185,8 +186,9 @@ class Services:
 
 
 @asynccontextmanager
-async def provide_services(settings: Settings) -> AsyncIterator[Services]:
-    """Build every service, start the background work, and stop it all on exit."""
+async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> AsyncIterator[Services]:
+    """Build every service, start the background work, and stop it all on exit. `clock`: the time the rate
+    limits, the key ring's refresh and the canary watcher read (tests move one of their own)."""
     if settings.base_model is not None:  # the supervised engine's port: a free one unless given
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +214,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
         admin_key, made = load_admin_key(settings.admin_key, settings.admin_key_path)
         if made:
             print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
-        keyring = KeyRing(store.engine, admin_key=admin_key, required=settings.auth_required)
+        keyring = KeyRing(store.engine, admin_key=admin_key, required=settings.auth_required, clock=clock)
         await keyring.refresh()
         # With --upstream the base model's name is asked of the engine once it answers.
         base_name = served_base_name(settings.base_model) if settings.base_model is not None else None
@@ -284,6 +286,7 @@ async def provide_services(settings: Settings) -> AsyncIterator[Services]:
             confidence=settings.gate_confidence,
             concurrency=settings.eval_concurrency,
             canary_min_rewards=settings.canary_min_rewards,
+            clock=clock,
         )
         adapters.on_commit = promotions.step_committed
         services = Services(

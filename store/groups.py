@@ -228,14 +228,16 @@ def _claimable(now: float) -> sa.ColumnElement[bool]:
     return sa.or_(groups.c.state == "ready", sa.and_(groups.c.state == "training", groups.c.lease_expires_at < now))
 
 
-async def claim_groups(conn: AsyncConnection, *, model: str, owner: str, lease_seconds: float, limit: int) -> list[str]:
-    """ready (or training with an expired lease) → training: claim up to `limit` groups, oldest first.
+async def claim_groups(
+    conn: AsyncConnection, *, model: str, owner: str, lease_seconds: float, limit: int, now: float
+) -> list[str]:
+    """ready (or training with an expired lease at `now`, epoch seconds) → training: claim up to `limit` groups,
+    oldest first, leased until `now + lease_seconds`.
 
     On PostgreSQL the candidates are locked with `FOR UPDATE SKIP LOCKED`, so concurrent trainers
     never wait on or double-claim a group; on SQLite the single writer serializes claims, and the
     guarded UPDATE ... RETURNING reports only what this claim really took.
     """
-    now = time.time()
     candidates = (
         sa.select(groups.c.id)
         .where(groups.c.model == model, _claimable(now))
@@ -253,12 +255,14 @@ async def claim_groups(conn: AsyncConnection, *, model: str, owner: str, lease_s
     return [gid for gid in ids if gid in taken]
 
 
-async def renew_lease(conn: AsyncConnection, group_ids: Sequence[str], owner: str, lease_seconds: float) -> int:
-    """Keep a claim alive (no state change)."""
+async def renew_lease(
+    conn: AsyncConnection, group_ids: Sequence[str], owner: str, lease_seconds: float, *, now: float
+) -> int:
+    """Keep a claim alive until `now + lease_seconds` (no state change); how many groups it still holds."""
     result = await conn.execute(
         sa.update(groups)
         .where(groups.c.id.in_(group_ids), groups.c.state == "training", groups.c.lease_owner == owner)
-        .values(lease_expires_at=time.time() + lease_seconds)
+        .values(lease_expires_at=now + lease_seconds)
     )
     return result.rowcount
 

@@ -524,6 +524,7 @@ async def wait_for_batch(
                         owner=owner,
                         lease_seconds=config.lease_seconds,
                         limit=config.groups_per_step - len(lineage.claimed),
+                        now=time.time(),
                     )
                 if lineage.ready(config):
                     return lineage
@@ -532,7 +533,7 @@ async def wait_for_batch(
             held = [group_id for lineage in lineages for group_id in lineage.claimed]
             if held:  # keep what we hold alive while waiting for more
                 async with store.begin() as conn:
-                    await renew_lease(conn, held, owner, config.lease_seconds)
+                    await renew_lease(conn, held, owner, config.lease_seconds, now=time.time())
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except TimeoutError:
@@ -757,7 +758,7 @@ async def train_one_step(
     # launcher restarts the group, which trains these groups again; the step is not committed.
     distributed.barrier()
     async with store.begin() as conn:  # a long step must not lose its claim just before the commit
-        await renew_lease(conn, data.group_ids, owner, config.lease_seconds)
+        await renew_lease(conn, data.group_ids, owner, config.lease_seconds, now=time.time())
     failure = await commit_step(store, config, lineage.name, step, path, data.group_ids, owner, metrics)
     step_span(tracer, lineage.name, step, metrics, started, failure)
     if failure is not None:

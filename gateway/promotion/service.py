@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import math
-import time
 import uuid
 from typing import Any
 
@@ -39,6 +38,7 @@ from gateway.promotion.graders import (
 )
 from gateway.proxy import EVAL_ROLLOUT_PREFIX, CallOrigin
 from gateway.rollouts import RolloutService
+from store.clock import SYSTEM_CLOCK, Clock
 from store.promotions import (
     CANARY,
     EvalSetRow,
@@ -76,6 +76,7 @@ class PromotionService:
         confidence: float,
         concurrency: int,
         canary_min_rewards: int = 50,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.adapters = adapters
         self.registry = adapters.registry
@@ -88,6 +89,7 @@ class PromotionService:
         self.confidence = confidence
         self.concurrency = concurrency
         self.canary_min_rewards = canary_min_rewards
+        self.clock = clock  # the live-reward watcher's pace
         self._pending: dict[str, int] = {}  # model -> newest committed step not evaluated yet
         self._workers: dict[str, asyncio.Task[None]] = {}
 
@@ -201,7 +203,9 @@ class PromotionService:
         try:
             candidate, promoted = await self._score_set(model, step, baseline, spec)
         except EvalFailed as exc:
-            done = msgspec.structs.replace(started, status="error", error=str(exc)[:2000], finished_at=time.time())
+            done = msgspec.structs.replace(
+                started, status="error", error=str(exc)[:2000], finished_at=self.clock.time()
+            )
         else:
             verdict = paired_gate(candidate, promoted, margin=self.margin, confidence=self.confidence)
             done = msgspec.structs.replace(
@@ -212,7 +216,7 @@ class PromotionService:
                 baseline_mean=math.fsum(promoted) / len(promoted),
                 ci_low=verdict.ci_low if math.isfinite(verdict.ci_low) else None,
                 ci_high=verdict.ci_high if math.isfinite(verdict.ci_high) else None,
-                finished_at=time.time(),
+                finished_at=self.clock.time(),
             )
         async with self.store.begin() as conn:
             await save_evaluation(conn, done)
@@ -271,7 +275,7 @@ class PromotionService:
 
     async def _start_canary(self, model: str, step: int, baseline: int) -> None:
         """Serve `step` to the canary share of `model`'s rollouts; a canary under way for an older step ends."""
-        now = time.time()
+        now = self.clock.time()
         async with self.registry.models[model].changing:
             async with self.store.begin() as conn:
                 old = (await running_canaries(conn)).get(model)
@@ -308,7 +312,7 @@ class PromotionService:
         if self.registry.canary_share <= 0:
             return
         while True:
-            await asyncio.sleep(every)
+            await self.clock.sleep(every)
             for name in list(self.registry.models):
                 try:
                     await self._decide_canary(name)
@@ -336,7 +340,7 @@ class PromotionService:
             baseline_mean=math.fsum(promoted) / len(promoted),
             ci_low=verdict.ci_low,
             ci_high=verdict.ci_high,
-            finished_at=time.time(),
+            finished_at=self.clock.time(),
         )
         async with self.registry.models[name].changing:
             async with self.store.begin() as conn:

@@ -25,7 +25,7 @@ from store.calls import RolloutFilter, count_calls, list_rollouts, rollout_calls
 from store.codec import CallCache
 from store.db import alembic_config
 from store.errors import Invalid
-from store.groups import list_group_ids
+from store.groups import claim_groups, list_group_ids, renew_lease
 from store.records import CallRecord, ChoiceRecord
 from store.rollouts import RolloutReader
 from store.tables import calls, group_members, groups, metadata, rollouts
@@ -422,6 +422,31 @@ async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:
     assert await pages(2, model="agent", newest_first=True) == [["g-f", "g-e"], ["g-c", "g-b"], ["g-a"]]
     assert await pages(4, model=None, newest_first=True) == [["g-f", "g-e", "g-d", "g-c"], ["g-b", "g-a"]]
     assert await pages(1, model=None, models={"other"}, newest_first=True) == [["g-d"]]
+
+
+async def test_a_lease_holds_until_it_expires_on_the_claimers_clock(engine: AsyncEngine) -> None:
+    """Leases read the `now` each trainer gives the store (its clock): a claim holds until `now + lease`, a
+    renewal moves that on, and past it another trainer takes the group over and the first one's renewal fails."""
+    row = {"model": "agent", "state": "ready", "request_hash": "h", "created_at": 1.0, "updated_at": 1.0}
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(groups), [{"id": "g-1", **row}, {"id": "g-2", **row}])
+
+    async def claim(owner: str, now: float) -> list[str]:
+        async with engine.begin() as conn:
+            return await claim_groups(conn, model="agent", owner=owner, lease_seconds=10, limit=1, now=now)
+
+    async def renew(owner: str, now: float) -> int:
+        async with engine.begin() as conn:
+            return await renew_lease(conn, ["g-1"], owner, 10, now=now)
+
+    assert await claim("one", now=100.0) == ["g-1"]  # oldest first, one at a time
+    assert await claim("two", now=109.0) == ["g-2"]  # g-1 is held until 110
+    assert await claim("three", now=109.9) == []
+    assert await renew("one", now=109.0) == 1  # held until 119 now
+    assert await claim("three", now=118.9) == []
+    assert await claim("three", now=119.5) == ["g-1"]  # its lease ran out: taken over
+    assert await renew("one", now=119.6) == 0  # the first trainer lost it
+    assert await renew("three", now=119.6) == 1
 
 
 async def test_adapter_history_records_loads_unloads_and_refusals(engine: AsyncEngine) -> None:

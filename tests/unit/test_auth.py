@@ -7,24 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from gateway import auth
 from gateway.auth import ADMIN, ANONYMOUS, Caller, RateLimits, bearer, load_admin_key, read_admin_key
 from gateway.errors import OpenAIError
+from store.clock import SystemClock
 
 
-class Clock:
+class Clock(SystemClock):
+    """The buckets' clock, moved by the test (`now`)."""
+
     def __init__(self) -> None:
         self.now = 1000.0
 
-    def __call__(self) -> float:
+    def monotonic(self) -> float:
         return self.now
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(auth.time, "monotonic", fake)
-    return fake
+def clock() -> Clock:
+    return Clock()
 
 
 def key(*, rpm: int | None = None, tpm: int | None = None, models: set[str] | None = None) -> Caller:
@@ -67,7 +67,7 @@ def test_bearer_and_x_api_key_are_read_and_a_malformed_header_is_a_wrong_key() -
 
 
 def test_requests_per_minute_refill_one_every_60_over_rpm_seconds(clock: Clock) -> None:
-    limits, caller = RateLimits(), key(rpm=6)  # one request back every 10 s
+    limits, caller = RateLimits(clock), key(rpm=6)  # one request back every 10 s
     for _ in range(6):
         limits.admit(caller)
     assert retry_after(limits, caller) == 10
@@ -82,16 +82,18 @@ def test_requests_per_minute_refill_one_every_60_over_rpm_seconds(clock: Clock) 
 
 
 def test_tokens_per_minute_are_charged_after_the_call_and_may_overdraw(clock: Clock) -> None:
-    limits, caller = RateLimits(), key(tpm=600)  # 10 tokens a second
+    limits, caller = RateLimits(clock), key(tpm=600)  # 10 tokens a second
     limits.admit(caller)
     limits.charge(caller, 900)  # the call used more than the minute holds: 300 in debt
     assert retry_after(limits, caller) == 31  # (300 + 1) tokens / 10 per s, rounded up
-    clock.now += 31.0
+    clock.now += 30.05  # 0.5 of a token back: still refused, as the Retry-After said
+    assert retry_after(limits, caller) == 1
+    clock.now += 0.95
     limits.admit(caller)
 
 
 def test_keys_without_limits_and_the_admin_are_never_limited(clock: Clock) -> None:
-    limits = RateLimits()
+    limits = RateLimits(clock)
     for _ in range(1000):
         limits.admit(key())
         limits.admit(ADMIN)
