@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,17 @@ async def apoll(check: Callable[[], Any], within: float, what: str, *, every: fl
             raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(every)
     return value
+
+
+async def ticks(period: float, until: asyncio.Event) -> AsyncIterator[int]:
+    """0, 1, 2 ... every `period` seconds until `until` is set: the pace of a sampler or a load generator, which
+    waits for nothing to happen (ends at once when `until` is set)."""
+    n = 0
+    while not until.is_set():
+        yield n
+        n += 1
+        with suppress(TimeoutError):
+            await asyncio.wait_for(until.wait(), period)
 
 
 def metric(url: str, name: str, *, exported: bool = False, **labels: str) -> float:
@@ -605,7 +616,7 @@ class Background:
                 except httpx.HTTPError as exc:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
                 self.calls += 1
-                time.sleep(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
+                self._stop.wait(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
 
     def __enter__(self) -> Background:
         self._thread.start()

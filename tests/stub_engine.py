@@ -5,7 +5,8 @@ client hang-up: with --endless-stream it streams a token every 20 ms until its c
 `GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
 then, but on a busy CPU its own event loop may only notice once the generation is over), and shows the
 W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it).
-Everything else is tested against the real vLLM.
+A plain stream (role, three tokens, usage, [DONE]) serves load tests. Everything else is tested against the
+real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
 [--end-stream-early] [--garbled bad-line|no-logprob] [--answers JSON].
 --answers scripts the content of a plain answer per requested model (a LoRA step is `NAME@K`; "*": any other), so
@@ -69,6 +70,34 @@ async def _endless_stream(receive, send, stats: dict[str, Any]) -> None:  # type
         await send({"type": "http.response.body", "body": _chunk(), "more_body": True})
     stats["streams_aborted"] += 1
     listener.cancel()
+
+
+async def _stream(send) -> None:  # type: ignore[no-untyped-def]
+    """A whole stream, as vLLM sends one: a role event with the prompt's token ids, three token events with
+    their logprobs, a few ms apart, the usage, then [DONE]."""
+
+    def event(delta: dict[str, Any], top: dict[str, Any] | None = None, **choice: Any) -> bytes:
+        chunk = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "stub",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, **choice}],
+            **(top or {}),
+        }
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    first = event({"role": "assistant", "content": ""}, {"prompt_token_ids": [1, 2, 3]}, token_ids=[])
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    logprob = {"content": [{"token": "t", "logprob": -0.25, "bytes": [116], "top_logprobs": []}]}
+    for token in (7, 8, 9):
+        await asyncio.sleep(0.003)  # the engine generating
+        body = event({"content": "t"}, token_ids=[token], logprobs=logprob)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    last = event({}, {"usage": usage}, finish_reason="stop", token_ids=[]) + b"data: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def _body(receive) -> bytes:  # type: ignore[no-untyped-def]
@@ -186,6 +215,9 @@ def make_app(  # type: ignore[no-untyped-def]
                 if die_mid_stream:
                     os._exit(1)  # the engine dies mid-stream
                 await send({"type": "http.response.body", "body": b"", "more_body": False})  # no [DONE]
+                return
+            if request.get("stream") and status == 200 and not answers:
+                await _stream(send)
                 return
             temperature = request.get("temperature")
             if isinstance(temperature, int | float) and temperature < 0:  # as vLLM: its own 400, param named

@@ -8,32 +8,28 @@ by hand, e.g. `ARTGW_CRASH_ROUNDS=20 ARTGW_CRASH_CONCURRENCY=128 pytest tests/in
 Also a memory test: calls of several MB while the store is locked keep the gateway's RSS under a bound
 (`RSS_GROWTH_BOUND` over its idle RSS) and lose nothing.
 
-The upstream is this file run as a script: a fixed-answer stand-in for vLLM that also streams (a role
-event, three token events, usage, [DONE], a few ms apart), cheap enough that the gateway is the bottleneck.
+The upstream is the stand-in engine (tests/stub_engine.py): fixed answers and streams (a role event, three token
+events, usage, [DONE], a few ms apart), cheap enough that the gateway is the bottleneck.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import sqlite3
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if __name__ != "__main__":
-    from tests.conftest import ARTGW, apoll, free_port, stop_group, wait_http
+from tests.conftest import ARTGW, apoll, free_port, poll, start_stub, stop_group, ticks, wait_http
 
 ROUNDS = int(os.environ.get("ARTGW_CRASH_ROUNDS", "3"))
 CONCURRENCY = int(os.environ.get("ARTGW_CRASH_CONCURRENCY", "48"))
@@ -46,86 +42,6 @@ CONCURRENCY = int(os.environ.get("ARTGW_CRASH_CONCURRENCY", "48"))
 # RSS, which grows with the gateway's imports (an absolute 400 MB bound began to fail at idle ~190 MB).
 RSS_GROWTH_BOUND = 320 << 20
 QUEUE_BYTES = 32 << 20
-
-
-# -- the upstream (run as a script)
-
-
-def _upstream_app():  # type: ignore[no-untyped-def]
-    completion = {
-        "id": "chatcmpl-crash",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "base",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "ok"},
-                "logprobs": {"content": [{"token": "ok", "logprob": -0.5, "bytes": [111, 107], "top_logprobs": []}]},
-                "finish_reason": "stop",
-                "token_ids": [7],
-            }
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        "prompt_token_ids": [1, 2, 3],
-    }
-    body = json.dumps(completion).encode()
-    models = json.dumps({"object": "list", "data": [{"id": "base", "root": "base", "parent": None}]}).encode()
-
-    def chunk(delta: dict[str, Any], top: dict[str, Any] | None = None, **choice: Any) -> bytes:
-        event = {
-            "id": "x",
-            "object": "chat.completion.chunk",
-            "created": 0,
-            "model": "base",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, **choice}],
-            **(top or {}),
-        }
-        return b"data: " + json.dumps(event).encode() + b"\n\n"
-
-    logprob = {"content": [{"token": "t", "logprob": -0.25, "bytes": [116], "top_logprobs": []}]}
-    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-    last = chunk({}, {"usage": usage}, finish_reason="stop", token_ids=[]) + b"data: [DONE]\n\n"
-
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
-        if scope["type"] != "http":
-            return
-        request = b""
-        more = True
-        while more:
-            message = await receive()
-            request += message.get("body", b"")
-            more = message.get("more_body", False)
-        path = scope["path"]
-        if path == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        if path == "/v1/models":
-            payload = models
-        elif path == "/v1/chat/completions" and b'"stream":true' in request.replace(b" ", b""):
-            headers = [(b"content-type", b"text/event-stream")]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            first = chunk({"role": "assistant", "content": ""}, {"prompt_token_ids": [1, 2, 3]}, token_ids=[])
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            for token in (7, 8, 9):
-                await asyncio.sleep(0.003)
-                event = chunk({"content": "t"}, token_ids=[token], logprobs=logprob)
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": last, "more_body": False})
-            return
-        elif path == "/v1/chat/completions":
-            payload = body
-        else:
-            payload = b'{"error": {"message": "not found", "code": 404}}'
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
-
-    return app
-
-
-# -- helpers
 
 
 class Gateway:
@@ -173,17 +89,9 @@ class Gateway:
             stop_group(self.proc)
 
 
-def start_upstream() -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health", 30, proc)
-    return url, proc
-
-
 @pytest.fixture
 def upstream() -> Iterator[str]:
-    url, proc = start_upstream()
+    url, proc = start_stub()  # its plain answers and streams are cheap: the gateway is the bottleneck
     yield url
     stop_group(proc)
 
@@ -196,9 +104,8 @@ def recorded(db: Path) -> dict[str, int]:
 
 def wait_recorded(db: Path, rollouts: set[str], timeout: float) -> None:
     """Until these rollouts are all in the store, or `timeout` (the assertions that follow say what is missing)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not rollouts <= set(recorded(db)):
-        time.sleep(0.2)
+    with contextlib.suppress(AssertionError):
+        poll(lambda: rollouts <= set(recorded(db)), timeout, "the answered calls to be recorded")
 
 
 async def one_call(client: httpx.AsyncClient, url: str, rollout: str, stream: bool, content: str = "hi") -> bool:
@@ -230,8 +137,9 @@ async def load(url: str, prefix: str, stop: asyncio.Event, complete: set[str], s
                 started.append(rollout)
                 if await one_call(client, url, rollout, stream=(w + n) % 2 == 0):
                     complete.add(rollout)
-                else:
-                    await asyncio.sleep(0.05)  # the gateway is gone: don't spin on refused connections
+                else:  # the gateway is gone: don't spin on refused connections
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.05)
 
         await asyncio.gather(*(worker(w) for w in range(CONCURRENCY)))
 
@@ -303,13 +211,12 @@ async def test_large_calls_against_a_locked_store_keep_memory_bounded(tmp_path: 
         holder = sqlite3.connect(gateway.db, timeout=30, check_same_thread=False)
         holder.execute("BEGIN EXCLUSIVE")  # the store is locked for the whole burst
         peak = 0
-        sampling = True
+        sampled = asyncio.Event()  # set: the sampling is over
 
         async def sample() -> None:
             nonlocal peak
-            while sampling:
+            async for _ in ticks(0.05, sampled):
                 peak = max(peak, process.memory_info().rss)
-                await asyncio.sleep(0.05)
 
         sampler = asyncio.create_task(sample())
         answered: set[str] = set()
@@ -329,7 +236,7 @@ async def test_large_calls_against_a_locked_store_keep_memory_bounded(tmp_path: 
         holder.close()
         await asyncio.to_thread(wait_recorded, gateway.db, answered, 120)
         after_rss = process.memory_info().rss
-        sampling = False
+        sampled.set()
         await sampler
     finally:
         gateway.stop()
@@ -342,9 +249,3 @@ async def test_large_calls_against_a_locked_store_keep_memory_bounded(tmp_path: 
     assert max(burst_peak, peak) - idle_rss < RSS_GROWTH_BOUND  # ... not in memory
     counts = recorded(gateway.db)
     assert all(counts.get(r) == 1 for r in answered)
-
-
-if __name__ == "__main__":
-    import uvicorn
-
-    uvicorn.run(_upstream_app(), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)

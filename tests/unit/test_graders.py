@@ -39,6 +39,7 @@ from gateway.promotion.graders import (
     grade,
     ruler_compare,
 )
+from tests.conftest import ticks
 
 USER = {"role": "user", "content": "Did the motion pass?"}
 TOOLS = [{"type": "function", "function": {"name": "report", "parameters": {"type": "object"}}}]
@@ -110,21 +111,22 @@ async def test_regex(pattern: str, content: str | None, expected: float) -> None
 async def test_a_regex_that_backtracks_catastrophically_fails_the_evaluation_without_stalling_the_loop() -> None:
     """`(x+x+)+y` on 5,000 x's backtracks for far longer than anyone waits; meanwhile the event loop (the
     gateway's calls) keeps running, and the grader fails with the reason after REGEX_SECONDS."""
-    ticks = 0
+    ticked = 0
+    done = asyncio.Event()
 
     async def tick() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
+        nonlocal ticked
+        async for ticked in ticks(0.01, done):  # noqa: B007 (the count is read after the loop)
+            pass
 
     ticker = asyncio.create_task(tick())
     try:
         with pytest.raises(GraderFailed, match=r"took over 1 s on an answer of 5000 characters"):
             await reward(decode_grader({"type": "regex", "pattern": "(x+x+)+y"}), text("x" * 5000))
     finally:
-        ticker.cancel()
-    assert ticks >= 5  # the loop went on while the pattern ran (about 100 ticks of 10 ms; none if it blocked)
+        done.set()
+        await ticker
+    assert ticked >= 5  # the loop went on while the pattern ran (about 100 ticks of 10 ms; none if it blocked)
 
 
 # ---------------------------------------------------------------------------------------------- json_schema
