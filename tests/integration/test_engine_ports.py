@@ -1,9 +1,14 @@
-"""Two supervised gateways on one machine: each gets an engine port of its own, serves and records its own model,
-and a taken engine port is a clear error at once, never a silent share of another gateway's engine."""
+"""Two supervised gateways (`artgw serve --base-model`) on one machine: each starts vLLM on an engine port of its
+own, serves and records its own model, and a taken engine port is a clear error at once, never a silent share of
+another gateway's engine. Then each ends as a gateway can: one stopped (SIGTERM: it stops its engine and exits 0),
+one killed outright (SIGKILL: its engine dies with it, by the kernel's parent-death signal). Killing the engine
+under a gateway, and its restart, is test_engine_restart's."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -96,6 +101,9 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
                 print(gateway.log()[-5000:])
                 raise
         print(f"both gateways ready in {time.monotonic() - started:.1f}s")
+        for key, gateway in gateways.items():  # what `serve` prints once it serves
+            ready = rf"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+models=agent-{key}\s+auth=off"
+            assert re.search(ready, gateway.log()), gateway.log()[-3000:]
 
         engine_ports = {key: engine_port_of(g) for key, g in gateways.items()}
         assert engine_ports["a"] != engine_ports["b"]
@@ -136,13 +144,25 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
         serve_fails_at_once(tmp_path, models["b"], engine_ports["a"])
         for gateway in gateways.values():  # and disturbed nobody
             assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 200
+
+        # A is stopped: it stops its engine and exits 0, leaving nothing behind.
+        stopped = _tree_or_empty(gateways["a"].proc.pid)
+        assert gateways["a"].stop() == 0, gateways["a"].log()[-3000:]
+        _, alive = psutil.wait_procs(stopped, timeout=60)
+        assert not alive, f"left behind by the stopped gateway: {alive}"
+        # B is killed outright, with no chance to clean up: its engine must not outlive it.
+        engine = [p for p in _tree_or_empty(gateways["b"].proc.pid) if p.pid != gateways["b"].proc.pid]
+        assert engine, "no engine under gateway B"
+        gateways["b"].proc.send_signal(signal.SIGKILL)
+        gateways["b"].proc.wait(30)
+        _, alive = psutil.wait_procs(engine, timeout=60)
+        assert not alive, f"left behind by the killed gateway: {alive}"
     finally:
         for gateway in gateways.values():
             processes += [p for p in _tree_or_empty(gateway.proc.pid) if p not in processes]
             gateway.stop()
     _, alive = psutil.wait_procs(processes, timeout=60)
     assert not alive, f"left behind: {alive}"
-    assert all(gateway.proc.returncode == 0 for gateway in gateways.values())
 
 
 def test_a_taken_engine_port_is_a_clear_error_at_once(tiny_model: Path, tmp_path: Path) -> None:

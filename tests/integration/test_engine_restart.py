@@ -155,6 +155,11 @@ def assert_clean_error(call: InFlight) -> None:
     assert error["code"] in ("upstream_error", "upstream_unreachable", "engine_unavailable"), error
 
 
+def readiness(gateway: GatewayProcess) -> tuple[int, str]:
+    r = httpx.get(f"{gateway.url}/readyz", timeout=10)
+    return r.status_code, r.json()["engine"]
+
+
 def recorded_status(gateway: GatewayProcess, rollout_id: str) -> str | None:
     r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10)
     if r.status_code != 200:
@@ -207,6 +212,8 @@ def crash_and_recover(gateway: GatewayProcess, engine_port: int, victim: str) ->
     calls = generating_calls(gateway, engine_url, victim, running_before)  # nothing slow between this and the kill
     killed_at = time.monotonic()
     target.send_signal(signal.SIGKILL)
+    # While it restarts the engine, the gateway says so (vLLM takes far longer to start than this poll's bound).
+    poll(lambda: readiness(gateway) == (503, "restarting"), 60, "the gateway to say its engine is restarting")
 
     for call in calls:
         call.join()
