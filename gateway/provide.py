@@ -152,9 +152,12 @@ class Services:
         """
         ready = self.engine.state == "ready"
         if ready:
+            # Any failure is "not ready", never a 500: httpx has raised AttributeError on a connection cut by the
+            # engine's death.
             try:
                 ready = (await self.client.get("/health", timeout=2.0)).status_code == 200
-            except httpx.TransportError:
+            except Exception as exc:
+                log.info("readiness: the engine's /health failed: %r", exc)
                 ready = False
         body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
         body["store"] = await self.store_state()
