@@ -44,7 +44,7 @@ from gateway.promotion.graders import RulerJudge
 from gateway.promotion.service import PromotionService
 from gateway.proxy import EngineCalls
 from gateway.recorder import Recorder
-from gateway.rollouts import RolloutService
+from gateway.rollouts import RolloutOwners, RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.tracing import CallTracer
 from store.clock import SYSTEM_CLOCK, Clock
@@ -272,6 +272,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             request_timeout=settings.request_timeout,
             registry=registry,
             recorder=recorder,
+            owners=RolloutOwners(store.engine),
             engine_state=lambda: engine.state,
             metrics=metrics,
             limits=keyring.limits,

@@ -29,10 +29,10 @@ from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
 from gateway.recorder import Recorder
+from gateway.rollouts import ROLLOUT_HEADER, RolloutOwners
 from gateway.tracing import CallTracer
 from store.records import Api, CallRecord, CallStatus, ChoiceRecord
 
-ROLLOUT_HEADER = "X-ART-Rollout-Id"
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 # The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
 # a prefix no client may use.
@@ -228,6 +228,7 @@ class EngineCalls:
         recorder: Recorder,
         engine_state: EngineStateOf,
         metrics: GatewayMetrics,
+        owners: RolloutOwners,
         limits: RateLimits | None = None,
         tracer: CallTracer | None = None,
     ) -> None:
@@ -243,12 +244,15 @@ class EngineCalls:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
         self.registry = registry
         self.recorder = recorder
+        self.owners = owners  # a rollout's calls are all of one model
         self.engine_state = engine_state
 
     async def run(self, call_in: EngineRequest, origin: CallOrigin, hang_up: HangUp | None) -> JSONBody | EventStream:
         """Answer one accepted call. `hang_up` (the server's, gateway/server.py) lets a call that is not
         streamed notice the client hanging up while the engine works: the engine's request is then closed
         (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
+        if origin.explicit:  # an id the gateway made up is new and random: nobody else's
+            await self.owners.claim(origin.rollout_id, call_in.route.model)
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, origin, call_in, time.time())
         self.recorder.begin(origin.rollout_id)

@@ -1,18 +1,79 @@
-"""Reading rollouts over HTTP: the store's reader, after the recorder has written what is on its way."""
+"""Rollouts over HTTP: whose a rollout is (`RolloutOwners`), and reading them (the store's reader, after the
+recorder has written what is on its way)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
-from store.calls import RolloutFilter
+from store.calls import RolloutFilter, rollout_model
 from store.errors import NotFound
 from store.rollouts import RolloutPage, RolloutReader
 from store.trajectories import Trajectory
+
+log = logging.getLogger("artgw.gateway")
+
+ROLLOUT_HEADER = "X-ART-Rollout-Id"  # the rollout a call belongs to (or a `/rollouts/{id}/v1` prefix)
+
+
+class RolloutOwners:
+    """A rollout belongs to the trainable model of its calls. A call of another trainable model that names it is
+    refused (409 `rollout_id_taken`) before the engine sees it, so it never joins it: another key's calls can't
+    be read, grouped or trained as this model's, nor this model's as theirs. Calls of the base model (no
+    trainable model; no model-scoped key may make them) join any rollout, and a rollout of such calls only is
+    taken by the first trainable model that calls in it.
+
+    Rollout ids are not namespaced per model: a tenant that can guess another's ids can take them first (that
+    one's calls then get the 409), so clients should use ids nobody can guess (a UUID in them); the ones the
+    gateway makes up are random. Owners are remembered here (the newest `size` ids) and looked up in the store
+    for ids not seen yet; with the store away the call goes on, and the store keeps a stray call apart when it
+    writes it (store/calls.py).
+    """
+
+    def __init__(self, store: AsyncEngine, *, size: int = 50_000, lookup_seconds: float = 2.0) -> None:
+        self.store = store
+        self.size = size
+        self.lookup_seconds = lookup_seconds
+        self._owners: OrderedDict[str, str | None] = OrderedDict()  # rollout id -> its model (None: none yet)
+
+    async def claim(self, rollout_id: str, model: str | None) -> None:
+        """Let a call of `model` join `rollout_id` (the first trainable one makes it its own), or raise the 409."""
+        if rollout_id in self._owners:
+            self._owners.move_to_end(rollout_id)
+        else:
+            stored = await self._lookup(rollout_id)
+            if rollout_id not in self._owners:  # else another call claimed it while the store answered
+                self._owners[rollout_id] = stored
+                if len(self._owners) > self.size:
+                    self._owners.popitem(last=False)
+        owner = self._owners[rollout_id]
+        if owner is None:
+            self._owners[rollout_id] = model
+        elif model is not None and model != owner:
+            raise OpenAIError(
+                409,
+                f"Rollout `{rollout_id}` belongs to another model: all the calls of a rollout are of one model. "
+                "Use another rollout id (one nobody can guess).",
+                param=ROLLOUT_HEADER,
+                code="rollout_id_taken",
+            )
+
+    async def _lookup(self, rollout_id: str) -> str | None:
+        try:
+            async with asyncio.timeout(self.lookup_seconds), self.store.connect() as conn:
+                return await rollout_model(conn, rollout_id)
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:
+            log.warning("rollout %s: owner unknown (%s); the store keeps a stray call apart", rollout_id, exc)
+            return None
 
 
 class RolloutService:

@@ -49,6 +49,35 @@ async def write_calls(conn: AsyncConnection, records: Sequence[CallRecord], cach
     return await conn.run_sync(write_calls_sync, records, cache)
 
 
+def stray_rollout_id(rollout_id: str, model: str | None) -> str:
+    """Where a call naming a rollout of another model is kept: `ID@MODEL` (`@` is in no client's rollout id).
+    The gateway refuses such calls (409 `rollout_id_taken`); only replicas racing on a new id get here."""
+    return f"{rollout_id}@{model or 'base'}"
+
+
+async def rollout_model(conn: AsyncConnection, rollout_id: str) -> str | None:
+    """The trainable model a recorded rollout belongs to; None when it has none (unknown, or base calls only)."""
+    return (await conn.execute(sa.select(rollouts.c.model).where(rollouts.c.id == rollout_id))).scalar()
+
+
+def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:
+    """A rollout belongs to the trainable model of its calls (calls of the base model, `model` None, join any):
+    a record of another trainable model never joins it (its calls would be read, grouped and trained as the
+    owner's) but is kept, under `stray_rollout_id`."""
+    ids = sorted({r.rollout_id for r in records})
+    found = conn.execute(sa.select(rollouts.c.id, rollouts.c.model).where(rollouts.c.id.in_(ids)))
+    owners: dict[str, str | None] = {row.id: row.model for row in found}
+    kept = []
+    for record in records:
+        owner = owners.get(record.rollout_id)
+        if owner is None:
+            owners[record.rollout_id] = record.model
+        elif record.model is not None and record.model != owner:
+            record = msgspec.structs.replace(record, rollout_id=stray_rollout_id(record.rollout_id, record.model))
+        kept.append(record)
+    return kept
+
+
 def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: CallCache | None = None) -> int:
     """Insert a batch of calls and bump their rollouts, in one transaction. Idempotent per call id.
 
@@ -67,6 +96,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
         cache.discard()  # whatever an earlier, failed, transaction staged
     if not unique:
         return 0
+    unique = {record.call_id: record for record in _keep_apart(conn, list(unique.values()))}
     heads: dict[str, list[Head]] = {}
     rows = []
     for record in unique.values():

@@ -39,7 +39,7 @@ from gateway.tracing import trace_context
 from store.errors import StoreError
 
 Create = Callable[[bytes, CallOrigin, HangUp | None], Awaitable[JSONBody | EventStream]]
-INFERENCE_ERRORS = errors(400, 401, 403, 404, 408, 413, 429, 500, 502, 503, 504)
+INFERENCE_ERRORS = errors(400, 401, 403, 404, 408, 409, 413, 429, 500, 502, 503, 504)
 
 
 def _services(state: State) -> Any:
@@ -151,7 +151,7 @@ def _anthropic_response(exc: AnthropicError) -> Response[bytes]:
     ["/v1/messages", "/rollouts/{rollout_id:str}/v1/messages"],
     status_code=200,
     operation_class=messages_operation,
-    responses=anthropic_errors(400, 401, 403, 404, 408, 413, 429, 500, 502, 503, 504),
+    responses=anthropic_errors(400, 401, 403, 404, 408, 409, 413, 429, 500, 502, 503, 504),
 )
 async def create_message(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
     """Anthropic's Messages API: every error on this route in Anthropic's shape."""

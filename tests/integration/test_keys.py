@@ -586,6 +586,52 @@ def test_the_table_has_a_row_for_every_route(world: World) -> None:
 # ---------------------------------------------------------------- listings, and the key id on each call
 
 
+def _call(world: World, model: str, secret: str, rollout_id: str, content: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    return world.ask("POST", "/v1/chat/completions", secret, json=body, headers={"X-ART-Rollout-Id": rollout_id})
+
+
+@pytest.mark.parametrize("first", ["b", "a"], ids=["the other key first", "the owner first"])
+def test_a_rollout_id_used_by_two_keys_keeps_them_apart(world: World, first: str) -> None:
+    """The attack of #24, both ways: keys of `a` and `b` send calls with one rollout id (guessable ids get
+    reused). The first call's model takes the id; the other key's call is refused with 409 `rollout_id_taken`
+    before the engine sees it, and joins nothing. Each key then reads, groups and rewards only its own calls."""
+    a, b = world.keys["a:all"]["key"], world.keys["b:all"]["key"]
+    second = "a" if first == "b" else "b"
+    secrets = {"a": a, "b": b}
+    shared = f"task-42-attempt-1-{uuid.uuid4().hex[:6]}"
+    assert _call(world, first, secrets[first], shared, f"{first}'s first").status_code == 200
+    refused = _call(world, second, secrets[second], shared, f"{second}'s secret")
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "rollout_id_taken"
+    assert refused.json()["error"]["param"] == "X-ART-Rollout-Id"
+    assert _call(world, first, secrets[first], shared, f"{first}'s second").status_code == 200  # the owner goes on
+
+    mine = world.ask("GET", f"/v1/art/rollouts/{shared}", secrets[first])
+    assert mine.status_code == 200, mine.text
+    key_ids = {"a": world.keys["a:all"]["id"], "b": world.keys["b:all"]["id"]}
+    assert mine.json()["model"] == first
+    assert [c["key_id"] for c in mine.json()["calls"]] == [key_ids[first]] * 2
+    assert f"{second}'s secret" not in mine.text
+    # The other key: no such rollout, whatever it asks.
+    theirs = world.ask("GET", f"/v1/art/rollouts/{shared}", secrets[second])
+    assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "rollout_not_found"
+    listed = world.ask("GET", "/v1/art/rollouts", secrets[second], params={"limit": 1000}).json()["data"]
+    assert shared not in {row["id"] for row in listed}
+    own = f"r-{second}-{uuid.uuid4().hex[:8]}"
+    assert _call(world, second, secrets[second], own, "mine").status_code == 200
+    group = {"model": second, "rollouts": [{"rollout_id": own, "reward": 1}, {"rollout_id": shared, "reward": 0}]}
+    grouped = world.ask("POST", "/v1/art/groups", secrets[second], json=group)
+    assert grouped.status_code in (400, 404) and "shared" not in grouped.json()["error"]["message"].replace(shared, "")
+    rewarded = world.ask("POST", "/v1/art/rewards", secrets[second], json={"rollout_id": shared, "reward": 1})
+    assert rewarded.status_code == 404, rewarded.text
+    # The owner groups its rollout: every call in it is its own.
+    other = f"r-{first}-{uuid.uuid4().hex[:8]}"
+    assert _call(world, first, secrets[first], other, "more").status_code == 200
+    group = {"model": first, "rollouts": [{"rollout_id": shared, "reward": 1}, {"rollout_id": other, "reward": 0}]}
+    assert world.ask("POST", "/v1/art/groups", secrets[first], json=group).status_code == 201
+
+
 def test_listings_show_only_the_keys_models(world: World) -> None:
     """After calls and groups for both models, a key of one sees only that model's, whatever it asks for."""
     for mine, theirs in (("a", "b"), ("b", "a")):

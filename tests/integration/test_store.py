@@ -194,7 +194,7 @@ async def test_rollout_counters_across_batches(engine: AsyncEngine) -> None:
     assert (row.call_count, row.first_call_at, row.last_call_at, row.model) == (3, 101.5, 105.0, "agent")
 
     # Once set, the model is kept; last_call_at only moves forward; `explicit` is the first writer's.
-    await write(engine, [call("c5", "r1", 110.25, model="other", explicit=False), call("c6", "r1", 104.0)])
+    await write(engine, [call("c5", "r1", 110.25, model=None, explicit=False), call("c6", "r1", 104.0)])
     row = await rollout_row(engine, "r1")
     assert (row.call_count, row.first_call_at, row.last_call_at, row.model, row.explicit) == (
         5,
@@ -207,6 +207,28 @@ async def test_rollout_counters_across_batches(engine: AsyncEngine) -> None:
     await write(engine, [call("c7", "r2", 1.0, model=None), call("c8", "r2", 2.0, model="b"), call("c9", "r2", 3.0)])
     assert (await rollout_row(engine, "r2")).model == "b"
     assert (await rollout_row(engine, "r9")).call_count == 1
+
+
+async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine) -> None:
+    """A rollout is its trainable model's: a call of another model naming it (replicas that raced past the
+    gateway's 409) is kept apart under `ID@MODEL`, in a later batch or in the same one, and counted there."""
+    await write(engine, [call("d1", "shared", 1.0, model="alpha")])
+    await write(engine, [call("d2", "shared", 2.0, model="beta"), call("d3", "shared", 3.0, model="alpha")])
+    await write(engine, [call("d4", "new", 1.0, model="beta"), call("d5", "new", 2.0, model="alpha")])
+    async with engine.connect() as conn:
+        owned = {rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("shared", "new")}
+        strays = {
+            rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("shared@beta", "new@alpha")
+        }
+    assert owned == {"shared": ["d1", "d3"], "new": ["d4"]}
+    assert strays == {"shared@beta": ["d2"], "new@alpha": ["d5"]}
+    rows = {rid: await rollout_row(engine, rid) for rid in ("shared", "shared@beta", "new", "new@alpha")}
+    assert {rid: (row.model, row.call_count) for rid, row in rows.items()} == {
+        "shared": ("alpha", 2),
+        "shared@beta": ("beta", 1),
+        "new": ("beta", 1),
+        "new@alpha": ("alpha", 1),
+    }
 
 
 # --- reading -----------------------------------------------------------------------------------------
@@ -490,7 +512,7 @@ async def test_concurrent_writers_exact_counts(engine: AsyncEngine) -> None:
                 f"w{owner}-b{b}-{j}",
                 rollout_ids[(owner + b + j) % len(rollout_ids)],
                 1000.0 + owner * 100 + b + j / 100,
-                model=None if j == 0 else f"m{owner}",
+                model=None if j == 0 else "m",  # one model: the rollouts are shared, not taken
             )
             for j in range(per_batch)
         ]
