@@ -11,6 +11,9 @@ not msgpack: a request holds whatever JSON the client sent, integers beyond 64 b
 `os.write` per entry. A reader stops at the first entry that is short or fails its checksum: that is the
 torn tail a crash mid-write leaves (its call was never acknowledged), and it is skipped.
 
+An append the disk refuses (full, I/O error) raises OSError and leaves no part of its entry behind; the
+recorder then refuses the call (gateway/recorder.py).
+
 Durability: a returned `append` has handed the bytes to the kernel, so the record survives the gateway
 process dying in any way (crash, SIGKILL, OOM kill). Surviving power loss or a kernel crash needs them on
 the disk: `fsync="always"` syncs before `append`'s caller acknowledges, `"interval"` at most
@@ -85,8 +88,13 @@ class Journal:
         if self._fd < 0 or self._size >= self.segment_bytes:
             self._rotate()
         view = memoryview(data)
-        while view:  # a regular file takes it all unless the disk is full (then OSError)
-            view = view[os.write(self._fd, view) :]
+        try:
+            while view:  # a regular file takes it all unless the disk is full (then OSError)
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            if len(view) < len(data):  # a part went in: cut it off, the next entry starts where this one did
+                os.ftruncate(self._fd, self._size)
+            raise
         self._size += len(data)
         self._bytes += len(data)
         self._dirty = True
@@ -126,6 +134,7 @@ class Journal:
             if self.fsync_policy != "never":
                 os.fsync(self._fd)
             os.close(self._fd)
+            self._fd = -1  # a failed open below (disk full) must not leave a closed descriptor to write to
             self._seq += 1
         self._fd = os.open(self._path(self._seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._size = os.fstat(self._fd).st_size

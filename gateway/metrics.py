@@ -168,7 +168,14 @@ class _RecorderCollector(Collector):
             "artgw_records_rejected", "Records the store refused, set aside in DATA/rejected/.", value=r.rejected
         )
         yield CounterMetricFamily(
-            "artgw_journal_errors", "Records the journal could not take (kept in memory only).", value=r.journal_errors
+            "artgw_journal_errors",
+            "Records the journal could not take (disk full, I/O error): their calls were refused with 503.",
+            value=r.journal_errors,
+        )
+        yield GaugeMetricFamily(
+            "artgw_journal_up",
+            "1 while the journal takes records; 0 from a failed append until the disk takes writes again.",
+            value=0 if r.journal_failure is not None else 1,
         )
 
 

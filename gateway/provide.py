@@ -144,7 +144,8 @@ class Services:
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def readiness(self) -> tuple[bool, dict[str, str]]:
-        """Ready when the engine is started (base model known, adapters synced) and answers its /health.
+        """Ready when the engine is started (base model known, adapters synced) and answers its /health, and the
+        journal takes records (`"journal": "ok" | "unavailable (...)"`).
 
         The store's state is reported (`"store": "ok" | "unavailable"`) but does not make the gateway unready:
         inference keeps serving and recording while the store is away (the recorder catches up), so a load
@@ -159,8 +160,13 @@ class Services:
             except Exception as exc:
                 log.info("readiness: the engine's /health failed: %r", exc)
                 ready = False
+        # A journal that cannot take records makes every call a 503 (gateway/recorder.py): not ready until the
+        # disk takes writes again (probed here, so that a gateway taken out of its load balancer comes back).
+        journal = self.recorder.journal_failure is None or await asyncio.to_thread(self.recorder.journal_writable)
+        ready = ready and journal
         body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
         body["store"] = await self.store_state()
+        body["journal"] = "ok" if journal else f"unavailable ({self.recorder.journal_failure})"
         return ready, body
 
     async def store_state(self) -> str:

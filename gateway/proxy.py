@@ -10,6 +10,7 @@ engine's own answer, so every API is recorded token for token the same way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -28,7 +29,7 @@ from gateway.auth import ANONYMOUS, Caller, RateLimits
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
-from gateway.recorder import Recorder
+from gateway.recorder import Recorder, RecordingUnavailable
 from gateway.rollouts import ROLLOUT_HEADER, RolloutOwners
 from gateway.tracing import CallTracer
 from store.records import Api, CallRecord, CallStatus, ChoiceRecord
@@ -37,6 +38,8 @@ _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 # The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
 # a prefix no client may use.
 EVAL_ROLLOUT_PREFIX = "artgw-eval:"
+RECORDING_RETRY_SECONDS = 5  # Retry-After of a call refused because the journal cannot take it
+log = logging.getLogger("artgw.gateway")
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -333,7 +336,10 @@ class EngineCalls:
         except BaseException as exc:
             await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
             raise
-        await call.finish("ok", 200, None, prompts, choices, usage)
+        try:
+            await call.finish("ok", 200, None, prompts, choices, usage)
+        except RecordingUnavailable as exc:
+            raise unrecorded(exc) from None
         return JSONBody(body, headers)
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
@@ -353,6 +359,20 @@ class EngineCalls:
                 503, f"The engine is {state}; retry shortly.", type="server_error", code="engine_unavailable"
             )
         return OpenAIError(502, f"The engine is unreachable ({type(exc).__name__}).", code="upstream_unreachable")
+
+
+def unrecorded(exc: RecordingUnavailable) -> OpenAIError:
+    """A call the journal could not take: refused, so that the client retries it (it was not recorded)."""
+    error = OpenAIError(
+        503,
+        "The gateway cannot record calls right now (its disk is full or failing): this call was not recorded. "
+        "Retry shortly.",
+        type="server_error",
+        code="recording_unavailable",
+    )
+    error.headers = {"Retry-After": str(RECORDING_RETRY_SECONDS)}
+    log.debug("call refused: %s", exc)
+    return error
 
 
 def _prompt_ids(payload: dict[str, Any]) -> list[list[int]]:
@@ -433,7 +453,12 @@ class _Call:
             first = False
             records.append(record)
             self.service.metrics.call_ended(self.label, record)
-            await self.service.recorder.submit(record)
+            try:
+                await self.service.recorder.submit(record)
+            except RecordingUnavailable:
+                if status == "ok":
+                    raise  # the caller refuses the call: an answer nobody recorded would be lost in a crash
+                # A failed call's client gets its own error anyway; the journal's failure is logged.
         if self.service.tracer is not None:
             self.service.tracer.ended(records, self.span)
 
@@ -472,8 +497,7 @@ class _Call:
                     # so an answered call survives a crash of the gateway (gateway/journal.py).
                     recorded = True
                     with anyio.CancelScope(shield=True):
-                        await self._record_stream(stream)
-                        out.append(await stream.wire.done())
+                        out.append(await self._end_stream(stream))
                 if out:
                     yield b"".join(out)
                 if stream.broken:  # its error event is out; the engine's request is closed in `finally`
@@ -483,8 +507,8 @@ class _Call:
             if stream.done and not recorded:
                 recorded = True
                 with anyio.CancelScope(shield=True):
-                    await self._record_stream(stream)
-                    yield await stream.wire.done()
+                    ending = await self._end_stream(stream)
+                yield ending
             if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
                 yield stream.wire.broken(OpenAIError(502, "The engine ended the stream early.", code="upstream_error"))
@@ -504,6 +528,15 @@ class _Call:
                     upstream.close()
                 if not recorded:
                     await self._record_stream(stream)
+
+    async def _end_stream(self, stream: _Stream) -> bytes:
+        """The client's last events of a stream the engine ended: the call is journaled first; if it cannot be,
+        the stream ends with an error event instead (the client does not get an answer nobody recorded)."""
+        try:
+            await self._record_stream(stream)
+        except RecordingUnavailable as exc:
+            return stream.wire.broken(unrecorded(exc))
+        return await stream.wire.done()
 
     async def _record_stream(self, stream: _Stream) -> None:
         """Record the streamed call (once per call: see `relay`)."""

@@ -10,6 +10,11 @@ in the journal only, and the writer reads it back from there: a stalled store co
 nobody waits for the store (there is no back-pressure on clients). The journal is consumed strictly in
 order, so "committed up to here" is one position.
 
+When the journal cannot take a record (disk full, an I/O error), `submit` raises `RecordingUnavailable`: the
+call is then refused (503 with Retry-After, gateway/proxy.py), never answered unrecorded, and nothing piles up
+in memory; `/readyz` and `artgw_journal_up` say so until the disk takes writes again, which the recorder
+notices by itself (`journal_writable`).
+
 A failed write is retried with backoff. A batch that still fails after `max_attempts` is written record by
 record: a record the store refuses (an integrity or data error, or a value the encoder rejects) is set
 aside in `DATA/rejected/*.jsonl` with the error, counted and logged, and the others go on; errors that
@@ -42,8 +47,13 @@ from store.records import CallRecord
 
 log = logging.getLogger("artgw.recorder")
 
-# A record waiting in memory: the record, its journal entry (None: the journal could not take it), its size.
+# A record waiting in memory: the record, its journal entry (None: not journaled), its size.
 _Item = tuple[CallRecord, Entry | None, int]
+
+
+class RecordingUnavailable(Exception):
+    """The journal cannot take a call's record (disk full, I/O error): the call must not be acknowledged."""
+
 
 # Errors that say "this record", not "the store": the same record fails the same way on every attempt.
 _REFUSALS = (sa_exc.IntegrityError, sa_exc.DataError, sa_exc.NotSupportedError)
@@ -112,7 +122,8 @@ class Recorder:
         self.written = 0  # records committed to the store (or found there already)
         self.retries = 0  # failed batch writes that were retried
         self.rejected = 0  # records the store refused, set aside in rejected/
-        self.journal_errors = 0  # appends the journal failed (disk full?): those records waited in memory only
+        self.journal_errors = 0  # appends the journal failed (disk full?): those calls were refused, not recorded
+        self.journal_failure: str | None = None  # why the last append failed, until one succeeds again
         self.spilled = 0  # kept for the metric: nothing spills any more, the journal holds what is unwritten
         self._mem: deque[_Item] = deque()
         self._mem_bytes = 0
@@ -160,14 +171,18 @@ class Recorder:
         the store."""
         try:
             entry = self.journal.append(record)
-        except Exception as exc:
-            # The journal cannot take it (disk full, unwritable dir, a value the encoder refuses): keep the call
-            # in memory rather than fail or lose it; it is then only as safe as before the journal existed.
+        except OSError as exc:
+            # The disk refuses it (full, an I/O error): the call is not recorded, and its caller must not answer
+            # it as if it were (a crash would lose it). Nothing waits in memory instead: memory stays bounded.
             self.journal_errors += 1
-            log.error("journal append failed (%s): call %s waits in memory only", exc, record.call_id)
-            self._mem.append((record, None, 0))
-            self._wake.set()
-            return
+            if self.journal_failure is None:
+                log.error("the journal cannot take records (%s): calls are refused with 503 until it can", exc)
+            self.journal_failure = f"{type(exc).__name__}: {exc}"
+            await self._forget(record.rollout_id)
+            raise RecordingUnavailable(self.journal_failure) from exc
+        if self.journal_failure is not None:
+            log.warning("the journal takes records again (after: %s)", self.journal_failure)
+            self.journal_failure = None
         if (
             self._disk_from is None
             and len(self._mem) < self.queue_size
@@ -318,6 +333,37 @@ class Recorder:
                 self.written += 1
             self._pending = self._pending[1:]
             await self._done([item])
+
+    async def _forget(self, rollout_id: str) -> None:
+        """A call of this rollout will never be committed: it is no longer in flight."""
+        left = self._in_flight.get(rollout_id, 0) - 1
+        if left > 0:
+            self._in_flight[rollout_id] = left
+        else:
+            self._in_flight.pop(rollout_id, None)
+        async with self._committed:
+            self._committed.notify_all()
+
+    def journal_writable(self) -> bool:
+        """Whether the journal takes records. While appends fail, a probe (a small file written, synced and
+        removed in its directory) says when the disk takes writes again, so that a gateway that readiness took out
+        of its load balancer (and so gets no calls to try) comes back by itself."""
+        if self.journal_failure is None:
+            return True
+        probe = self.journal.directory / ".probe"
+        try:
+            with probe.open("wb") as f:
+                f.write(b"\0" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            self.journal_failure = f"{type(exc).__name__}: {exc}"
+            return False
+        finally:
+            probe.unlink(missing_ok=True)
+        log.warning("the journal's disk takes writes again (after: %s)", self.journal_failure)
+        self.journal_failure = None
+        return True
 
     async def _done(self, items: list[_Item]) -> None:
         """These records are in the store (or set aside): no longer in flight; trim the journal behind them."""

@@ -531,6 +531,15 @@ def start_stub(*args: str) -> tuple[str, subprocess.Popen[bytes]]:
     return url, proc
 
 
+@pytest.fixture
+def upstream() -> Iterator[str]:
+    """The stand-in engine's URL, for one test: its plain answers and streams are cheap, so under load the
+    gateway is the bottleneck."""
+    url, proc = start_stub()
+    yield url
+    stop_group(proc)
+
+
 _HTTP_STATUS = {"ok": 200, "cancelled": 499, "upstream_error": 502}
 
 

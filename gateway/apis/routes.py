@@ -65,7 +65,7 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
         error.headers = {ROLLOUT_HEADER: origin.rollout_id}
         raise error from None
     except (OpenAIError, AnthropicError) as exc:
-        exc.headers = {ROLLOUT_HEADER: origin.rollout_id}
+        exc.headers = {**(exc.headers or {}), ROLLOUT_HEADER: origin.rollout_id}  # and its own (Retry-After)
         raise
 
 

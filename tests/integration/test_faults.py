@@ -104,7 +104,10 @@ def test_locked_store_is_a_prompt_503_while_inference_and_reads_go_on(gateway_fa
         # /metrics and /readyz answer; reads still work, so the store is up for them.
         assert metric(gateway.url, "artgw_store_up", exported=True) == 1
         r = httpx.get(f"{gateway.url}/readyz", timeout=30)
-        assert (r.status_code, r.json()) == (200, {"status": "ready", "engine": "ready", "store": "ok"})
+        assert (r.status_code, r.json()) == (
+            200,
+            {"status": "ready", "engine": "ready", "store": "ok", "journal": "ok"},
+        )
 
         # An adapter the engine loaded but the store could not commit is unloaded again.
         spec = {"step": 1, "path": str(adapter_dir(tmp_path))}
@@ -243,7 +246,10 @@ def test_postgres_down_is_a_prompt_503_metrics_and_readyz_answer_and_it_recovers
         assert (r.status_code, r.json()) == (503, STORE_UNAVAILABLE)
         assert metric(gateway.url, "artgw_store_up", exported=True) == 0
         r = httpx.get(f"{gateway.url}/readyz", timeout=30)
-        assert (r.status_code, r.json()) == (200, {"status": "ready", "engine": "ready", "store": "unavailable"})
+        assert (r.status_code, r.json()) == (
+            200,
+            {"status": "ready", "engine": "ready", "store": "unavailable", "journal": "ok"},
+        )
         assert chat(gateway, "pg-during").status_code == 200  # inference keeps serving
     finally:
         proxy.up()
@@ -282,10 +288,11 @@ async def test_readyz_reports_the_store_and_stays_with_the_engine() -> None:
     services = object.__new__(Services)  # only what readiness reads
     services.engine = SimpleNamespace(state="starting")  # type: ignore[assignment]
     services.store = SimpleNamespace(engine=engine)  # type: ignore[assignment]
+    services.recorder = SimpleNamespace(journal_failure=None)  # type: ignore[assignment]
     try:
         assert await services.readiness() == (
             False,
-            {"status": "not ready", "engine": "starting", "store": "unavailable"},
+            {"status": "not ready", "engine": "starting", "store": "unavailable", "journal": "ok"},
         )
     finally:
         await engine.dispose()
