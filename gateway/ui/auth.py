@@ -74,10 +74,23 @@ def safe_next(target: str | None) -> str:
     return HOME
 
 
+# On every answer of the UI, its error pages too: no page may be framed (clickjacking), and the browser runs
+# and loads only the UI's own files.
+SECURITY_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+
+
 def _error_page(request: Request[Any, Any, Any], error: OpenAIError) -> Response[Any]:
     if error.status == 401 and not _sends_key(request):  # a browser without (a valid) session key: log in
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        response: Response[Any] = Redirect(f"{LOGIN}?next={quote(target, safe='')}", status_code=303)
+        response: Response[Any] = Redirect(
+            f"{LOGIN}?next={quote(target, safe='')}", status_code=303, headers=SECURITY_HEADERS
+        )
         if COOKIE in request.cookies:
             response.set_cookie(session_cookie(request, None))  # a revoked key: forget it
         return response
@@ -85,6 +98,7 @@ def _error_page(request: Request[Any, Any, Any], error: OpenAIError) -> Response
         "error.html",
         context={"status": error.status, "message": error.message, "code": error.code},
         status_code=error.status,
+        headers=SECURITY_HEADERS,
     )
 
 

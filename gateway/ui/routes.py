@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, Router, get, post
+from litestar.datastructures import ResponseHeader
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, Parameter
 from litestar.plugins.jinja import JinjaTemplateEngine
@@ -20,7 +21,7 @@ from gateway.errors import OpenAIError
 from gateway.groups.service import GroupService
 from gateway.rollouts import RolloutService
 from gateway.ui import pages
-from gateway.ui.auth import exception_handlers, reader_of, safe_next, session_cookie, ui_reader
+from gateway.ui.auth import SECURITY_HEADERS, exception_handlers, reader_of, safe_next, session_cookie, ui_reader
 from gateway.ui.views import FILTERS
 
 HERE = Path(__file__).parent
@@ -140,4 +141,6 @@ router = Router(
         create_static_files_router(path="/static", directories=[HERE / "static"], include_in_schema=False),
     ],
     exception_handlers=exception_handlers,  # type: ignore[arg-type]
+    # No page of the UI may be framed (clickjacking), and the browser runs and loads only the UI's own files.
+    response_headers=[ResponseHeader(name=name, value=value) for name, value in SECURITY_HEADERS.items()],
 )

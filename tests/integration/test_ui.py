@@ -455,6 +455,17 @@ def test_login_keeps_the_key_in_a_strict_http_only_cookie(stub_site: StubSite) -
         assert answer.headers["location"] == "/ui/rollouts"
 
 
+def test_no_page_can_be_framed_or_run_a_script_of_elsewhere(stub_site: StubSite) -> None:
+    """Every answer of the UI (a page, the login form, a refusal, its static files) forbids framing and holds the
+    browser to the UI's own files."""
+    for path, key in [("/ui/rollouts", stub_site.reader), ("/ui/login", None), ("/ui/rollouts", "not-a-key")]:
+        answer = stub_site.get(path, key)
+        assert answer.headers["x-frame-options"] == "DENY", path
+        policy = {d.split()[0]: d.split()[1:] for d in answer.headers["content-security-policy"].split("; ")}
+        assert policy["frame-ancestors"] == ["'none'"] and policy["script-src"] == ["'self'"], policy
+        assert answer.headers["x-content-type-options"] == "nosniff"
+
+
 def test_a_key_sees_only_its_models(stub_site: StubSite) -> None:
     listed = stub_site.get("/ui/rollouts", stub_site.reader).text
     assert 'data-rollout="mine-0"' in listed and 'data-rollout="mine-1"' in listed and "theirs" not in listed
