@@ -249,6 +249,8 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = _build(Settings, args)
+    # Whatever the gateway writes holds prompts, answers and key hashes: its files are its own (0600, dirs 0700).
+    os.umask(0o077)
     from gateway.auth import load_admin_key
 
     try:  # here, before the server starts, so that a bad key file is one line, not a lifespan traceback

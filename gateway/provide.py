@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -194,13 +195,23 @@ class Services:
         print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
 
 
+def keep_private(data_dir: Path, database: Path) -> None:
+    """The data dir 0700 and the SQLite store's files 0600 (it holds every prompt and answer, webhook secrets and
+    key hashes), also where an older version left them readable by others."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)
+    for path in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+        if path.exists():
+            path.chmod(0o600)
+
+
 @asynccontextmanager
 async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> AsyncIterator[Services]:
     """Build every service, start the background work, and stop it all on exit. `clock`: the time the rate
     limits, the key ring's refresh and the canary watcher read (tests move one of their own)."""
     if settings.base_model is not None:  # the supervised engine's port: a free one unless given
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    keep_private(settings.data_dir, settings.data_dir / "artgw.sqlite")
     async with (
         open_store(settings.db_url, migrate_schema=settings.migrate) as store,
         httpx.AsyncClient(

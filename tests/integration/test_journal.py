@@ -144,3 +144,55 @@ async def test_fsync_policies_record_all(tmp_path: Path) -> None:
         await recorder.close()
         assert recorder.written == 20
     await engine.dispose()
+
+
+def test_a_failed_append_leaves_no_torn_bytes(tmp_path: Path) -> None:
+    """A write the disk refuses midway (ENOSPC) is cut off again: the next entry starts where the failed one did,
+    and reading back finds every entry that was appended."""
+    import errno
+    import os
+    from unittest import mock
+
+    journal = Journal(tmp_path / "journal")
+    journal.append(record("a"))
+    real_write = os.write
+
+    def half_then_full(fd: int, data: memoryview) -> int:
+        if len(data) > 100:
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch("gateway.journal.os.write", half_then_full):
+        try:
+            journal.append(record("lost", size=1000))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        else:
+            raise AssertionError("the append did not fail")
+    journal.append(record("b"))
+    assert [r.rollout_id for r in read_all(journal) if r is not None] == ["a", "b"]
+
+
+def test_the_gateways_files_are_its_own(tmp_path: Path) -> None:
+    """`artgw serve` keeps its data dir 0700 and its store, WAL, journal and key files 0600: they hold every
+    prompt and answer, webhook secrets and key hashes (the data dir was made 0755 here, as `mkdir` makes it)."""
+    import httpx
+
+    from tests.conftest import gateway_on_stub
+
+    with gateway_on_stub(tmp_path) as gateway:
+        r = httpx.post(
+            f"{gateway.base_url}/chat/completions",
+            json={"model": "my-agent", "messages": [{"role": "user", "content": "secret"}]},
+            timeout=30,
+        )
+        assert r.status_code == 200
+        httpx.get(f"{gateway.base_url}/art/rollouts/{r.headers['x-art-rollout-id']}", timeout=30)  # stored
+        modes = {
+            path.relative_to(gateway.data_dir).as_posix(): path.stat().st_mode & 0o777
+            for path in [gateway.data_dir, *gateway.data_dir.rglob("*")]
+            if path.name != "gateway.log"  # the test's own log of the process, not the gateway's
+        }
+    assert modes["."] == 0o700
+    assert {"artgw.sqlite", "artgw.sqlite-wal", "admin_key", "journal"} <= set(modes), modes
+    assert {p: m for p, m in modes.items() if p != "." and m & 0o077} == {}, modes
