@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.settings import Promotion, valid_model_name
+from gateway.settings import MODEL_NAME_RULE, Promotion, valid_model_name
 from store.adapters import (
     AdapterEvent,
     AdapterRow,
@@ -424,9 +424,7 @@ class AdapterService:
     async def add_model(self, name: str) -> tuple[ModelStatus, bool]:
         """Serve a new trainable model (or bring a retired one back, with its adapters); (status, created)."""
         if not valid_model_name(name):
-            raise invalid_request(
-                "Invalid model name: 1 to 128 characters, no '@' or '/', no spaces around it.", param="name"
-            )
+            raise invalid_request(f"Invalid model name: {MODEL_NAME_RULE}.", param="name")
         if name == self.registry.base_model:
             raise invalid_request(f"`{name}` is the base model's name.", param="name")
         async with self._lock:

@@ -8,6 +8,7 @@ artgw/options.py derives the flag (`--field-name`) and the variable (`ARTGW_FIEL
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -20,9 +21,14 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
 
 
+# A trainable model's name: what clients put in `model` (`NAME@K` names its steps), and a directory of the
+# trainer's checkpoints: letters, digits and `._:-`, starting with a letter or digit (so never `.` or `..`).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+MODEL_NAME_RULE = "1 to 128 letters, digits and `._:-`, starting with a letter or digit"
+
+
 def valid_model_name(name: str) -> bool:
-    """A trainable model's name: what clients put in `model`, and `NAME@K` names its steps."""
-    return 0 < len(name) <= 128 and "@" not in name and "/" not in name and name.strip() == name
+    return MODEL_NAME.fullmatch(name) is not None
 
 
 def served_base_name(base_model: str) -> str:
@@ -40,8 +46,8 @@ class Settings:
     model_names: tuple[str, ...] = field(
         default=("my-agent",),
         metadata={
-            "help": "a trainable model clients put in 'model' (no '@' or '/'); repeat for several on one base "
-            "(more at runtime: POST /v1/art/models)",
+            "help": "a trainable model clients put in 'model' (letters, digits, '._:-'); repeat for several on one "
+            "base (more at runtime: POST /v1/art/models)",
             "flag": "--model-name",
             "repeat": True,
         },
@@ -206,7 +212,7 @@ class Settings:
             raise ValueError("give at least one --model-name")
         for name in self.model_names:
             if not valid_model_name(name):
-                raise ValueError(f"invalid --model-name {name!r}: 1-128 characters, no '@' or '/'")
+                raise ValueError(f"invalid --model-name {name!r}: {MODEL_NAME_RULE}")
         if len(set(self.model_names)) != len(self.model_names):
             raise ValueError(f"--model-name given twice: {', '.join(self.model_names)}")
         if self.auth == "off" and self.host not in LOOPBACK_HOSTS:

@@ -243,6 +243,19 @@ def test_admin_adapter_inputs_are_bounded_and_load_nothing(gateway, stub_url: st
     assert httpx.get(f"{stub_url}/loras").json() == {"loaded": [], "calls": []}
 
 
+@pytest.mark.parametrize("name", [".", "..", "../outside", "a/b", "a\\b", "tab\tname", "x" * 129, "-lead", "a@3"])
+def test_a_model_name_that_is_not_a_plain_name_is_refused(gateway, name: str) -> None:
+    """A model name names the trainer's checkpoint directory: `.`, `..`, separators and control characters
+    never get in (they once put checkpoints outside the trainer's root)."""
+    r = post(gateway, "/art/models", {"name": name})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "name"
+    assert (
+        r.json()["error"]["message"]
+        == "Invalid model name: 1 to 128 letters, digits and `._:-`, starting with a letter or digit."
+    )
+
+
 async def test_a_record_at_the_depth_limit_round_trips_through_the_store(engine: AsyncEngine) -> None:
     """Both stores (the `engine` fixture is SQLite and PostgreSQL): the deepest accepted request reads back."""
     body = chat_at_depth(MAX_JSON_DEPTH)

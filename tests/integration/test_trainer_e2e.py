@@ -6,13 +6,12 @@ Asserts that the adapter serving `my-agent` advances one step per round of group
 whole time training runs and adapters swap are all answered, and that the mean reward of fresh
 held-out rollouts rises clearly above step 0's.
 
-Numbers (vLLM's sampling is not seeded, so a seed fixes the scenarios and the LoRA init only): the
-random-weight tiny model answers at chance before training; the held-out mean reward rose by 0.23-0.42
-(mean 0.34) to 0.72-0.90 over seeds 0-6 with 10 rounds of 8 groups x 8 attempts at lr 5e-3 and 2 samples
-per held-out scenario (2026-11-22, ~2 min a run; the task then answered in one free token, now the answer is
-the enum argument of a forced call; the test passed on it at seed 0, 2026-11-23). The test runs 12 rounds and 4
-samples per scenario,
-to keep MARGIN (0.15) and FLOOR (0.65) well clear of both the training's and the evaluation's noise.
+Numbers (vLLM's sampling is not seeded, so a seed fixes the scenarios and the LoRA init only). Measured over 10 runs
+at seed 0 as the test runs it (12 rounds of 8 groups x 8 attempts at lr 5e-3, 48 held-out scenarios x 4 samples;
+`pytest tests/integration/test_trainer_e2e.py -s`, 2026-11-26, 175-280 s a run on this 2-core machine, beside other
+work): the held-out reward went from 0.44-0.56 (mean 0.48) to 0.67-0.82 (mean 0.79); the rise was 0.22-0.37 (mean
+0.30, sd 0.05). MARGIN (0.12) sits 3.6 sd below the mean rise and 0.10 below the least one seen; FLOOR (0.60) 0.07
+below the lowest end seen, and well above chance (0.5).
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ ATTEMPTS = 8  # attempts per scenario: the group GRPO compares
 EVAL_SCENARIOS = 48  # held-out scenarios, disjoint motions from the training ones
 EVAL_SAMPLES = 4  # sampled attempts per held-out scenario
 LEARNING_RATE = 5e-3
-MARGIN = 0.15  # the held-out mean reward must rise at least this much above step 0's
-FLOOR = 0.65  # and end at least here (chance is 0.5)
+MARGIN = 0.12  # the held-out mean reward must rise at least this much above step 0's
+FLOOR = 0.60  # and end at least here (chance is 0.5)
 
 
 @pytest.fixture(scope="module")
