@@ -75,7 +75,7 @@ class EngineConfig:
     extra_args: Sequence[str] = ()
     log_path: Path = Path("engine.log")
     startup_timeout: float = 600.0
-    max_restarts: int = 3  # within restart_window seconds, then the gateway gives up
+    max_restarts: int = 3  # within restart_window seconds, then the gateway gives up (--engine-max-restarts)
     restart_window: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     # While ready, /health is asked every health_interval seconds: a 503 means vLLM's engine core is dead (the API

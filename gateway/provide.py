@@ -276,6 +276,8 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
                     extra_args=settings.engine_args,
                     log_path=settings.data_dir / "engine.log",
                     startup_timeout=settings.engine_startup_timeout,
+                    max_restarts=settings.engine_max_restarts,
+                    restart_window=settings.engine_restart_window,
                     env=settings.extra_env,
                 ),
                 on_fatal=lambda reason: services.fail(reason),

@@ -119,6 +119,16 @@ class Settings:
     )
     max_model_len: int = field(default=4096, metadata={"help": "vLLM's --max-model-len"})
     engine_startup_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for vLLM to start"})
+    engine_max_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "restarts of a supervised vLLM that dies within --engine-restart-window seconds; one death more "
+            "and the gateway exits non-zero (for its own supervisor to act)"
+        },
+    )
+    engine_restart_window: float = field(
+        default=600.0, metadata={"help": "seconds over which --engine-max-restarts counts the engine's restarts"}
+    )
     request_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the engine's answer"})
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
     # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
@@ -268,6 +278,11 @@ class Settings:
             raise ValueError("--canary needs --promotion gated: with `always` every step is promoted at once")
         if self.canary_min_rewards < 2:
             raise ValueError(f"--canary-min-rewards must be >= 2, got {self.canary_min_rewards}")
+        if self.engine_max_restarts < 0:
+            raise ValueError(f"--engine-max-restarts must be >= 0, got {self.engine_max_restarts}")
+        if not _positive(self.engine_restart_window):
+            window = self.engine_restart_window
+            raise ValueError(f"--engine-restart-window must be a number of seconds > 0, got {window}")
         if self.eval_concurrency < 1:
             raise ValueError(f"--eval-concurrency must be >= 1, got {self.eval_concurrency}")
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too

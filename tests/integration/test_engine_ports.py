@@ -1,8 +1,9 @@
 """Two supervised gateways (`artgw serve --base-model`) on one machine: each starts vLLM on an engine port of its
 own, serves and records its own model, and a taken engine port is a clear error at once, never a silent share of
-another gateway's engine. Then each ends as a gateway can: one stopped (SIGTERM: it stops its engine and exits 0),
-one killed outright (SIGKILL: its engine dies with it, by the kernel's parent-death signal). Killing the engine
-under a gateway, and its restart, is test_engine_restart's."""
+another gateway's engine. Then each ends as a gateway can: one giving up on an engine that died
+(`--engine-max-restarts 0`: it says why and exits 1, its engine's tree ended), one killed outright (SIGKILL: its
+engine dies with it, by the kernel's parent-death signal). Killing the engine under a gateway, and its restart,
+is test_engine_restart's."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
     gateways: dict[str, GatewayProcess] = {}
 
     def start(key: str) -> None:
+        limit = ("--engine-max-restarts", "0") if key == "a" else ()  # A gives up on its engine's first death
         gateways[key] = start_gateway(
-            tmp_path / key, "--base-model", str(models[key]), "--model-name", f"agent-{key}", wait=False
+            tmp_path / key, "--base-model", str(models[key]), "--model-name", f"agent-{key}", *limit, wait=False
         )
 
     threads = [threading.Thread(target=start, args=(key,)) for key in names]
@@ -145,11 +147,16 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
         for gateway in gateways.values():  # and disturbed nobody
             assert httpx.get(f"{gateway.url}/readyz", timeout=5).status_code == 200
 
-        # A is stopped: it stops its engine and exits 0, leaving nothing behind.
-        stopped = _tree_or_empty(gateways["a"].proc.pid)
-        assert gateways["a"].stop() == 0, gateways["a"].log()[-3000:]
+        # A's engine dies, and A may not restart it (--engine-max-restarts 0): it says why and exits 1, leaving
+        # nothing behind (a SIGTERM's clean exit 0 is test_engine_restart's).
+        a = gateways["a"]
+        stopped = _tree_or_empty(a.proc.pid)
+        (server,) = [p for p in stopped if "vllm.entrypoints.openai.api_server" in _cmdline(p)]
+        server.send_signal(signal.SIGKILL)
+        assert a.proc.wait(120) == 1, a.log()[-3000:]
+        assert "it was restarted 0 times in 600s; giving up" in a.log(), a.log()[-3000:]
         _, alive = psutil.wait_procs(stopped, timeout=60)
-        assert not alive, f"left behind by the stopped gateway: {alive}"
+        assert not alive, f"left behind by the gateway that gave up: {alive}"
         # B is killed outright, with no chance to clean up: its engine must not outlive it.
         engine = [p for p in _tree_or_empty(gateways["b"].proc.pid) if p.pid != gateways["b"].proc.pid]
         assert engine, "no engine under gateway B"
@@ -182,3 +189,10 @@ def _tree_or_empty(pid: int) -> list[psutil.Process]:
         return tree(pid)
     except psutil.NoSuchProcess:
         return []
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""

@@ -281,6 +281,8 @@ def test_main_prints_one_line_and_exits_2_for_a_bad_value(
         (("--model-name", "a\\b"), "invalid --model-name"),
         (("--model-name", "tab\tname"), "invalid --model-name"),
         (("--model-name", "a", "--model-name", "a"), "--model-name given twice"),
+        (("--engine-max-restarts", "-1"), "--engine-max-restarts must be >= 0"),
+        (("--engine-restart-window", "0"), "--engine-restart-window must be a number of seconds > 0"),
         (("--host", "0.0.0.0", "--auth", "off"), "--auth off is for a gateway on loopback only"),
         (("--admin-key", "short"), "--admin-key must be at least 16 characters"),
         (("--upstream", "vllm:8000"), "--upstream must be an http"),
