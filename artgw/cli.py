@@ -273,7 +273,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=settings.port,
         # uvicorn's httptools protocol with idle, header and body read timeouts (it has only the first).
         http=timed_protocol(
-            idle=settings.keep_alive_timeout, header=settings.header_timeout, body=settings.body_timeout
+            idle=settings.keep_alive_timeout,
+            header=settings.header_timeout,
+            body=settings.body_timeout,
+            head_bytes=settings.max_header_bytes,
         ),
         log_level=settings.log_level,
         access_log=False,

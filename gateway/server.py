@@ -1,4 +1,5 @@
-"""uvicorn's HTTP/1.1 protocol with the read timeouts it lacks: a connection can't be held forever.
+"""uvicorn's HTTP/1.1 protocol with the read timeouts and the head size bound it lacks: a connection can't be
+held forever, nor its headers fill memory (a head over `max_head_bytes` gets a 431 and the connection closes).
 
 uvicorn closes a keep-alive connection that sits idle after a response (`timeout_keep_alive`), but it has no
 timeout for a connection that never sends a request, for a request head that trickles in (slowloris), or
@@ -41,17 +42,22 @@ _NOTHING, _IDLE, _HEAD, _BODY = range(4)
 _AFTER_POLL = 0.001
 
 
-def _timeout_response(message: str) -> bytes:
+def _error_response(status: bytes, message: str, code: str) -> bytes:
+    """A whole response in OpenAI's error shape, sent below the app, before closing the connection."""
     body = msgspec.json.encode(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
     )
     head = (
-        b"HTTP/1.1 408 Request Timeout\r\n"
+        b"HTTP/1.1 " + status + b"\r\n"
         b"content-type: application/json\r\n"
         b"connection: close\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
     )
     return head + body
+
+
+def _timeout_response(message: str) -> bytes:
+    return _error_response(b"408 Request Timeout", message, "request_timeout")
 
 
 class TimedHttpProtocol(HttpToolsProtocol):
@@ -60,6 +66,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
     idle_timeout: ClassVar[float] = 5.0
     header_timeout: ClassVar[float] = 10.0
     body_timeout: ClassVar[float] = 60.0
+    max_head_bytes: ClassVar[int] = 64 << 10
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,6 +76,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._head_bytes = 0  # of the request head being received
 
     # ------------------------------------------------------------ deadlines
 
@@ -129,7 +137,21 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self._phase = _NOTHING  # the WebSocket protocol owns the connection from here
         super().handle_websocket_upgrade()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # A head still incomplete after these bytes: bounded, as its headers pile up in memory until it ends.
+        if self._phase == _HEAD:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+                self._phase = _NOTHING
+                message = f"Request head over {self.max_head_bytes} bytes (request line and headers)."
+                self.transport.write(
+                    _error_response(b"431 Request Header Fields Too Large", message, "header_too_large")
+                )
+                self.transport.close()
+
     def on_message_begin(self) -> None:
+        self._head_bytes = 0
         super().on_message_begin()
         self.scope[HANG_UP] = HangUp()  # type: ignore[literal-required]  # read by gateway/proxy.py
         self._expect(_HEAD, self.header_timeout)
@@ -151,10 +173,11 @@ class TimedHttpProtocol(HttpToolsProtocol):
             self._expect(_IDLE, self.idle_timeout)
 
 
-def timed_protocol(*, idle: float, header: float, body: float) -> type[TimedHttpProtocol]:
-    """The protocol class to give uvicorn (`http=`), with these timeouts in seconds."""
+def timed_protocol(*, idle: float, header: float, body: float, head_bytes: int = 64 << 10) -> type[TimedHttpProtocol]:
+    """The protocol class to give uvicorn (`http=`), with these timeouts in seconds and this bound on a request's
+    head (request line and headers; past it a 431)."""
     return type(
         "TimedHttpProtocol",
         (TimedHttpProtocol,),
-        {"idle_timeout": idle, "header_timeout": header, "body_timeout": body},
+        {"idle_timeout": idle, "header_timeout": header, "body_timeout": body, "max_head_bytes": head_bytes},
     )

@@ -139,6 +139,10 @@ class Settings:
     header_timeout: float = field(
         default=10.0, metadata={"help": "seconds from a request's first byte to the end of its head (then 408)"}
     )
+    max_header_bytes: int = field(
+        default=64 << 10,
+        metadata={"help": "largest request head accepted, request line and headers (bytes; then 431)"},
+    )
     body_timeout: float = field(
         default=60.0,
         metadata={"help": "seconds to receive a whole request body once its head is in (a total; then 408)"},
@@ -283,6 +287,8 @@ class Settings:
         if not _positive(self.engine_restart_window):
             window = self.engine_restart_window
             raise ValueError(f"--engine-restart-window must be a number of seconds > 0, got {window}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
         if self.eval_concurrency < 1:
             raise ValueError(f"--eval-concurrency must be >= 1, got {self.eval_concurrency}")
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too

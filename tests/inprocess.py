@@ -81,7 +81,12 @@ def serve_in_process(settings: Settings, clock: ManualClock) -> Iterator[InProce
     """`settings` (its port replaced by a free one) served until the block ends."""
     port = free_port()
     settings = dataclasses.replace(settings, port=port)
-    http = timed_protocol(idle=settings.keep_alive_timeout, header=settings.header_timeout, body=settings.body_timeout)
+    http = timed_protocol(
+        idle=settings.keep_alive_timeout,
+        header=settings.header_timeout,
+        body=settings.body_timeout,
+        head_bytes=settings.max_header_bytes,
+    )
     config = uvicorn.Config(
         create_app(settings, clock), host="127.0.0.1", port=port, http=http, loop="uvloop", log_level="warning"
     )
