@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -66,6 +67,8 @@ _MAX_URL = 2_048
 _MAX_HEADERS = 32
 _MAX_REPLY_BYTES = 1 << 20  # a webhook's reply body; more is an error, not read on
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+log = logging.getLogger("artgw.promotion")
+
 _GATEWAY_HEADERS = frozenset({"content-type", "content-length", "host", "transfer-encoding"})
 
 
@@ -381,6 +384,16 @@ def _public_url(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+def masked_url(url: str) -> str:
+    """A webhook's URL as readers see it in its eval set: user info and query shown as `***` (a password, a
+    token in `?key=`), the rest as given."""
+    parts = urlsplit(url)
+    public = _public_url(url)
+    if parts.username is not None or parts.password is not None:
+        public = public.replace("://", "://***@", 1)
+    return public + ("?***" if parts.query else "") + ("#***" if parts.fragment else "")
+
+
 def _one_line(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -440,9 +453,12 @@ async def _webhook(
             continue
         if not 200 <= status < 300:
             why = "redirects are not followed" if 300 <= status < 400 else "not retried"
+            # The reply's text goes to the log only: the evaluation's error is shown to every `read` key of the
+            # model, and a webhook's error page may say what they should not see.
+            log.warning("webhook %s answered HTTP %d: %s", where, status, _one_line(reply.decode(errors="replace")))
             raise GraderFailed(
-                f"webhook {where} failed after {_attempts(attempt)}: HTTP {status} ({why}): "
-                f"{_one_line(reply.decode(errors='replace'))}"
+                f"webhook {where} failed after {_attempts(attempt)}: HTTP {status} ({why}; its reply is in the "
+                "gateway's log)"
             )
         return _reward(reply, where=where, attempt=attempt)
     raise GraderFailed(f"webhook {where} failed after {_attempts(attempts)}: {problem}")

@@ -34,6 +34,7 @@ from gateway.promotion.graders import (
     RulerGrader,
     RulerJudge,
     grade,
+    masked_url,
     ruler_compare,
 )
 from gateway.proxy import EVAL_ROLLOUT_PREFIX, CallOrigin
@@ -389,7 +390,9 @@ def _masked(spec: dict[str, Any]) -> dict[str, Any]:
     scenarios = []
     for scenario in spec.get("scenarios", []):
         grader = scenario.get("grader") or {}
-        if grader.get("type") == "webhook" and grader.get("headers"):
-            grader = {**grader, "headers": dict.fromkeys(grader["headers"], "***")}
+        if grader.get("type") == "webhook":  # header values, and the URL's user info and query, may be secrets
+            grader = {**grader, "url": masked_url(grader["url"])}
+            if grader.get("headers"):
+                grader["headers"] = dict.fromkeys(grader["headers"], "***")
         scenarios.append({**scenario, "grader": grader})
     return {**spec, "scenarios": scenarios}

@@ -586,6 +586,23 @@ def test_the_table_has_a_row_for_every_route(world: World) -> None:
 # ---------------------------------------------------------------- listings, and the key id on each call
 
 
+def test_a_reader_sees_no_secret_of_a_webhook_grader(world: World) -> None:
+    """An eval set's webhook URL (user info, query) and header values are the admin's secrets: a `read` key
+    sees them as `***` (#24: `https://svc:hunter2@...?token=...` was shown)."""
+    url = "https://svc:hunter2@grader.example:8443/reward?token=s3cr3t"
+    grader = {"type": "webhook", "url": url, "headers": {"Authorization": "Bearer s3cr3t"}}
+    scenario = {"messages": [{"role": "user", "content": "hi"}], "grader": grader}
+    made = world.admin("POST", "/v1/art/models/a/evals", json={"name": "webhook-secrets", "scenarios": [scenario]})
+    assert made.status_code in (200, 201), made.text
+    listed = world.ask("GET", "/v1/art/models/a/evals", world.keys["a:read"]["key"])
+    assert listed.status_code == 200, listed.text
+    assert "hunter2" not in listed.text and "s3cr3t" not in listed.text
+    (shown,) = [s for s in listed.json()["data"] if s["name"] == "webhook-secrets"]
+    assert shown["spec"]["scenarios"][0]["grader"]["url"] == "https://***@grader.example:8443/reward?***"
+    assert shown["spec"]["scenarios"][0]["grader"]["headers"] == {"Authorization": "***"}
+    world.admin("DELETE", "/v1/art/models/a/evals/webhook-secrets")
+
+
 def _call(world: World, model: str, secret: str, rollout_id: str, content: str) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
     return world.ask("POST", "/v1/chat/completions", secret, json=body, headers={"X-ART-Rollout-Id": rollout_id})

@@ -24,6 +24,7 @@ from gateway.promotion.graders import (
     ToolCall,
     WebhookGrader,
     grade,
+    masked_url,
 )
 
 HANG = "hang"  # a script step: answer only when the test ends, long after any grader's timeout
@@ -188,19 +189,30 @@ async def test_a_timeout_then_an_answer_succeeds(server: RewardServer, http: htt
     assert len(server.requests) == 2
 
 
-async def test_a_4xx_is_not_retried(server: RewardServer, http: httpx.AsyncClient) -> None:
+async def test_a_4xx_is_not_retried(
+    server: RewardServer, http: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
     server.answers((400, {"error": "unknown scenario"}), (200, {"reward": 1.0}))
     with pytest.raises(GraderFailed) as caught:
         await grade_with(WebhookGrader(url=server.url, retries=3), http)
     assert len(server.requests) == 1
     message = str(caught.value)
-    assert message.startswith(f"webhook {server.url} failed after 1 attempt: HTTP 400 (not retried)")
-    assert "unknown scenario" in message  # the start of the body: the user's own explanation
+    assert message.startswith(f"webhook {server.url} failed after 1 attempt: HTTP 400 (not retried")
+    # The reply's text is the admin's to read, in the log: the error is shown to every `read` key of the model.
+    assert "unknown scenario" not in message
+    assert "unknown scenario" in caplog.text
+
+
+def test_a_webhook_url_is_shown_without_its_secrets() -> None:
+    assert masked_url("https://svc:hunter2@grader.example:8443/reward?token=abc#x") == (
+        "https://***@grader.example:8443/reward?***#***"
+    )
+    assert masked_url("http://127.0.0.1:9000/reward") == "http://127.0.0.1:9000/reward"
 
 
 async def test_a_redirect_is_not_followed(server: RewardServer, http: httpx.AsyncClient) -> None:
     server.answers((307, b""))
-    with pytest.raises(GraderFailed, match=r"HTTP 307 \(redirects are not followed\)"):
+    with pytest.raises(GraderFailed, match=r"HTTP 307 \(redirects are not followed;"):
         await grade_with(WebhookGrader(url=server.url), http)
     assert len(server.requests) == 1
 
