@@ -223,7 +223,11 @@ class GatewayMetrics:
         self.latest_step = Gauge(
             "artgw_adapter_latest_step", "Newest committed step of each model (NAME@latest).", ["model"], registry=r
         )
-        self.store_up = Gauge("artgw_store_up", "1 if the store answered the last scrape's reads, else 0.", registry=r)
+        self.store_up = Gauge(
+            "artgw_store_up",
+            "1 if the store answered the last scrape's reads and the recorder's last write, else 0.",
+            registry=r,
+        )
         self._snapshot = StoreSnapshot()
         r.register(_StoreCollector(lambda: self._snapshot))
         self._judge_reports: dict[str, JudgeReport] = {}
@@ -291,7 +295,7 @@ class GatewayMetrics:
             log.warning("metrics: the store is unavailable (%s); store figures are from the last good scrape", exc)
             self.store_up.set(0)
         else:
-            self.store_up.set(1)
+            self.store_up.set(0 if recorder.store_failure is not None else 1)  # reads work, writes may not
         self._snapshot = StoreSnapshot(
             groups,
             trainer,

@@ -171,14 +171,17 @@ class Services:
         return ready, body
 
     async def store_state(self) -> str:
-        """`ok` if the store answers a read of its schema version within 2 s, else `unavailable`."""
+        """`ok` if the store answers a read of its schema version within 2 s and the recorder's last write went in;
+        `unavailable` if it does not answer; `failing writes (...)` if it answers but takes no write (a full disk,
+        a read-only file)."""
         try:
             async with asyncio.timeout(2.0), self.store.engine.connect() as conn:
                 await conn.execute(sa.text("SELECT version_num FROM alembic_version"))
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             log.warning("readiness: the store is unavailable: %s", exc)
             return "unavailable"
-        return "ok"
+        failure = self.recorder.store_failure
+        return "ok" if failure is None else f"failing writes ({failure})"
 
     async def bring_up_engine(self) -> None:
         try:

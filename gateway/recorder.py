@@ -124,6 +124,7 @@ class Recorder:
         self.rejected = 0  # records the store refused, set aside in rejected/
         self.journal_errors = 0  # appends the journal failed (disk full?): those calls were refused, not recorded
         self.journal_failure: str | None = None  # why the last append failed, until one succeeds again
+        self.store_failure: str | None = None  # why the last store write failed, until one commits again
         self.spilled = 0  # kept for the metric: nothing spills any more, the journal holds what is unwritten
         self._mem: deque[_Item] = deque()
         self._mem_bytes = 0
@@ -305,6 +306,8 @@ class Recorder:
             except Exception as exc:
                 attempts += 1
                 self.retries += 1
+                if not refused(exc):  # the store, not a record: reads may work while no write does (a full disk)
+                    self.store_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                 log.warning("store write of %d records failed (%s); retrying", len(self._pending), exc)
                 if attempts >= self.max_attempts and (len(self._pending) > 1 or refused(exc)):
                     await self._one_by_one()
@@ -314,6 +317,7 @@ class Recorder:
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
             self.written += len(self._pending)
+            self.store_failure = None
             batch, self._pending = self._pending, []  # cleared before the waiters are told: close() checks it
             await self._done(batch)
 

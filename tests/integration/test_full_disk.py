@@ -3,7 +3,8 @@ under load.
 
 While the journal cannot take records every call is refused, 503 `recording_unavailable` with Retry-After (a
 stream ends with that error event, no [DONE]), memory stays within the recorder's bounds, `/readyz` and
-`artgw_journal_up` say so; freed space is noticed by itself. Then the disk is filled again under load and the
+`artgw_journal_up` say so, as they say the store (SQLite, on the same disk) takes no write; freed space is noticed
+by itself. Then the disk is filled again under load and the
 gateway SIGKILLed: after a restart, every call whose client got a complete answer is in the store, once.
 
 Needs root (it mounts the tmpfs), as CI runs here.
@@ -90,6 +91,9 @@ async def test_a_full_disk_refuses_calls_and_loses_none_answered(
         assert status == 503 and body["journal"].startswith("unavailable ("), body
         assert metric(gateway.url, "artgw_journal_up", exported=True) == 0
         assert metric(gateway.url, "artgw_recorder_memory_bytes") <= QUEUE_BYTES
+        # The store (SQLite, on the same disk) still answers reads but takes no write: said too.
+        poll(lambda: readiness(gateway)[1]["store"].startswith("failing writes ("), 60, "the store's writes to fail")
+        assert metric(gateway.url, "artgw_store_up") == 0
         stop.set()
         await task
         refused = chat(gateway, stream=False)
@@ -106,6 +110,8 @@ async def test_a_full_disk_refuses_calls_and_loses_none_answered(
         poll(lambda: readiness(gateway)[0] == 200, 30, "the gateway to be ready again")
         assert metric(gateway.url, "artgw_journal_up") == 1
         assert chat(gateway, stream=False).status_code == 200
+        poll(lambda: readiness(gateway)[1]["store"] == "ok", 60, "the store to take writes again")
+        assert metric(gateway.url, "artgw_store_up") == 1
 
         # -- full again under load, and SIGKILLed in the middle of it
         filler = fill(small_disk)
