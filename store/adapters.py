@@ -167,6 +167,16 @@ async def last_committed_step(conn: AsyncConnection, model: str) -> AdapterRow |
     return _row(row) if row is not None else None
 
 
+async def committed_steps(conn: AsyncConnection, model: str) -> list[AdapterRow]:
+    """Every step that served (loaded or since unloaded), newest first: where a trainer may resume."""
+    query = (
+        sa.select(adapters)
+        .where(adapters.c.model == model, adapters.c.status.in_(_COMMITTED))
+        .order_by(adapters.c.step.desc())
+    )
+    return [_row(r) for r in await conn.execute(query)]
+
+
 async def committed_step(conn: AsyncConnection, model: str, step: int) -> AdapterRow | None:
     """That step, if it ever served (loaded or since unloaded): what may be promoted again."""
     query = sa.select(adapters).where(

@@ -45,7 +45,7 @@ from rich.table import Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 from torch import Tensor
 
-from store.adapters import AdapterRow, last_committed_step
+from store.adapters import AdapterRow, committed_steps, last_committed_step
 from store.errors import NotFound
 from store.groups import (
     GroupRow,
@@ -491,14 +491,58 @@ class Lineage:
 def restore(
     config: TrainConfig, device: torch.device, committed: AdapterRow | None
 ) -> tuple[Any, torch.optim.Optimizer]:
-    """A model's policy and optimizer as its committed step left them (a fresh LoRA before step 1)."""
+    """A model's policy and optimizer as its committed step left them (a fresh LoRA before step 1). An optimizer
+    state that does not load starts fresh, with a warning: the adapter is what matters."""
     adapter = Path(committed.path) if committed is not None else None
     model = load_policy(config, device, adapter)
     distributed.broadcast_parameters(model)  # several processes: every rank starts the step from rank 0's
     optimizer = make_optimizer(model, config)
     if adapter is not None and (adapter / "optimizer.pt").exists():
-        optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
+        try:
+            optimizer.load_state_dict(torch.load(adapter / "optimizer.pt", map_location=device))
+        except Exception as exc:  # a damaged file: torch raises whatever its unpickler met
+            warning = f"[yellow]{adapter}/optimizer.pt does not load ({_one_line(exc)}): optimizer state fresh"
+            console.print(warning, soft_wrap=True)
+            optimizer = make_optimizer(model, config)
     return model, optimizer
+
+
+def unreadable(adapter: Path) -> str | None:
+    """Why a checkpoint's adapter cannot be loaded (a config that isn't JSON, weights missing or cut short), or
+    None. Every tensor is read: a truncated file passes a header check."""
+    from safetensors import safe_open
+
+    try:
+        if not isinstance(json.loads((adapter / "adapter_config.json").read_text()), dict):
+            return "adapter_config.json is not a JSON object"
+        with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as weights:
+            for key in weights.keys():
+                weights.get_tensor(key)
+    except Exception as exc:  # OSError, JSONDecodeError, SafetensorError, ...: all say "not this checkpoint"
+        return _one_line(exc)
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+async def resume_point(store: AsyncEngine, name: str) -> tuple[int, AdapterRow | None]:
+    """Where a model's training resumes: the number of its newest committed step (the next step is one more),
+    and the newest committed step whose checkpoint loads (None: the base weights). A damaged or missing
+    checkpoint is skipped with a one-line warning, never a traceback."""
+    async with store.connect() as conn:
+        rows = await committed_steps(conn, name)
+    for row in rows:
+        problem = unreadable(Path(row.path))
+        if problem is None:
+            return rows[0].step, row
+        warning = f"[yellow]{name}: step {row.step}'s checkpoint {row.path} does not load ({problem})"
+        console.print(warning, soft_wrap=True)
+    if rows:
+        console.print(f"[yellow]{name}: no committed checkpoint loads; resuming from the base weights", soft_wrap=True)
+    return (rows[0].step if rows else 0), None
 
 
 # -----------------------------------------------------------------------------
@@ -638,16 +682,16 @@ async def train(
     # ---- resume and models, one lineage per model: each from its own newest committed step, never from an
     # uncommitted checkpoint. Memory: each lineage loads a base copy of its own, simple and fine for a few
     # small models; PEFT's several adapters on one base (set_adapter per step) would share it.
-    committed_steps = distributed.share({name: await _committed(store, name) for name in config.models})
+    resume_points = distributed.share({name: await resume_point(store, name) for name in config.models})
     lineages: list[Lineage] = []
-    for name, committed in committed_steps.items():
-        step = committed.step if committed is not None else 0
+    for name, (step, committed) in resume_points.items():
         discarded = discard_uncommitted(config, name, step)
         if discarded:
             console.print(f"[yellow]{name}: discarded uncommitted checkpoints {discarded}[/yellow]")
-        lineages.append(_lineage(config, device, name, committed))
+        lineages.append(_lineage(config, device, name, step, committed))
         trainable = sum(p.numel() for p in lineages[-1].model.parameters() if p.requires_grad)
-        console.print(f"  model={name} resume_step={step} trainable_params={trainable:,}")
+        weights = f"step {committed.step}" if committed is not None else "the base"
+        console.print(f"  model={name} resume_step={step} weights={weights} trainable_params={trainable:,}")
     pad_id = _pad_id(config)
     # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
     grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None
@@ -684,9 +728,9 @@ async def follow(config: TrainConfig) -> int:
     torch.manual_seed(config.seed)
     device = pick_device(config)
     console.print(f"[bold]artgw train[/bold] device={device}{_process_line()}: following rank 0")
-    committed_steps: dict[str, AdapterRow | None] = distributed.share(None)
+    resume_points: dict[str, tuple[int, AdapterRow | None]] = distributed.share(None)
     # In rank 0's order: restore() broadcasts each model's parameters, a collective every rank calls alike.
-    lineages = {name: _lineage(config, device, name, committed) for name, committed in committed_steps.items()}
+    lineages = {name: _lineage(config, device, name, *point) for name, point in resume_points.items()}
     pad_id = _pad_id(config)
     steps = 0
     while (order := distributed.share(None)).kind != "stop":
@@ -707,9 +751,11 @@ def _process_line() -> str:
     return f" rank {distributed.rank()}/{distributed.world_size()} pid {os.getpid()}"
 
 
-def _lineage(config: TrainConfig, device: torch.device, name: str, committed: AdapterRow | None) -> Lineage:
+def _lineage(config: TrainConfig, device: torch.device, name: str, step: int, committed: AdapterRow | None) -> Lineage:
+    """A model's lineage at `step` (its newest committed), with the weights of `committed` (its newest that
+    loads; None: the base)."""
     model, optimizer = restore(config, device, committed)
-    return Lineage(name, model, optimizer, committed.step if committed is not None else 0, committed)
+    return Lineage(name, model, optimizer, step, committed)
 
 
 def _pad_id(config: TrainConfig) -> int:

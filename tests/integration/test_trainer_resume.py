@@ -1,0 +1,91 @@
+"""Where `artgw train` resumes when a committed checkpoint is damaged (#24): from the newest committed step whose
+checkpoint loads, or the base weights, with one line saying so; never a traceback. Real checkpoints of the tiny
+model (PEFT, as the trainer saves them), committed in a real store (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store.adapters import commit_step
+from trainer.config import TrainConfig
+from trainer.train import console, load_policy, make_optimizer, restore, resume_point
+
+
+def save_step(config: TrainConfig, root: Path, step: int) -> Path:
+    """A checkpoint as the trainer leaves one: the adapter and its optimizer state."""
+    torch.manual_seed(step)
+    model = load_policy(config, torch.device("cpu"), None)
+    path = root / f"step-{step}"
+    model.save_pretrained(path)
+    torch.save(make_optimizer(model, config).state_dict(), path / "optimizer.pt")
+    return path
+
+
+async def commit(engine: AsyncEngine, step: int, path: Path) -> None:
+    async with engine.begin() as conn:
+        await commit_step(conn, model="m", step=step, path=str(path), metrics=None, group_ids=[], lease_owner="")
+
+
+def damaged(path: Path, how: str) -> None:
+    weights = path / "adapter_model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "bad header":
+        weights.write_bytes(b"\xff" * 64)
+    else:  # the directory's config gone (a half-copied checkpoint)
+        (path / "adapter_config.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "bad header", "no config"])
+async def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+    engine: AsyncEngine, tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
+    steps = {step: save_step(config, tmp_path, step) for step in (1, 2, 3)}
+    for step, path in steps.items():
+        await commit(engine, step, path)
+    damaged(steps[3], how)
+    with console.capture() as said:
+        newest, committed = await resume_point(engine, "m")
+    assert newest == 3  # the next step is 4: step 3's number stays taken
+    assert committed is not None and committed.step == 2
+    (line,) = said.get().strip().splitlines()
+    assert line.startswith(f"m: step 3's checkpoint {steps[3]} does not load (")
+    # It restores: step 2's weights, as saved.
+    model, _ = restore(config, torch.device("cpu"), committed)
+    saved = load_policy(config, torch.device("cpu"), steps[2])
+    for (name, mine), (_, theirs) in zip(model.named_parameters(), saved.named_parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+async def test_with_no_checkpoint_that_loads_it_resumes_from_the_base(
+    engine: AsyncEngine, tiny_model: Path, tmp_path: Path
+) -> None:
+    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
+    path = save_step(config, tmp_path, 1)
+    await commit(engine, 1, path)
+    damaged(path, "truncated")
+    (path / "optimizer.pt").write_bytes(b"not a pickle")
+    with console.capture() as said:
+        newest, committed = await resume_point(engine, "m")
+    assert (newest, committed) == (1, None)
+    assert said.get().strip().splitlines()[-1] == "m: no committed checkpoint loads; resuming from the base weights"
+
+
+async def test_a_damaged_optimizer_state_starts_fresh_with_a_warning(
+    engine: AsyncEngine, tiny_model: Path, tmp_path: Path
+) -> None:
+    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
+    path = save_step(config, tmp_path, 1)
+    await commit(engine, 1, path)
+    (path / "optimizer.pt").write_bytes(b"not a pickle")
+    _, committed = await resume_point(engine, "m")
+    assert committed is not None and committed.step == 1  # the adapter loads: it is the resume point
+    with console.capture() as said:
+        _, optimizer = restore(config, torch.device("cpu"), committed)
+    assert "optimizer.pt does not load" in said.get() and "optimizer state fresh" in said.get()
+    assert optimizer.state_dict()["state"] == {}
