@@ -27,16 +27,18 @@ Scenarios (`--only` takes their keys), in order:
 - hangup: a client that hangs up on a non-streamed call while the engine works (stub --delay 30): the call's
   recorded status and whether the engine saw its request aborted (the stub's /stats).
 - engine-4xx: the engine's own 400 (the stub's answer to temperature -1): the artgw_requests_total label.
+- full-disk: the data dir on a 16 MB tmpfs (needs root) filled up under load, then SIGKILL, space freed,
+  restart: answered calls lost, calls refused with 503.
 - connections: 100 idle, 100 slow-header and 100 slow-body connections (a byte a second) at once: seconds
   until the gateway closed each kind, and whether a normal call is served meanwhile.
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
-The stand-in engines are the test suite's own: tests/integration/test_crash.py run as a script (a fast
-fixed answer that also streams) for the load scenarios, tests/stub_engine.py (delays, 4xx, /stats) for the
-others; the helpers that start gateways, lock the store and read it back are imported from tests/. Every
-child runs in its own session and is stopped on exit (Ctrl-C and SIGTERM included); the temp dir is removed
-unless --keep. Run it niced on a shared machine: `nice -n 10 .venv/bin/python bench/fault_table.py`.
+The stand-in engine is the test suite's own, tests/stub_engine.py (fixed answers and streams for the load
+scenarios; delays, 4xx, /stats for the others); the helpers that start gateways and read the store back are
+imported from tests/. Every child runs in its own session and is stopped on exit (Ctrl-C and SIGTERM included);
+the temp dir is removed unless --keep. Run it niced on a shared machine:
+`nice -n 10 .venv/bin/python bench/fault_table.py`.
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ from tests.conftest import (  # noqa: E402
     start_stub,
     stop_group,
 )
-from tests.integration.test_crash import Gateway, one_call, recorded, stall, start_upstream, wait_recorded  # noqa: E402
 from tests.integration.test_faults import TcpProxy  # noqa: E402
 from tests.integration.test_input_limits import chat_at_depth  # noqa: E402
+from tests.load_helpers import Gateway, one_call, recorded, wait_recorded  # noqa: E402
 
 SCENARIOS = (
     "kill",
@@ -101,6 +103,7 @@ SCENARIOS = (
     "hangup",
     "engine-4xx",
     "connections",
+    "full-disk",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -137,9 +140,7 @@ class Bench:
         return url
 
     def upstream(self) -> str:
-        url, proc = start_upstream()
-        self.procs.append(proc)
-        return url
+        return self.stub()  # the stand-in engine's plain answers and streams are cheap: the gateway is the bottleneck
 
     def gateway(self, *args: str) -> GatewayProcess:
         for attempt in range(3):  # a free port can be taken by another process before the gateway binds it
@@ -930,6 +931,61 @@ async def scenario_connections(b: Bench) -> None:
 # ---------------------------------------------------------------- report
 
 
+def stall(db: Path, seconds: float) -> threading.Thread:
+    """Lock the store (a writer holding BEGIN EXCLUSIVE) for `seconds`, from a thread; join it to know it is free."""
+    conn = sqlite3.connect(db, timeout=30, check_same_thread=False)
+    conn.execute("BEGIN EXCLUSIVE")
+
+    def release() -> None:
+        time.sleep(seconds)
+        conn.rollback()
+        conn.close()
+
+    holder = threading.Thread(target=release, daemon=True)
+    holder.start()
+    return holder
+
+
+async def scenario_full_disk(b: Bench, upstream: str) -> None:
+    """The data dir on a 16 MB tmpfs filled up under load, then SIGKILL, space freed, restart (needs root)."""
+    disk = b.tmp / "full-disk"
+    disk.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)]
+    mounted = await asyncio.to_thread(subprocess.run, command, capture_output=True)
+    if mounted.returncode != 0:
+        b.add("full disk under load, then SIGKILL", "", "not run: mounting a tmpfs needs root", "0 lost", None)
+        return
+    b.cleanups.append(lambda: subprocess.run(["umount", "-l", str(disk)], check=False))
+    gateway = Gateway(disk, upstream, "--recorder-queue-size", "100", log_path=b.tmp / "full-disk.log")
+    b.cleanups.append(gateway.stop)
+    start(gateway)
+    stats = os.statvfs(disk)
+    filler = disk / "filler"
+    filler.write_bytes(b"\0" * max(0, stats.f_bavail * stats.f_frsize - (1 << 20)))
+    stop = asyncio.Event()
+    load = Load()
+    task = asyncio.create_task(paced_load(gateway.url, "fd", b.rate, b.concurrency, stop, load))
+    await until(lambda: asyncio.to_thread(metric, gateway.url, "artgw_journal_errors_total"), 120)
+    await asyncio.sleep(3.0)  # calls refused for a while, the load going on
+    refused = metric(gateway.url, "artgw_journal_errors_total")
+    gateway.kill()
+    stop.set()
+    await task
+    filler.unlink()
+    start(gateway)
+    await asyncio.to_thread(wait_recorded, gateway.db, load.complete, 120)
+    gateway.stop()
+    lost, twice, _ = lost_and_twice(gateway.db, load.complete)
+    b.add(
+        "data dir's disk full under load (16 MB tmpfs), then SIGKILL, space freed, restart",
+        "951 of 1,500 acknowledged lost (#24)",
+        f"{len(lost)} of {n(len(load.complete))} acknowledged lost, {n(refused)} calls refused with 503, "
+        f"{len(twice)} stored twice",
+        "0 lost; refused calls get 503",
+        not lost and not twice,
+    )
+
+
 def render(rows: list[Row], markdown: bool) -> None:
     if markdown:
         print("| fault | what the issue measured before | measured now | expected |")
@@ -952,7 +1008,7 @@ async def run(b: Bench, only: list[str]) -> None:
     upstream = None
     for key in only:
         console.log(f"[bold]{key}[/]")
-        if key in ("kill", "locked-kill", "locked-load", "big"):
+        if key in ("kill", "locked-kill", "locked-load", "big", "full-disk"):
             upstream = upstream or b.upstream()
         started = time.monotonic()
         try:
@@ -976,6 +1032,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_engine_4xx(b)
             elif key == "connections":
                 await scenario_connections(b)
+            elif key == "full-disk":
+                await scenario_full_disk(b, upstream)  # type: ignore[arg-type]
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)
