@@ -15,6 +15,19 @@ from trainer.config import TrainConfig
 from trainer.train import console, load_policy, make_optimizer, restore, resume_point
 
 
+@pytest.fixture
+def config(tiny_model: Path) -> TrainConfig:
+    return TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
+
+
+async def committed_damaged(engine: AsyncEngine, config: TrainConfig, root: Path) -> Path:
+    """Step 1 committed, its optimizer state damaged: the checkpoint's path."""
+    path = save_step(config, root, 1)
+    await commit(engine, 1, path)
+    (path / "optimizer.pt").write_bytes(b"not a pickle")
+    return path
+
+
 def save_step(config: TrainConfig, root: Path, step: int) -> Path:
     """A checkpoint as the trainer leaves one: the adapter and its optimizer state."""
     torch.manual_seed(step)
@@ -42,9 +55,8 @@ def damaged(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["truncated", "bad header", "no config"])
 async def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
-    engine: AsyncEngine, tiny_model: Path, tmp_path: Path, how: str
+    engine: AsyncEngine, config: TrainConfig, tmp_path: Path, how: str
 ) -> None:
-    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
     steps = {step: save_step(config, tmp_path, step) for step in (1, 2, 3)}
     for step, path in steps.items():
         await commit(engine, step, path)
@@ -63,13 +75,9 @@ async def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
 
 
 async def test_with_no_checkpoint_that_loads_it_resumes_from_the_base(
-    engine: AsyncEngine, tiny_model: Path, tmp_path: Path
+    engine: AsyncEngine, config: TrainConfig, tmp_path: Path
 ) -> None:
-    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
-    path = save_step(config, tmp_path, 1)
-    await commit(engine, 1, path)
-    damaged(path, "truncated")
-    (path / "optimizer.pt").write_bytes(b"not a pickle")
+    damaged(await committed_damaged(engine, config, tmp_path), "truncated")
     with console.capture() as said:
         newest, committed = await resume_point(engine, "m")
     assert (newest, committed) == (1, None)
@@ -77,12 +85,9 @@ async def test_with_no_checkpoint_that_loads_it_resumes_from_the_base(
 
 
 async def test_a_damaged_optimizer_state_starts_fresh_with_a_warning(
-    engine: AsyncEngine, tiny_model: Path, tmp_path: Path
+    engine: AsyncEngine, config: TrainConfig, tmp_path: Path
 ) -> None:
-    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused")
-    path = save_step(config, tmp_path, 1)
-    await commit(engine, 1, path)
-    (path / "optimizer.pt").write_bytes(b"not a pickle")
+    await committed_damaged(engine, config, tmp_path)
     _, committed = await resume_point(engine, "m")
     assert committed is not None and committed.step == 1  # the adapter loads: it is the resume point
     with console.capture() as said:
