@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,36 @@ class Route:
     step: int | None  # adapter step that serves it; 0 = base weights; None for the base model
 
 
+def adapter_problem(path: str) -> str | None:
+    """Why an adapter directory cannot be served, or None: a config that is not a JSON object, weights cut short
+    or with a header that does not read. Checked before the engine is asked, because vLLM may take a damaged
+    file and fail only at the first call (a 404 naming its internal alias). The safetensors header and the
+    file's size are checked, not the values; weights that are not there are left to the engine to refuse."""
+    directory = Path(path)
+    try:
+        config = json.loads((directory / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"adapter_config.json does not read ({type(exc).__name__})"
+    if not isinstance(config, dict):
+        return "adapter_config.json is not a JSON object"
+    weights = directory / "adapter_model.safetensors"
+    if not weights.exists():
+        return None
+    try:
+        size = weights.stat().st_size
+        with weights.open("rb") as f:
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+            if header_bytes > size - 8:
+                return f"adapter_model.safetensors is cut short ({size} bytes, a header of {header_bytes})"
+            header = json.loads(f.read(header_bytes))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+        return f"adapter_model.safetensors does not read ({type(exc).__name__})"
+    if 8 + header_bytes + end > size:
+        return f"adapter_model.safetensors is cut short ({size} of {8 + header_bytes + end} bytes)"
+    return None
+
+
 @dataclass
 class TrainableModel:
     name: str
@@ -74,6 +106,7 @@ class TrainableModel:
     latest_step: int = 0  # the newest committed step, what `NAME@latest` serves
     canary_step: int | None = None  # a candidate serving a share of `NAME`'s rollouts (--canary), if any
     loaded_steps: set[int] = field(default_factory=set)  # adapters vLLM has loaded, by step
+    broken_steps: set[int] = field(default_factory=set)  # committed steps whose checkpoint no longer loads
     # Held from a store commit that changes what this model serves to the update of the fields above that
     # follows it, and by its status reads, so that a status never shows the store ahead of them (a promotion
     # row with the old served step). Never held across an engine call.
@@ -141,6 +174,10 @@ class AdapterRegistry:
     def canaries(self) -> dict[str, float]:
         """model -> the share of its rollouts its canary step serves, for models with a canary running."""
         return {name: self.canary_share for name, m in self.models.items() if m.canary_step is not None}
+
+    def broken_steps(self) -> dict[str, int]:
+        """Each model's committed steps found broken (their checkpoint no longer loads)."""
+        return {name: len(model.broken_steps) for name, model in self.models.items()}
 
     def served_steps(self) -> dict[str, tuple[int, int]]:
         """model -> (promoted step, newest step)."""
@@ -275,6 +312,9 @@ class AdapterService:
             raise invalid_request("'step' must be >= 1 (step 0 is the base model).", param="step")
         if not (Path(spec.path) / "adapter_config.json").is_file():
             raise invalid_request(f"No adapter at `{spec.path}` (adapter_config.json missing).", param="path")
+        problem = adapter_problem(spec.path)
+        if problem is not None:
+            raise invalid_request(f"The adapter at `{spec.path}` does not load: {problem}.", param="path")
         async with self._lock:
             if spec.step <= model.latest_step:
                 raise OpenAIError(
@@ -339,18 +379,20 @@ class AdapterService:
         model = self._model(name)
         async with self._lock:
             if step != 0 and step not in model.loaded_steps:
+                if step in model.broken_steps:
+                    raise OpenAIError(
+                        409, f"Step {step} of `{name}` does not load (broken).", param="step", code="adapter_broken"
+                    )
                 async with self.store.connect() as conn:
                     row = await committed_step(conn, name, step)
                 if row is None:
                     raise OpenAIError(
                         404, f"Step {step} of `{name}` was never committed.", param="step", code="step_not_found"
                     )
-                ok, text = await self._load_into_engine(adapter_name(name, step), row.path)
-                if not ok:
+                if not await self._reload(model, row):
                     raise OpenAIError(
-                        502, f"The engine refused {adapter_name(name, step)}: {text[:500]}", code="adapter_load_failed"
+                        409, f"Step {step} of `{name}` does not load (broken).", param="step", code="adapter_broken"
                     )
-                model.loaded_steps.add(step)
                 async with self.store.begin() as conn:
                     await set_status(conn, name, [step], "loaded", "loaded again to be promoted")
             async with model.changing:
@@ -408,16 +450,53 @@ class AdapterService:
 
     async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow], promoted: int) -> None:
         """Load the newest `keep` of a model's serving steps and its promoted one into the engine (under the
-        lock). `NAME` serves the promoted step; one that cannot be loaded leaves the base weights serving."""
+        lock). `NAME` serves the promoted step; if it does not load, the newest step promoted before it that
+        does (the base weights last): a broken file never takes a model offline."""
         mine = [r for r in rows if r.model == model.name]
         for row in [r for r in mine[: -self.keep] if r.step == promoted] + mine[-self.keep :]:
+            model.latest_step = max(model.latest_step, row.step)
+            await self._reload(model, row)
+        model.served_step = await self._servable(model, promoted)
+
+    async def _reload(self, model: TrainableModel, row: AdapterRow) -> bool:
+        """Load a committed step into the engine again (under the lock); one whose checkpoint no longer loads is
+        marked broken: in the store (status, and a `load_failed` event saying why), the status and /metrics."""
+        problem = adapter_problem(row.path)
+        if problem is None:
             ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
             if ok:
                 model.loaded_steps.add(row.step)
-                model.latest_step = max(model.latest_step, row.step)
-            else:
-                log.error("could not reload adapter %s@%s: %s", row.model, row.step, text[:300])
-        model.served_step = promoted if promoted == 0 or promoted in model.loaded_steps else 0
+                return True
+            problem = f"the engine refused it: {text[:500]}"
+        log.error("%s: step %d (%s) does not load: %s", row.model, row.step, row.path, problem)
+        model.broken_steps.add(row.step)
+        model.loaded_steps.discard(row.step)
+        async with self.store.begin() as conn:
+            await set_status(conn, row.model, [row.step], "broken", problem)
+        return False
+
+    async def _servable(self, model: TrainableModel, promoted: int) -> int:
+        """The step `NAME` serves: the promoted one if it is loaded, else the newest step promoted before it that
+        loads (loading it again if needed), else the base weights."""
+        if promoted == 0 or promoted in model.loaded_steps:
+            return promoted
+        async with self.store.connect() as conn:
+            history = await promotion_history(conn, model.name, limit=1000)
+        for step in dict.fromkeys(p.step for p in history):  # newest first, each step once
+            if step == 0 or step in model.loaded_steps:
+                fallback = step
+                break
+            if step in model.broken_steps:
+                continue
+            async with self.store.connect() as conn:
+                row = await committed_step(conn, model.name, step)
+            if row is not None and await self._reload(model, row):
+                fallback = step
+                break
+        else:
+            fallback = 0
+        log.warning("%s: promoted step %d does not load; serving step %d instead", model.name, promoted, fallback)
+        return fallback
 
     # ------------------------------------------------------------ the set of models (admin)
 

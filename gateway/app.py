@@ -121,7 +121,11 @@ async def metrics(services: Services) -> Response[bytes]:
     # Litestar adds the charset itself.
     registry = services.registry
     body = await services.metrics.scrape(
-        services.store.engine, services.recorder, registry.served_steps(), registry.canaries()
+        services.store.engine,
+        services.recorder,
+        registry.served_steps(),
+        registry.canaries(),
+        registry.broken_steps(),
     )
     return Response(body, media_type=CONTENT_TYPE_LATEST.replace("; charset=utf-8", ""))
 

@@ -223,6 +223,12 @@ class GatewayMetrics:
         self.latest_step = Gauge(
             "artgw_adapter_latest_step", "Newest committed step of each model (NAME@latest).", ["model"], registry=r
         )
+        self.broken_steps = Gauge(
+            "artgw_adapter_broken_steps",
+            "Committed steps of each model whose checkpoint no longer loads (found at a reload; never served again).",
+            ["model"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "artgw_store_up",
             "1 if the store answered the last scrape's reads and the recorder's last write, else 0.",
@@ -273,9 +279,12 @@ class GatewayMetrics:
         recorder: Any,
         served_steps: dict[str, tuple[int, int]],
         canaries: dict[str, float] | None = None,
+        broken: dict[str, int] | None = None,
     ) -> None:
-        """`served_steps`: model -> (promoted step, newest step); `canaries`: model -> share of a canary running."""
+        """`served_steps`: model -> (promoted step, newest step); `canaries`: model -> share of a canary running;
+        `broken`: model -> its steps that no longer load."""
         for model, (promoted, latest) in served_steps.items():
+            self.broken_steps.labels(model).set((broken or {}).get(model, 0))
             self.adapter_step.labels(model).set(promoted)
             self.latest_step.labels(model).set(latest)
             self.canary_share.labels(model).set((canaries or {}).get(model, 0.0))
@@ -311,9 +320,10 @@ class GatewayMetrics:
         recorder: Any,
         served_steps: dict[str, tuple[int, int]],
         canaries: dict[str, float] | None = None,
+        broken: dict[str, int] | None = None,
     ) -> bytes:
         """The Prometheus text of a scrape: store-backed families refreshed first."""
-        await self.refresh(engine, recorder, served_steps, canaries)
+        await self.refresh(engine, recorder, served_steps, canaries, broken)
         return self.render()
 
     def render(self) -> bytes:

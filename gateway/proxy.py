@@ -303,6 +303,14 @@ class EngineCalls:
             finally:
                 upstream.release()
             error = upstream_error(upstream.status, payload)
+            if upstream.status == 404 and spec.route.model is not None and spec.route.step:
+                # vLLM lost (or never really loaded) one of our adapters: its 404 would name its internal alias.
+                error = OpenAIError(
+                    503,
+                    f"Step {spec.route.step} of `{spec.route.model}` cannot be served right now; retry shortly.",
+                    type="server_error",
+                    code="adapter_unavailable",
+                )
             # The engine's 4xx is the client's mistake (a bad option): passed through and counted as such,
             # not as an engine fault.
             await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)

@@ -142,6 +142,8 @@ async def set_status(
         )
         if status in ("loaded", "unloaded"):
             await record_events(conn, model, steps, status, detail)  # type: ignore[arg-type]
+        elif status == "broken":
+            await record_events(conn, model, steps, "load_failed", detail)
 
 
 async def adapter_history(conn: AsyncConnection, model: str, limit: int = 20) -> list[AdapterRow]:

@@ -12,7 +12,8 @@ import msgspec
 
 GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")
-AdapterStatus = Literal["loaded", "unloaded", "failed"]
+# broken: committed and served once, but its checkpoint no longer loads (never served again, nor resumed from)
+AdapterStatus = Literal["loaded", "unloaded", "failed", "broken"]
 AdapterEventKind = Literal["loaded", "unloaded", "load_failed"]
 PromotionAction = Literal["promote", "rollback"]
 PromotionActor = Literal["always", "gate", "canary", "admin", "migration"]  # who moved `NAME`
