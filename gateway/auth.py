@@ -154,6 +154,10 @@ class KeyRing:
             code="invalid_api_key",
         )
 
+    def by_key_id(self, key_id: str) -> Caller | None:
+        """The live key with this id (a UI session names its key by id), or None: unknown or revoked."""
+        return next((c for c in self._by_hash.values() if c.key_id == key_id), None)
+
     def replace(self, keys: list[tuple[str, ApiKey]]) -> None:
         self._by_hash = {digest: client_caller(key) for digest, key in keys}
 

@@ -21,7 +21,16 @@ from gateway.errors import OpenAIError
 from gateway.groups.service import GroupService
 from gateway.rollouts import RolloutService
 from gateway.ui import pages
-from gateway.ui.auth import SECURITY_HEADERS, exception_handlers, reader_of, safe_next, session_cookie, ui_reader
+from gateway.ui.auth import (
+    SECURITY_HEADERS,
+    exception_handlers,
+    reader_of,
+    safe_next,
+    same_site_form,
+    session_cookie,
+    session_token,
+    ui_reader,
+)
 from gateway.ui.views import FILTERS
 
 HERE = Path(__file__).parent
@@ -99,20 +108,22 @@ async def login_form(next: str | None = None) -> Template:
     return Template("login.html", context={"next": safe_next(next), "error": None})
 
 
-@post("/login", include_in_schema=False, status_code=303)
+@post("/login", include_in_schema=False, status_code=303, guards=[same_site_form])
 async def login(
     request: Request[Any, Any, Any], data: Annotated[LoginForm, Body(media_type=RequestEncodingType.URL_ENCODED)]
 ) -> Template | Redirect:
-    """Check the key as the pages will, then keep it in the session cookie."""
+    """Check the key as the pages will, then keep a session naming it (not the key) in the cookie."""
+    keyring = request.app.state.services.keyring
     try:
-        reader_of(request.app.state.services.keyring, data.key.strip() or None)
+        caller = reader_of(keyring, data.key.strip() or None)
     except OpenAIError as exc:
         context = {"next": safe_next(data.next), "error": exc.message}
         return Template("login.html", context=context, status_code=exc.status)
-    return Redirect(safe_next(data.next), status_code=303, cookies=[session_cookie(request, data.key.strip())])
+    token = session_token(keyring, caller)
+    return Redirect(safe_next(data.next), status_code=303, cookies=[session_cookie(request, token)])
 
 
-@post("/logout", include_in_schema=False, status_code=303)
+@post("/logout", include_in_schema=False, status_code=303, guards=[same_site_form])
 async def logout(request: Request[Any, Any, Any]) -> Redirect:
     return Redirect("/ui/login", status_code=303, cookies=[session_cookie(request, None)])
 

@@ -208,7 +208,7 @@ def test_a_page_without_a_key_is_refused(site: Site, browser: Any) -> None:
     # The right key at the login form: the session cookie (HttpOnly, SameSite=Strict), then the page asked for.
     login(browser, site)
     assert browser.current_url.endswith("/ui/rollouts")
-    cookie = browser.get_cookie("artgw_ui_key")
+    cookie = browser.get_cookie("artgw_ui_session")
     assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # no script on the page can read the key
 
@@ -438,10 +438,11 @@ def test_pages_need_a_key_with_read(stub_site: StubSite) -> None:
     assert stub_site.get("/ui/static/ui.css").status_code == 200  # the stylesheet and script hold no data
 
 
-def test_login_keeps_the_key_in_a_strict_http_only_cookie(stub_site: StubSite) -> None:
+def test_login_keeps_a_session_in_a_strict_http_only_cookie(stub_site: StubSite) -> None:
     with httpx.Client(base_url=stub_site.gateway.url, timeout=30) as browser:
         refused = browser.post("/ui/login", data={"key": stub_site.infer_only, "next": "/ui/models"})
-        assert refused.status_code == 403 and "`read` scope" in refused.text and "artgw_ui_key" not in browser.cookies
+        assert refused.status_code == 403 and "`read` scope" in refused.text
+        assert "artgw_ui_session" not in browser.cookies
         answer = browser.post("/ui/login", data={"key": stub_site.reader, "next": "/ui/models"})
         assert answer.status_code == 303 and answer.headers["location"] == "/ui/models"
         cookie = answer.headers["set-cookie"]
@@ -453,6 +454,43 @@ def test_login_keeps_the_key_in_a_strict_http_only_cookie(stub_site: StubSite) -
         # After logging in, only a page of the UI: never another site.
         answer = browser.post("/ui/login", data={"key": stub_site.reader, "next": "//evil.example/ui"})
         assert answer.headers["location"] == "/ui/rollouts"
+
+
+def test_the_session_cookie_is_no_key_and_ends_with_its_key(stub_site: StubSite) -> None:
+    """The cookie names the key by id, signed (a stolen cookie is not a key); a tampered one is no session, and a
+    session ends when its key is revoked."""
+    gateway = stub_site.gateway
+    key = _make_key(gateway, "ui-revoked-later", ["read"])
+    with httpx.Client(base_url=gateway.url, timeout=30) as browser:
+        answer = browser.post("/ui/login", data={"key": key["key"], "next": "/ui/models"})
+        assert answer.status_code == 303, answer.text
+        token = browser.cookies["artgw_ui_session"]
+        assert key["key"] not in token and token.startswith(f"{key['id']}.")
+        assert browser.get("/ui/models").status_code == 200
+        forged = token.rsplit(".", 1)[0] + "." + "0" * 64
+        assert httpx.get(f"{gateway.url}/ui/models", cookies={"artgw_ui_session": forged}).status_code == 303
+        other = _make_key(gateway, "ui-other", ["read"])  # another key's id, with this token's signature
+        swapped = token.replace(key["id"], other["id"], 1)
+        assert httpx.get(f"{gateway.url}/ui/models", cookies={"artgw_ui_session": swapped}).status_code == 303
+        revoked = httpx.delete(f"{gateway.url}/v1/art/keys/{key['id']}", headers=gateway.admin, timeout=30)
+        assert revoked.status_code == 200, revoked.text
+        after = browser.get("/ui/models")
+        assert after.status_code == 303 and after.headers["location"].startswith("/ui/login")
+
+
+def test_another_site_cannot_log_a_browser_in(stub_site: StubSite) -> None:
+    """Login CSRF: a page elsewhere auto-submitting the login form with the attacker's key is refused by its Origin
+    (or the browser's Sec-Fetch-Site), and sets no session; the UI's own form and scripts without an Origin work."""
+    url = stub_site.gateway.url
+    form = {"key": stub_site.reader, "next": "/ui/models"}
+    for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+        with httpx.Client(base_url=url, timeout=30) as browser:
+            answer = browser.post("/ui/login", data=form, headers=headers)
+            assert answer.status_code == 403 and "artgw_ui_session" not in browser.cookies, (headers, answer.text)
+            assert browser.post("/ui/logout", headers=headers).status_code == 403
+    with httpx.Client(base_url=url, timeout=30) as browser:
+        same = browser.post("/ui/login", data=form, headers={"Origin": url, "Sec-Fetch-Site": "same-origin"})
+        assert same.status_code == 303 and "artgw_ui_session" in browser.cookies
 
 
 def test_no_page_can_be_framed_or_run_a_script_of_elsewhere(stub_site: StubSite) -> None:
