@@ -104,7 +104,7 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
                 raise
         print(f"both gateways ready in {time.monotonic() - started:.1f}s")
         for key, gateway in gateways.items():  # what `serve` prints once it serves
-            ready = rf"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+models=agent-{key}\s+auth=off"
+            ready = rf"ART Gateway ready: base_url=http://127\.0\.0\.1:\d+/v1\s+models=agent-{key},my-agent\s+auth=off"
             assert re.search(ready, gateway.log()), gateway.log()[-3000:]
 
         engine_ports = {key: engine_port_of(g) for key, g in gateways.items()}
