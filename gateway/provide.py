@@ -214,7 +214,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
     limits, the key ring's refresh and the canary watcher read (tests move one of their own)."""
     if settings.base_model is not None:  # the supervised engine's port: a free one unless given
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
-    keep_private(settings.data_dir, settings.data_dir / "artgw.sqlite")
+    keep_private(settings.data_dir, settings.sqlite_path)
     async with (
         open_store(settings.db_url, migrate_schema=settings.migrate) as store,
         httpx.AsyncClient(

@@ -338,13 +338,17 @@ class Recorder:
             self._pending = self._pending[1:]
             await self._done([item])
 
-    async def _forget(self, rollout_id: str) -> None:
-        """A call of this rollout will never be committed: it is no longer in flight."""
+    def _leave(self, rollout_id: str) -> None:
+        """One call of this rollout is no longer in flight (committed, or never to be)."""
         left = self._in_flight.get(rollout_id, 0) - 1
         if left > 0:
             self._in_flight[rollout_id] = left
         else:
             self._in_flight.pop(rollout_id, None)
+
+    async def _forget(self, rollout_id: str) -> None:
+        """A call of this rollout will never be committed: it is no longer in flight."""
+        self._leave(rollout_id)
         async with self._committed:
             self._committed.notify_all()
 
@@ -376,11 +380,7 @@ class Recorder:
                 self._committed_at = entry.end
                 if entry.end.segment < self._live_from:
                     continue  # replayed from an earlier run: no call of this run is waiting for it
-            left = self._in_flight.get(record.rollout_id, 0) - 1
-            if left > 0:
-                self._in_flight[record.rollout_id] = left
-            else:
-                self._in_flight.pop(record.rollout_id, None)
+            self._leave(record.rollout_id)
         if (
             self._committed_at is not None
             and self.journal.segments

@@ -307,8 +307,13 @@ class Settings:
         return self.admin_key_file or self.data_dir / ADMIN_KEY_FILE
 
     @property
+    def sqlite_path(self) -> Path:
+        """The default store's file (used unless --db names another store)."""
+        return self.data_dir / "artgw.sqlite"
+
+    @property
     def db_url(self) -> str:
-        return self.db or f"sqlite+aiosqlite:///{(self.data_dir / 'artgw.sqlite').resolve()}"
+        return self.db or f"sqlite+aiosqlite:///{self.sqlite_path.resolve()}"
 
     @property
     def upstream_url(self) -> str:

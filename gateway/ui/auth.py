@@ -68,9 +68,9 @@ def _signature(keyring: KeyRing, claim: str) -> str:
     return hmac.new(secret, claim.encode(), hashlib.sha256).hexdigest()
 
 
-def session_token(keyring: KeyRing, caller: Caller, now: float | None = None) -> str:
+def session_token(keyring: KeyRing, caller: Caller) -> str:
     """`KEY_ID.EXPIRES.SIGNATURE`: which key, until when (epoch seconds), signed."""
-    claim = f"{caller.key_id or _ADMIN_ID}.{int((now or time.time()) + SESSION_SECONDS)}"
+    claim = f"{caller.key_id or _ADMIN_ID}.{int(time.time() + SESSION_SECONDS)}"
     return f"{claim}.{_signature(keyring, claim)}"
 
 
