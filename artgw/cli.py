@@ -33,7 +33,7 @@ import msgspec
 from artgw import options
 from artgw.demo import DemoConfig
 from artgw.tiny_model import TinyModelSpec
-from gateway.settings import Settings
+from gateway.settings import ADMIN_KEY_FILE, Settings
 from trainer.config import TrainConfig
 
 if TYPE_CHECKING:  # imported where a command runs: each command loads only what it uses
@@ -202,12 +202,15 @@ def _store_url(args: argparse.Namespace) -> str:
     return store_url(args.data_dir, args.db)
 
 
+def admin_key_path(args: argparse.Namespace) -> Path:
+    return args.admin_key_file or args.data_dir / ADMIN_KEY_FILE  # type: ignore[no-any-return]
+
+
 def admin_key(args: argparse.Namespace) -> str | None:
     """--admin-key (better: ARTGW_ADMIN_KEY), else the key in --admin-key-file (DATA_DIR/admin_key)."""
     from gateway.auth import read_admin_key
-    from gateway.settings import ADMIN_KEY_FILE
 
-    path = args.admin_key_file or args.data_dir / ADMIN_KEY_FILE
+    path = admin_key_path(args)
     try:
         return read_admin_key(args.admin_key, path)
     except PermissionError:
@@ -624,8 +627,9 @@ def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> 
     import httpx
 
     gateway = gateway_url(args)
+    headers = _admin_headers(args)
     try:
-        answer = httpx.request(method, gateway + path, json=body, headers=_admin_headers(args), timeout=STATUS_TIMEOUT)
+        answer = httpx.request(method, gateway + path, json=body, headers=headers, timeout=STATUS_TIMEOUT)
     except httpx.TimeoutException:
         raise CommandError(f"the gateway at {gateway} did not answer within {STATUS_TIMEOUT:.0f} s") from None
     except httpx.TransportError:
@@ -633,7 +637,10 @@ def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> 
             f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
         ) from None
     if not answer.is_success:
-        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}")
+        missing = ""
+        if answer.status_code == 401 and not headers:
+            missing = f" (no admin key sent: none in {admin_key_path(args)}; set --data-dir or ARTGW_ADMIN_KEY)"
+        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}{missing}")
     return answer
 
 

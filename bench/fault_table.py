@@ -528,7 +528,7 @@ def said(response: httpx.Response, seconds: float) -> str:
 
 async def store_checks(b: Bench, gateway: GatewayProcess, label: str, before: dict[str, str]) -> None:
     """The store is unavailable now: how each store-facing endpoint answers."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=gateway.admin) as client:
         art = f"{gateway.base_url}/art"
         r, s = await timed(client, "GET", f"{art}/rollouts/x")
         code = error_code(r)
@@ -586,7 +586,7 @@ def rid(rollout: str) -> dict[str, str]:
 
 async def prepare_rollouts(gateway: GatewayProcess) -> None:
     """Two answered and stored rollouts, for a group post."""
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=gateway.admin) as client:
         for rollout in ("before-a", "before-b"):
             r = await client.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers=rid(rollout))
             assert r.status_code == 200, r.text
@@ -597,7 +597,7 @@ async def prepare_rollouts(gateway: GatewayProcess) -> None:
 async def recovery(gateway: GatewayProcess) -> tuple[int, int, float]:
     """Once the store is back: the call made meanwhile reads back, and the group post goes through."""
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=gateway.admin) as client:
         url = f"{gateway.base_url}/art/rollouts/during"
         last: list[httpx.Response] = []
 
@@ -729,7 +729,7 @@ async def scenario_input(b: Bench) -> None:
         ("admin adapter load: step=2**70", "/art/models/my-agent/adapters", listed,
          json.dumps({"step": 2**70, "path": str(b.tmp)}).encode(), "invalid_value"),
     ]  # fmt: skip
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=gateway.admin) as client:
         for fault, path, before, body, code in cases:
             r, s = await timed(
                 client, "POST", f"{gateway.base_url}{path}", content=body, headers={"content-type": "application/json"}
@@ -784,7 +784,7 @@ async def scenario_input(b: Bench) -> None:
 async def scenario_hangup(b: Bench) -> None:
     stub = b.stub("--delay", "30")
     gateway = b.gateway("--upstream", stub)
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, headers=gateway.admin) as client:
         try:
             await client.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers=rid("hangup"), timeout=1.0)
             hung_up = False
@@ -822,7 +822,7 @@ async def scenario_hangup(b: Bench) -> None:
 
 async def scenario_engine_4xx(b: Bench) -> None:
     gateway = b.gateway("--upstream", b.stub())
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, headers=gateway.admin) as client:
         r = await client.post(
             f"{gateway.base_url}/chat/completions", json={**CHAT, "temperature": -1}, headers=rid("t-1")
         )

@@ -2,9 +2,11 @@
 
 Every request names its key as `Authorization: Bearer <key>` (what the OpenAI SDK's `api_key` sends) or
 `x-api-key` (Anthropic's SDK). `KeyRing.caller` turns that into a `Caller`: the admin (everything), a
-client key (its models and scopes), or, with `--auth off`, anonymous. The live keys sit in memory, by
-the SHA-256 of their secret, and are re-read from the store every second: a key revoked on any replica
-stops working on every replica within about a second. Guards (gateway/guards.py) and the inference
+client key (its models and scopes), or, with `--auth off`, a keyless caller that may infer and nothing more:
+reading or changing recorded data (rollouts, rewards, groups, the UI) always takes a key with the scope. The
+live keys sit in memory, by the SHA-256 of their secret, and are re-read from the store every second (with the
+hashes of revoked keys, which are refused everywhere, `--auth off` too): a key revoked on any replica stops
+working on every replica within about a second. Guards (gateway/guards.py) and the inference
 handlers (gateway/apis/routes.py) ask it; handlers never look at keys themselves.
 
 Rate limits are token buckets per key and per replica: `rpm` requests and `tpm` tokens a minute, both
@@ -27,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import OpenAIError, model_not_found
 from store.clock import SYSTEM_CLOCK, Clock
-from store.keys import SCOPES, ApiKey, Scope, live_keys, secret_hash
+from store.keys import SCOPES, ApiKey, Scope, live_keys, revoked_key_hashes, secret_hash
 
 log = logging.getLogger("artgw.auth")
 
@@ -42,6 +44,7 @@ class Caller:
     models: frozenset[str] | None  # the models it may use; None: every model
     scopes: frozenset[Scope]
     admin: bool = False
+    keyless: bool = False  # --auth off, no key (or one the gateway never made): a scope it lacks is a 401
     rpm: int | None = None
     tpm: int | None = None
 
@@ -59,6 +62,13 @@ class Caller:
             raise model_not_found(shown or model)
 
     def check_scope(self, scope: Scope) -> None:
+        if scope not in self.scopes and self.keyless:
+            raise OpenAIError(
+                401,
+                f"This endpoint needs an API key with the `{scope}` scope (or the admin key): without a key, "
+                "--auth off lets in inference only.",
+                code="invalid_api_key",
+            )
         if scope not in self.scopes:
             has = ", ".join(sorted(self.scopes)) or "none"
             raise OpenAIError(
@@ -67,7 +77,10 @@ class Caller:
 
 
 ADMIN = Caller(key_id=None, models=None, scopes=frozenset(SCOPES), admin=True)
-ANONYMOUS = Caller(key_id=None, models=None, scopes=frozenset(SCOPES))  # --auth off, no key
+# A service called without a caller: the gateway's own paths (requests always name theirs; #26 removes it).
+ANONYMOUS = Caller(key_id=None, models=None, scopes=frozenset(SCOPES))
+# --auth off, a request without a key: inference on every model, and nothing recorded to read or change.
+KEYLESS = Caller(key_id=None, models=None, scopes=frozenset({"infer"}), keyless=True)
 
 
 def client_caller(key: ApiKey) -> Caller:
@@ -116,24 +129,29 @@ class KeyRing:
         self.required = required  # --auth required: no key, no call
         self.clock = clock  # the pace of `follow`, and the rate limits' minutes
         self._by_hash: dict[str, Caller] = {}
+        self._revoked: frozenset[str] = frozenset()  # the hashes of revoked keys: refused, --auth off too
         # Bumped by each key made or revoked here: a store read that was under way meanwhile may predate it.
         self._changes = 0
         self.limits = RateLimits(clock)
 
     def caller(self, headers: Mapping[str, str]) -> Caller:
-        """The caller a request's headers name; 401 `invalid_api_key` for a missing or unknown key when
-        auth is required (with --auth off, an unknown key is anonymous: SDKs insist on sending some key)."""
+        """The caller a request's headers name; 401 `invalid_api_key` for a revoked key, and for a missing or
+        unknown key when auth is required (with --auth off, an unknown key is keyless: SDKs insist on sending
+        some key)."""
         given = bearer(headers)
         if given is not None:
             if same_secret(given, self.admin_key):
                 return ADMIN
             # A dict lookup by the secret's hash: what is compared is a hash, which tells nothing of the secret.
-            found = self._by_hash.get(secret_hash(given))
+            digest = secret_hash(given)
+            found = self._by_hash.get(digest)
             if found is not None:
                 return found
+            if digest in self._revoked:
+                raise invalid_key(given)  # as OpenAI words a revoked key
         if self.required:
             raise invalid_key(given)
-        return ANONYMOUS
+        return KEYLESS
 
     def admin_key_matches(self, given: str) -> bool:
         return same_secret(given, self.admin_key)
@@ -158,12 +176,15 @@ class KeyRing:
         """The live key with this id (a UI session names its key by id), or None: unknown or revoked."""
         return next((c for c in self._by_hash.values() if c.key_id == key_id), None)
 
-    def replace(self, keys: list[tuple[str, ApiKey]]) -> None:
+    def replace(self, keys: list[tuple[str, ApiKey]], revoked: frozenset[str]) -> None:
         self._by_hash = {digest: client_caller(key) for digest, key in keys}
+        self._revoked = revoked
 
     def forget(self, key_id: str) -> None:
-        """Revoked here: gone from this replica at once (the others on their next refresh)."""
-        self._by_hash = {d: c for d, c in self._by_hash.items() if c.key_id != key_id}
+        """Revoked here: refused by this replica at once (by the others on their next refresh)."""
+        gone = frozenset(d for d, c in self._by_hash.items() if c.key_id == key_id)
+        self._by_hash = {d: c for d, c in self._by_hash.items() if d not in gone}
+        self._revoked |= gone
         self._changes += 1
 
     def add(self, digest: str, key: ApiKey) -> None:
@@ -179,8 +200,9 @@ class KeyRing:
             seen = self._changes
             async with self.store.connect() as conn:
                 live = await live_keys(conn)
+                revoked = await revoked_key_hashes(conn)
             if self._changes == seen:
-                self.replace([(k.secret_sha256, k.key) for k in live])
+                self.replace([(k.secret_sha256, k.key) for k in live], revoked)
                 return
 
     async def follow(self, every: float = REFRESH_SECONDS) -> None:

@@ -101,6 +101,12 @@ async def live_keys(conn: AsyncConnection) -> list[LiveKey]:
     return [LiveKey(row.secret_sha256, _key(row)) for row in rows]
 
 
+async def revoked_key_hashes(conn: AsyncConnection) -> frozenset[str]:
+    """The hashes of revoked keys: refused everywhere, even where a request needs no key."""
+    rows = await conn.execute(sa.select(api_keys.c.secret_sha256).where(api_keys.c.revoked_at.is_not(None)))
+    return frozenset(rows.scalars())
+
+
 async def revoke_key(conn: AsyncConnection, key_id: str) -> ApiKey:
     """Revoke at once (idempotent: a revoked key stays revoked, its first revocation time kept)."""
     await conn.execute(

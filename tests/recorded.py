@@ -13,7 +13,7 @@ def new_id(prefix: str) -> str:
 
 
 def rollout(gateway: Any, rollout_id: str) -> dict[str, Any]:
-    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}")
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -88,7 +88,7 @@ def test_a_broken_served_step_falls_back_to_the_one_before(tmp_path: Path, upstr
             timeout=30,
         )
         assert answer.status_code == 200, answer.text
-        recorded = httpx.get(f"{gateway.url}/v1/art/rollouts/after-the-fall", timeout=30).json()
+        recorded = httpx.get(f"{gateway.url}/v1/art/rollouts/after-the-fall", timeout=30, headers=gateway.admin).json()
         assert [c["step"] for c in recorded["calls"]] == [1]
         pinned = httpx.post(
             f"{gateway.url}/v1/chat/completions",

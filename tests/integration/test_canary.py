@@ -62,7 +62,7 @@ def canary(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]
 
 
 def status(gateway: GatewayProcess) -> dict[str, Any]:
-    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10)
+    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10, headers=gateway.admin)
     answer.raise_for_status()
     return answer.json()
 
@@ -96,13 +96,23 @@ async def run_rollouts(gateway: GatewayProcess, ids: list[str], calls: int) -> N
 def served_steps(gateway: GatewayProcess, ids: list[str]) -> dict[str, list[int]]:
     """The step of every recorded call of each rollout."""
     return {
-        i: [c["step"] for c in httpx.get(f"{gateway.base_url}/art/rollouts/{i}", timeout=10).json()["calls"]]
+        i: [
+            c["step"]
+            for c in httpx.get(f"{gateway.base_url}/art/rollouts/{i}", timeout=10, headers=gateway.admin).json()[
+                "calls"
+            ]
+        ]
         for i in ids
     }
 
 
 def reward(gateway: GatewayProcess, rollout_id: str, value: float) -> None:
-    answer = httpx.post(f"{gateway.base_url}/art/rewards", json={"rollout_id": rollout_id, "reward": value}, timeout=30)
+    answer = httpx.post(
+        f"{gateway.base_url}/art/rewards",
+        json={"rollout_id": rollout_id, "reward": value},
+        timeout=30,
+        headers=gateway.admin,
+    )
     assert answer.status_code == 201, answer.text
 
 
@@ -175,7 +185,9 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
         rollouts = [{"rollout_id": arms[2][start + k], "reward": 0.0} for k in range(2)]
         rollouts += [{"rollout_id": arms[0][start + k], "reward": 1.0} for k in range(2)]
         body = {"model": MODEL, "group_id": f"c2-group-{n}", "rollouts": rollouts}
-        assert httpx.post(f"{canary.base_url}/art/groups", json=body, timeout=30).status_code == 201
+        assert (
+            httpx.post(f"{canary.base_url}/art/groups", json=body, timeout=30, headers=canary.admin).status_code == 201
+        )
     dropped = poll(lambda: (s := status(canary))["canary_step"] is None and s, 30, "step 2's canary to end")
     row = canary_row(dropped, 2)
     assert row["status"] == "failed" and (row["mean"], row["baseline_mean"]) == (0.0, 1.0), row
@@ -183,11 +195,28 @@ def test_canary_promotes_rolls_back_and_drops(canary: GatewayProcess, tiny_model
     assert [(e["event"], e["step"]) for e in dropped["adapter_events"]] == [("loaded", 2), ("loaded", 1)]
 
     # A reward is given once; an eval or unknown rollout is refused.
-    same = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c1-live-0", "reward": 0.0}, timeout=30)
+    same = httpx.post(
+        f"{canary.base_url}/art/rewards",
+        json={"rollout_id": "c1-live-0", "reward": 0.0},
+        timeout=30,
+        headers=canary.admin,
+    )
     assert same.status_code == 200, same.text
-    other = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c1-live-0", "reward": 1.0}, timeout=30)
+    other = httpx.post(
+        f"{canary.base_url}/art/rewards",
+        json={"rollout_id": "c1-live-0", "reward": 1.0},
+        timeout=30,
+        headers=canary.admin,
+    )
     assert other.status_code == 409 and other.json()["error"]["code"] == "reward_conflict", other.text
-    unknown = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "nope", "reward": 1.0}, timeout=30)
+    unknown = httpx.post(
+        f"{canary.base_url}/art/rewards", json={"rollout_id": "nope", "reward": 1.0}, timeout=30, headers=canary.admin
+    )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "rollout_not_found", unknown.text
-    bad = httpx.post(f"{canary.base_url}/art/rewards", json={"rollout_id": "c2-0", "reward": "high"}, timeout=30)
+    bad = httpx.post(
+        f"{canary.base_url}/art/rewards",
+        json={"rollout_id": "c2-0", "reward": "high"},
+        timeout=30,
+        headers=canary.admin,
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward", bad.text

@@ -101,11 +101,15 @@ def test_status_and_export_find_the_gateway_and_store_like_serve(
 ) -> None:
     gateway = gateway_factory("--upstream", stub_url)  # type: ignore[operator]
     port = gateway.url.rsplit(":", 1)[1]
-    # the same variables serve reads: ARTGW_PORT for status, ARTGW_DATA_DIR for export
-    ok = artgw("status", cwd=tmp_path, env={"ARTGW_PORT": port})
+    # the same variables serve reads: ARTGW_PORT for status, ARTGW_DATA_DIR for export and status's admin key
+    keyless = artgw("status", cwd=tmp_path, env={"ARTGW_PORT": port})
+    message = one_line_error(keyless, "artgw status")
+    assert "answered 401" in message and f"none in {Path('data') / 'admin_key'}; set --data-dir" in message
+    found = {"ARTGW_PORT": port, "ARTGW_DATA_DIR": str(gateway.data_dir)}
+    ok = artgw("status", cwd=tmp_path, env=found)
     assert ok.returncode == 0, ok.stderr
     assert "my-agent" in ok.stdout and "serves step 0" in ok.stdout
-    unknown = artgw("status", "--model", "nope", cwd=tmp_path, env={"ARTGW_PORT": port})
+    unknown = artgw("status", "--model", "nope", cwd=tmp_path, env=found)
     assert "404" in one_line_error(unknown, "artgw status")
     exported = artgw("export", cwd=tmp_path, env={"ARTGW_DATA_DIR": str(gateway.data_dir)})
     assert exported.returncode == 0, exported.stderr

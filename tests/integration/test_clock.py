@@ -129,7 +129,7 @@ def test_the_canary_is_decided_on_the_watchers_clock(tmp_path: Path, stub_url: s
             for rollout_id in ids:
                 value = 1.0 if step == 1 else 0.0
                 body = {"rollout_id": rollout_id, "reward": value}
-                given = httpx.post(f"{gateway.base_url}/art/rewards", json=body, timeout=30)
+                given = httpx.post(f"{gateway.base_url}/art/rewards", json=body, timeout=30, headers=gateway.admin)
                 assert given.status_code == 201, given.text
         # Every reward is in, but the watcher's clock stands still: undecided for longer than a real round.
         holds(lambda: status(gateway)["canary_step"] == 1, 1.5, "the canary to run on")
@@ -140,14 +140,14 @@ def test_the_canary_is_decided_on_the_watchers_clock(tmp_path: Path, stub_url: s
 
 
 def status(gateway: InProcessGateway) -> dict[str, object]:
-    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10)
+    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10, headers=gateway.admin)
     answer.raise_for_status()
     return answer.json()
 
 
 def rollout_step(gateway: InProcessGateway, rollout_id: str) -> int | None:
     """1 + the step that served the rollout's call, once it is recorded (so step 0 is truthy too)."""
-    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10)
+    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10, headers=gateway.admin)
     if answer.status_code != 200:
         return None
     return int(answer.json()["calls"][0]["step"]) + 1

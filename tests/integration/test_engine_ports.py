@@ -140,7 +140,12 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
             assert len(record["sequences"]) == 1 and sum(record["sequences"][0]["sampled_mask"]) >= 1
             # Recorded only where it was served: the other gateway has no such rollout.
             elsewhere = gateways["b" if key == "a" else "a"]
-            assert httpx.get(f"{elsewhere.base_url}/art/rollouts/{rollout_id}", timeout=30).status_code == 404
+            assert (
+                httpx.get(
+                    f"{elsewhere.base_url}/art/rollouts/{rollout_id}", timeout=30, headers=elsewhere.admin
+                ).status_code
+                == 404
+            )
 
         # A third gateway pointed at gateway A's engine port is refused at once, before it starts vLLM.
         serve_fails_at_once(tmp_path, models["b"], engine_ports["a"])
@@ -180,7 +185,7 @@ def test_a_taken_engine_port_is_a_clear_error_at_once(tiny_model: Path, tmp_path
 
 
 def _rollout(gateway: GatewayProcess, rollout_id: str) -> dict | None:
-    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=30)
+    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=30, headers=gateway.admin)
     return answer.json() if answer.status_code == 200 else None
 
 

@@ -161,7 +161,7 @@ def readiness(gateway: GatewayProcess) -> tuple[int, str]:
 
 
 def recorded_status(gateway: GatewayProcess, rollout_id: str) -> str | None:
-    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10)
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=10, headers=gateway.admin)
     if r.status_code != 200:
         return None
     calls = r.json()["calls"]

@@ -141,7 +141,7 @@ def test_engine_timeout_is_504_and_gateway_keeps_serving(gateway_factory) -> Non
         assert r.status_code == 504
         assert error(r)["code"] == "upstream_timeout"
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
-        (call,) = httpx.get(f"{gateway.base_url}/art/rollouts/timeout-1").json()["calls"]
+        (call,) = httpx.get(f"{gateway.base_url}/art/rollouts/timeout-1", headers=gateway.admin).json()["calls"]
         assert call["status"] == "upstream_error" and call["finish_reasons"] == []
         assert call["error"] == "The engine did not answer in time. (SocketTimeoutError)"  # read, not connect
     finally:
@@ -252,7 +252,7 @@ def test_client_hangup_mid_stream_closes_the_engine_stream_and_is_recorded_cance
         # The engine streams on until its client, the gateway, goes away: it must go at once.
         poll(lambda: httpx.get(f"{url}/stats").json()["streams_aborted"], 5, "the engine's stream to close", every=0.05)
         assert httpx.get(f"{url}/stats").json() == {"streams_started": 1, "streams_aborted": 1, "requests_aborted": 0}
-        rollout = httpx.get(f"{gateway.base_url}/art/rollouts/hangup-1").json()
+        rollout = httpx.get(f"{gateway.base_url}/art/rollouts/hangup-1", headers=gateway.admin).json()
         (call,) = rollout["calls"]
         assert call["status"] == "cancelled" and call["stream"]
         assert rollout["sequences"] == []  # a cancelled call is kept but never trained
@@ -279,7 +279,11 @@ def test_client_hangup_before_a_plain_answer_aborts_the_engine_request_and_is_re
             lambda: httpx.get(f"{url}/stats").json()["requests_aborted"], 5, "the engine's request to close", every=0.05
         )
         rollout = poll(
-            lambda: (r := httpx.get(f"{gateway.base_url}/art/rollouts/hangup-plain")).status_code == 200 and r.json(),
+            lambda: (
+                (r := httpx.get(f"{gateway.base_url}/art/rollouts/hangup-plain", headers=gateway.admin)).status_code
+                == 200
+                and r.json()
+            ),
             10,
             "the cancelled call to be recorded",
         )

@@ -57,7 +57,7 @@ def chat(gateway: Any, rollout_id: str, **extra: Any) -> httpx.Response:
 
 
 def rollout(gateway: Any, rollout_id: str, timeout: float = 60) -> httpx.Response:
-    return httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=timeout)
+    return httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", timeout=timeout, headers=gateway.admin)
 
 
 def adapter_dir(tmp_path: Path) -> Path:
@@ -82,7 +82,7 @@ def test_locked_store_is_a_prompt_503_while_inference_and_reads_go_on(gateway_fa
         # client's 12 s, else httpx raises ReadTimeout).
         rewards = [{"rollout_id": "before", "reward": 1.0}, {"rollout_id": "before-2", "reward": 0.0}]
         group = {"model": "my-agent", "group_id": "g-locked", "rollouts": rewards}
-        r = httpx.post(f"{gateway.base_url}/art/groups", json=group, timeout=12)
+        r = httpx.post(f"{gateway.base_url}/art/groups", json=group, timeout=12, headers=gateway.admin)
         assert (r.status_code, r.json(), r.headers["retry-after"]) == (503, STORE_UNAVAILABLE, "2")
 
         # Inference keeps serving; its record waits for the store, and a read of it says so.
@@ -125,7 +125,7 @@ def test_locked_store_is_a_prompt_503_while_inference_and_reads_go_on(gateway_fa
     # The store is back: the call recorded meanwhile is there, and the same writes now go through.
     r = rollout(gateway, "during")
     assert r.status_code == 200 and [c["status"] for c in r.json()["calls"]] == ["ok"]
-    r = httpx.post(f"{gateway.base_url}/art/groups", json=group, timeout=60)
+    r = httpx.post(f"{gateway.base_url}/art/groups", json=group, timeout=60, headers=gateway.admin)
     assert r.status_code == 201, r.text
 
 
@@ -242,7 +242,7 @@ def test_postgres_down_is_a_prompt_503_metrics_and_readyz_answer_and_it_recovers
         r = rollout(gateway, "pg-before", timeout=5)
         assert r.status_code == 503, r.text
         assert (r.json(), r.headers["retry-after"]) == (STORE_UNAVAILABLE, "2")
-        r = httpx.get(f"{gateway.base_url}/art/groups", timeout=5)
+        r = httpx.get(f"{gateway.base_url}/art/groups", timeout=5, headers=gateway.admin)
         assert (r.status_code, r.json()) == (503, STORE_UNAVAILABLE)
         assert metric(gateway.url, "artgw_store_up", exported=True) == 0
         r = httpx.get(f"{gateway.url}/readyz", timeout=30)

@@ -41,7 +41,7 @@ def record(gateway, n: int = 1, **extra) -> str:
 
 
 def post_group(gateway, body: dict, **headers) -> httpx.Response:
-    return httpx.post(f"{gateway.base_url}/art/groups", json=body, headers=headers, timeout=30)
+    return httpx.post(f"{gateway.base_url}/art/groups", json=body, headers={**gateway.admin, **headers}, timeout=30)
 
 
 def error(r: httpx.Response, status: int) -> dict:
@@ -68,9 +68,11 @@ def test_caller_rewards_make_a_ready_group(stub_gateway) -> None:
     assert group["reward_mean"] == pytest.approx(0.5)
     assert group["rollouts"][0]["metrics"] == {"len": 3.0}
     assert group["metadata"] == {"task": "t1"}
-    fetched = httpx.get(f"{stub_gateway.base_url}/art/groups/{group['id']}").json()
+    fetched = httpx.get(f"{stub_gateway.base_url}/art/groups/{group['id']}", headers=stub_gateway.admin).json()
     assert fetched == group
-    listed = httpx.get(f"{stub_gateway.base_url}/art/groups", params={"state": "ready", "limit": 1000}).json()
+    listed = httpx.get(
+        f"{stub_gateway.base_url}/art/groups", params={"state": "ready", "limit": 1000}, headers=stub_gateway.admin
+    ).json()
     assert group["id"] in [g["id"] for g in listed["data"]]
 
 
@@ -151,7 +153,11 @@ def test_validation_errors_say_what_to_fix(stub_gateway, case: str, status: int,
     if body is None:
         members = f'{{"rollout_id": "{a}", "reward": 1e999}}, {{"rollout_id": "{b}", "reward": 0}}'
         raw = f'{{"model": "my-agent", "rollouts": [{members}]}}'
-        r = httpx.post(f"{stub_gateway.base_url}/art/groups", content=raw, headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{stub_gateway.base_url}/art/groups",
+            content=raw,
+            headers={**stub_gateway.admin, "content-type": "application/json"},
+        )
     else:
         r = post_group(stub_gateway, body)
     err = error(r, status)
@@ -240,8 +246,13 @@ def test_one_call_with_n_choices_is_a_group(engine_gateway) -> None:
     assert r.status_code == 201, r.text
     assert [x["rollout_id"] for x in r.json()["rollouts"]] == refs
     # Each choice is addressable, with its own sampled tokens.
-    seqs = [httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/{k}").json()["sequences"][0] for k in range(3)]
-    second = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/2").json()
+    seqs = [
+        httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/{k}", headers=engine_gateway.admin).json()[
+            "sequences"
+        ][0]
+        for k in range(3)
+    ]
+    second = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rid}/2", headers=engine_gateway.admin).json()
     calls = second["calls"]
     assert calls[0]["choice"] == 2 and calls[0]["n"] == 3
     assert second["rollout_id"] == f"{rid}/2"  # the name a group gives it
@@ -287,7 +298,7 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     group_id = r.json()["id"]
 
     def scored() -> dict | None:
-        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").json()
+        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).json()
         return None if group["state"] == "scoring" else group
 
     group = poll(scored, 120, f"RULER to score group {group_id}", every=0.5)
@@ -304,4 +315,7 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     assert group["judge_usage"]["judge_calls"] >= 1 and group["judge_usage"]["prompt_tokens"] > 0
     assert group["ruler"]["litellm_params"]["api_base"] == f"{vllm_url}/v1"
     assert "api_key" not in group["ruler"]["litellm_params"]
-    assert "sk-secret" not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}").text
+    assert (
+        "sk-secret"
+        not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).text
+    )

@@ -207,7 +207,7 @@ def test_a_body_at_the_depth_limit_is_recorded_and_reads_back_over_http_and_expo
     r = post(gateway, "/chat/completions", body, **{"X-ART-Rollout-Id": "deep-1"})
     assert r.status_code == 200, r.text
     for _ in range(2):  # read-your-writes, then a plain read of what is in the store
-        got = httpx.get(f"{gateway.base_url}/art/rollouts/deep-1", timeout=30)
+        got = httpx.get(f"{gateway.base_url}/art/rollouts/deep-1", timeout=30, headers=gateway.admin)
         assert got.status_code == 200, got.text
         assert got.json()["messages"][0] == body["messages"][0]
     export = subprocess.run(

@@ -187,7 +187,9 @@ def test_the_gateways_files_are_its_own(tmp_path: Path) -> None:
             timeout=30,
         )
         assert r.status_code == 200
-        httpx.get(f"{gateway.base_url}/art/rollouts/{r.headers['x-art-rollout-id']}", timeout=30)  # stored
+        httpx.get(
+            f"{gateway.base_url}/art/rollouts/{r.headers['x-art-rollout-id']}", timeout=30, headers=gateway.admin
+        )  # stored
         modes = {
             path.relative_to(gateway.data_dir).as_posix(): path.stat().st_mode & 0o777
             for path in [gateway.data_dir, *gateway.data_dir.rglob("*")]

@@ -5,8 +5,8 @@ key never made, a revoked key, a key for the other model, a key without the endp
 the admin key), each key sent both as `Authorization: Bearer` and as `x-api-key`: the exact status and the
 exact body (OpenAI's error shape; Anthropic's on /v1/messages). Then: listings never show another model's data,
 each recorded call keeps its key's id (never its secret), the OpenAI and Anthropic SDKs see typed errors, rate
-limits answer 429 with Retry-After and recover, `artgw keys` works end to end, `--auth off` still guards the
-admin endpoints, and the admin key file is private and never logged.
+limits answer 429 with Retry-After and recover, `artgw keys` works end to end, and the admin key file is private
+and never logged. The same table with `--auth off`: a keyless caller may infer and nothing more.
 
 One gateway (`--auth required`, two trainable models `a` and `b`, the admin key it made itself, a metrics
 key) in front of the stand-in engine (tests/stub_engine.py: it returns token ids), shared by the module.
@@ -132,6 +132,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     stub, stub_proc = start_stub()
     try:
         gateway = serve(where, stub, "--auth", "required", env={"ARTGW_METRICS_KEY": METRICS_KEY})
+        try:
+            yield _populated(World(gateway, gateway.admin_key, where / "adapter", {}, {}, {}, {}, {}))
+        finally:
+            gateway.stop()
+    finally:
+        stop_group(stub_proc)
+
+
+@pytest.fixture(scope="module")
+def world_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """The same world behind a gateway with `--auth off` (on loopback)."""
+    where = tmp_path_factory.mktemp("keys-off")
+    stub, stub_proc = start_stub()
+    try:
+        gateway = serve(where, stub, "--auth", "off", env={"ARTGW_METRICS_KEY": METRICS_KEY})
         try:
             yield _populated(World(gateway, gateway.admin_key, where / "adapter", {}, {}, {}, {}, {}))
         finally:
@@ -559,14 +574,61 @@ ROWS = [
 PLACEHOLDER = re.compile(r"\{[^}]*\}")
 
 
-@pytest.mark.parametrize(("endpoint", "who", "outcome", "how"), ROWS)
-def test_key_table(world: World, endpoint: str, who: str, outcome: Outcome, how: str) -> None:
+def _every_model(a: Asked) -> None:
+    """A listing asked without a key where none is needed: every model (both trainable ones and the base)."""
+    assert a.r.status_code == 200, a.r.text
+    assert a.endpoint.listed is not None
+    assert a.endpoint.listed(a.r) >= {"a", "b"}, a.r.text
+
+
+EVERY_MODEL = Outcome("200 every model", _every_model)
+KEYLESS = Outcome(
+    "401 keyless: inference only",
+    lambda a: a.error(
+        401,
+        f"This endpoint needs an API key with the `{a.endpoint.scope}` scope (or the admin key): without a key, "
+        "--auth off lets in inference only.",
+        "invalid_api_key",
+    ),
+)
+
+
+def auth_off(endpoint: str, who: str, required: Outcome) -> Outcome:
+    """The table's cell with `--auth off`: no key, or a key never made, may infer (on every model) and nothing
+    more; a revoked key is refused as with `--auth required`, and so is everything else (#24: keyless callers
+    read every model's rollouts there)."""
+    if who in ("none", "bad") and required in (NO_KEY, BAD_KEY):
+        if ENDPOINTS[endpoint].scope != "infer":
+            return KEYLESS
+        return EVERY_MODEL if ENDPOINTS[endpoint].listed else OK
+    return required
+
+
+OFF_ROWS = [
+    pytest.param(endpoint, who, auth_off(endpoint, who, outcome), how, id=f"{endpoint} | {who} | {how}")
+    for endpoint, outcomes in TABLE.items()
+    for who, outcome in zip(WHO, outcomes, strict=True)
+    for how in (("bearer",) if who == "none" else ("bearer", "x-api-key"))
+]
+
+
+def ask_row(world: World, endpoint: str, who: str, outcome: Outcome, how: str) -> None:
     spec = ENDPOINTS[endpoint]
     method, path = endpoint.split(" ")
     target = spec.prepare(world)
     secret = world.key_for(who, spec.scope)
     r = world.ask(method, path.format(**target), secret, how, json=target.get("json"), params=target.get("params"))
     outcome.check(Asked(world, spec, who, secret, target, r))
+
+
+@pytest.mark.parametrize(("endpoint", "who", "outcome", "how"), ROWS)
+def test_key_table(world: World, endpoint: str, who: str, outcome: Outcome, how: str) -> None:
+    ask_row(world, endpoint, who, outcome, how)
+
+
+@pytest.mark.parametrize(("endpoint", "who", "outcome", "how"), OFF_ROWS)
+def test_key_table_with_auth_off(world_off: World, endpoint: str, who: str, outcome: Outcome, how: str) -> None:
+    ask_row(world_off, endpoint, who, outcome, how)
 
 
 def test_the_table_has_a_row_for_every_route(world: World) -> None:
@@ -928,7 +990,9 @@ def test_artgw_keys_create_list_revoke(world: World) -> None:
         check=False,
     )
     assert refused.returncode == 1
-    assert refused.stderr.strip() == f"artgw keys list: {world.url} answered 401: {NEEDS_ADMIN_MESSAGE}"
+    elsewhere = world.gateway.data_dir / "elsewhere" / "admin_key"
+    missing = f" (no admin key sent: none in {elsewhere}; set --data-dir or ARTGW_ADMIN_KEY)"
+    assert refused.stderr.strip() == f"artgw keys list: {world.url} answered 401: {NEEDS_ADMIN_MESSAGE}{missing}"
 
 
 # ---------------------------------------------------------------- --auth off
@@ -939,11 +1003,16 @@ def test_auth_off_lets_keyless_calls_in_but_not_to_admin_endpoints(tmp_path: Pat
     gateway = serve(tmp_path, stub, "--auth", "off")
     try:
         url = gateway.url
-        # Inference, reading and rewards need no key on loopback (an SDK's dummy key is no key either).
+        # Inference needs no key on loopback (an SDK's dummy key is no key either); reading recorded data does.
         assert httpx.post(f"{url}/v1/chat/completions", json=CHAT_A, timeout=30).status_code == 200
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert sdk.chat.completions.create(model="b", messages=USER, max_tokens=4).model == "b"  # type: ignore[arg-type]
-        assert httpx.get(f"{url}/v1/art/rollouts", timeout=30).status_code == 200
+        assert httpx.get(f"{url}/v1/art/rollouts", timeout=30).status_code == 401
+        assert httpx.get(f"{url}/v1/art/rollouts", headers=sent(gateway.admin_key), timeout=30).status_code == 200
+        # So do the UI's pages: a browser without a key goes to the login page.
+        page = httpx.get(f"{url}/ui/rollouts", timeout=30)
+        assert (page.status_code, page.headers["location"]) == (303, "/ui/login?next=%2Fui%2Frollouts"), page.text
+        assert httpx.get(f"{url}/ui/rollouts", headers=sent(gateway.admin_key), timeout=30).status_code == 200
         assert httpx.get(f"{url}/metrics", timeout=30).status_code == 200  # no --metrics-key: open
         # Admin endpoints still need the admin key: none, a wrong one, or the SDK's dummy one is a 401.
         for headers in ({}, sent(NEVER_MADE), sent("unused", "x-api-key")):

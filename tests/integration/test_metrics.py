@@ -36,6 +36,7 @@ def test_metrics_after_real_traffic(engine_gateway) -> None:
     group = httpx.post(
         f"{engine_gateway.base_url}/art/groups",
         json={"model": "my-agent", "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)]},
+        headers=engine_gateway.admin,
     )
     assert group.status_code == 201
     after = scrape(engine_gateway)

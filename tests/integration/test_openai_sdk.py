@@ -183,7 +183,9 @@ def test_client_disconnect_mid_stream_is_recorded_cancelled_and_the_engine_stops
     poll(
         lambda: metric(vllm_url, "vllm:num_requests_running", exported=True) == 0, 60, "vLLM to have no request running"
     )
-    rollout = httpx.get(f"{engine_gateway.base_url}/art/rollouts/{rollout_id}", timeout=30).json()
+    rollout = httpx.get(
+        f"{engine_gateway.base_url}/art/rollouts/{rollout_id}", timeout=30, headers=engine_gateway.admin
+    ).json()
     (call,) = rollout["calls"]
     if call["status"] == "ok":
         # vLLM's starved API server can flush the whole answer in one burst, which the gateway hands to the

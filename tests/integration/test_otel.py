@@ -193,11 +193,17 @@ def test_calls_and_judge_calls_arrive_as_genai_spans(
                 "ruler": {"judge_model": JUDGE, "litellm_params": {"mock_response": judge_answer(3), "api_key": "x"}},
             },
             timeout=30,
+            headers=gateway.admin,
         )
         assert group.status_code == 201, group.text
         group_id = group.json()["id"]
         poll(
-            lambda: httpx.get(f"{gateway.base_url}/art/groups/{group_id}", timeout=10).json()["state"] == "ready",
+            lambda: (
+                httpx.get(f"{gateway.base_url}/art/groups/{group_id}", timeout=10, headers=gateway.admin).json()[
+                    "state"
+                ]
+                == "ready"
+            ),
             60,
             "RULER (litellm's mock judge) to score the group",
         )
@@ -349,6 +355,7 @@ def record_group(gateway: GatewayProcess) -> None:
             "rollouts": [{"rollout_id": f"otel-rollout-{i}", "reward": r} for i, r in enumerate((1.0, 0.0, 0.5))],
         },
         timeout=30,
+        headers=gateway.admin,
     )
     assert answer.status_code == 201, answer.text
 
@@ -383,7 +390,11 @@ def test_a_training_step_arrives_as_a_span_with_its_metrics(
         assert span.name == f"train_step {MODEL}"
         assert span.attributes["art.adapter.step"] == 1 and span.attributes["art.train.committed"] is True
         (step,) = [
-            s for s in httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10).json()["steps"] if s["step"] == 1
+            s
+            for s in httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10, headers=gateway.admin).json()[
+                "steps"
+            ]
+            if s["step"] == 1
         ]
         metrics = step["metrics"]
         for key in (

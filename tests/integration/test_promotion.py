@@ -62,7 +62,7 @@ def trainer(gated: GatewayProcess, tiny_model: Path) -> Iterator[subprocess.Pope
 
 
 def status(gateway: GatewayProcess) -> dict[str, Any]:
-    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10)
+    answer = httpx.get(f"{gateway.base_url}/art/models/{MODEL}", timeout=10, headers=gateway.admin)
     answer.raise_for_status()
     return answer.json()
 
@@ -83,10 +83,10 @@ def train_round(gateway: GatewayProcess, round_: int) -> int:
         rollouts.append({"rollout_id": rollout_id, "reward": reward})
     group_id = f"pg-{round_}"
     body = {"model": MODEL, "group_id": group_id, "rollouts": rollouts}
-    httpx.post(f"{gateway.base_url}/art/groups", json=body, timeout=30).raise_for_status()
+    httpx.post(f"{gateway.base_url}/art/groups", json=body, timeout=30, headers=gateway.admin).raise_for_status()
 
     def judged() -> int | None:
-        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", timeout=10).json()
+        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", timeout=10, headers=gateway.admin).json()
         if group["state"] != "trained":
             return None
         step, now = int(group["trained_step"]), status(gateway)
@@ -132,7 +132,7 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     }
     created = httpx.post(f"{gated.base_url}/art/models/{MODEL}/evals", json=eval_set, headers=gated.admin, timeout=30)
     assert created.status_code == 201, created.text
-    listed = httpx.get(f"{gated.base_url}/art/models/{MODEL}/evals", timeout=10).json()["data"]
+    listed = httpx.get(f"{gated.base_url}/art/models/{MODEL}/evals", timeout=10, headers=gated.admin).json()["data"]
     assert [s["name"] for s in listed] == ["says-yes"]
     first = status(gated)
     assert (first["promotion"], first["served_step"], first["latest_step"]) == ("gated", 0, 0)
@@ -168,7 +168,11 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
     # `artgw status` says so too.
     port = gated.url.rsplit(":", 1)[1]
     shown = subprocess.run(
-        [ARTGW, "status", "--model", MODEL, "--port", port], capture_output=True, text=True, timeout=120, check=True
+        [ARTGW, "status", "--model", MODEL, "--port", port, "--data-dir", str(gated.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     assert "serves step 3" in shown and f"newest step 4 ({MODEL}@latest)" in shown, shown
 
@@ -182,12 +186,17 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == ANSWERS[f"{MODEL}@{step}"]
-        calls = httpx.get(f"{gated.base_url}/art/rollouts/alias-{step}", timeout=10).json()["calls"]
+        calls = httpx.get(f"{gated.base_url}/art/rollouts/alias-{step}", timeout=10, headers=gated.admin).json()[
+            "calls"
+        ]
         assert calls[0]["step"] == step, calls[0]
 
     # The gate's own calls were recorded, and no group may take them.
     page = httpx.get(
-        f"{gated.base_url}/art/rollouts", params={"model": MODEL, "since": started, "limit": 1000}, timeout=10
+        f"{gated.base_url}/art/rollouts",
+        params={"model": MODEL, "since": started, "limit": 1000},
+        timeout=10,
+        headers=gated.admin,
     ).json()
     eval_ids = [r["id"] for r in page["data"] if r["id"].startswith("artgw-eval:")]
     assert eval_ids
@@ -195,6 +204,7 @@ def test_the_gate_promotes_a_better_step_and_holds_back_a_worse_one(
         f"{gated.base_url}/art/groups",
         json={"model": MODEL, "rollouts": [{"rollout_id": i, "reward": 1.0} for i in eval_ids[:2]]},
         timeout=10,
+        headers=gated.admin,
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "eval_rollout", refused.text
 

@@ -19,7 +19,7 @@ TOOLS = WEATHER_TOOLS
 
 
 def rollout(gateway, rollout_id: str) -> dict:
-    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}")
+    r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -77,10 +77,14 @@ def test_keying_by_header_path_and_neither(engine_gateway) -> None:
     assert made_up.startswith("r-")
     for rid in ("hdr-1", "path-1", made_up):
         assert len(rollout(engine_gateway, rid)["calls"]) == 1
-    page = httpx.get(f"{engine_gateway.base_url}/art/rollouts", params={"model": "my-agent", "limit": 1000}).json()
+    page = httpx.get(
+        f"{engine_gateway.base_url}/art/rollouts",
+        params={"model": "my-agent", "limit": 1000},
+        headers=engine_gateway.admin,
+    ).json()
     listed = {row["id"]: row for row in page["data"]}
     assert listed[made_up]["explicit"] is False and listed["hdr-1"]["explicit"] is True
-    assert httpx.get(f"{engine_gateway.base_url}/art/rollouts/nope").status_code == 404
+    assert httpx.get(f"{engine_gateway.base_url}/art/rollouts/nope", headers=engine_gateway.admin).status_code == 404
 
 
 def test_multi_turn_tool_rollout_merges_where_the_prefix_holds_and_splits_where_not(engine_gateway, tokenizer) -> None:

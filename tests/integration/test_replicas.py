@@ -49,11 +49,16 @@ def test_replicas_share_the_store_and_report_one_picture(
                 model=MODEL, messages=USER, max_tokens=4, extra_headers={"X-ART-Rollout-Id": rollouts[-1]}
             )
     for rid in rollouts[:3]:  # recorded by A, read back through B
-        poll(lambda rid=rid: httpx.get(f"{b.base_url}/art/rollouts/{rid}").status_code == 200, 10, f"{rid} on B")
+        poll(
+            lambda rid=rid: httpx.get(f"{b.base_url}/art/rollouts/{rid}", headers=b.admin).status_code == 200,
+            10,
+            f"{rid} on B",
+        )
     group = httpx.post(
         f"{b.base_url}/art/groups",
         json={"model": MODEL, "rollouts": [{"rollout_id": r, "reward": float(i % 2)} for i, r in enumerate(rollouts)]},
         timeout=30,
+        headers=b.admin,
     )
     assert group.status_code == 201, group.text
     group_id = group.json()["id"]
@@ -73,7 +78,7 @@ def test_replicas_share_the_store_and_report_one_picture(
         assert trainer.wait(300) == 0, log_path.read_text(errors="replace")[-3000:]
     finally:
         stop_group(trainer)
-    assert httpx.get(f"{a.base_url}/art/groups/{group_id}").json()["state"] == "trained"
+    assert httpx.get(f"{a.base_url}/art/groups/{group_id}", headers=a.admin).json()["state"] == "trained"
     poll(lambda: metric(b.url, "artgw_adapter_step", model=MODEL) == 1, 15, "B to follow step 1")
     for gateway in replicas:
         assert metric(gateway.url, "artgw_adapter_step", model=MODEL) == 1
@@ -89,5 +94,7 @@ def test_replicas_share_the_store_and_report_one_picture(
         model=MODEL, messages=USER, max_tokens=4, extra_headers={"X-ART-Rollout-Id": rid}
     )
     assert answer.model == MODEL
-    rollout = poll(lambda: httpx.get(f"{a.base_url}/art/rollouts/{rid}").json().get("calls"), 10, "the record")
+    rollout = poll(
+        lambda: httpx.get(f"{a.base_url}/art/rollouts/{rid}", headers=a.admin).json().get("calls"), 10, "the record"
+    )
     assert [call["step"] for call in rollout] == [1]

@@ -74,6 +74,7 @@ def make_groups(gateway: GatewayProcess) -> list[str]:
                 "rollouts": [{"rollout_id": r, "reward": w} for r, w in zip(members, rewards, strict=True)],
             },
             timeout=30,
+            headers=gateway.admin,
         )
         assert answer.status_code == 201, answer.text
         assert answer.json()["state"] == "ready"

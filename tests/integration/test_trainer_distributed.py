@@ -72,6 +72,7 @@ def record_groups(gateway: GatewayProcess) -> list[str]:
                 ],
             },
             timeout=30,
+            headers=gateway.admin,
         )
         assert answer.status_code == 201, answer.text
         assert answer.json()["state"] == "ready"

@@ -67,7 +67,7 @@ def trainer(rl_gateway: GatewayProcess, tiny_model: Path) -> Iterator[subprocess
 
 
 def model_status(gateway: GatewayProcess) -> dict:
-    answer = httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", timeout=10)
+    answer = httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", timeout=10, headers=gateway.admin)
     answer.raise_for_status()
     return answer.json()
 
@@ -98,7 +98,9 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
         # Asked before the reads: the trainer exits by itself after its last step (--max-steps), and what a
         # trainer that had already exited left in the store is final; asked after, it could exit in between.
         exited = trainer.poll()
-        groups = [httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10).json() for g in group_ids]
+        groups = [
+            httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10, headers=gateway.admin).json() for g in group_ids
+        ]
         states[:] = [g["state"] for g in groups]
         if all(state == "trained" for state in states):
             served = model_status(gateway)["served_step"]

@@ -83,6 +83,7 @@ def record_groups(gateway: GatewayProcess) -> None:
                     "rollouts": [{"rollout_id": r, "reward": w} for r, w in zip(rollouts, rewards, strict=True)],
                 },
                 timeout=30,
+                headers=gateway.admin,
             )
             assert answer.status_code == 201, answer.text
             assert answer.json()["state"] == "ready"
