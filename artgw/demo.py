@@ -286,11 +286,10 @@ class Demo:
 
     def post_group(self, episodes: list[Episode], group_id: str) -> dict[str, Any]:
         """POST /v1/art/groups with the client key: one scenario's attempts and rewards (idempotent by id)."""
-        body = demo_task.group_body(MODEL_NAME, episodes, group_id=group_id)
-        answer = httpx.post(f"{self.gateway_url}/v1/art/groups", json=body, headers=self.auth, timeout=60)
-        if answer.status_code not in (200, 201):
-            raise DemoError(f"POST /v1/art/groups answered {answer.status_code}: {answer.text[:300]}")
-        return dict(answer.json())
+        try:
+            return demo_task.post_group(self.gateway_url, MODEL_NAME, episodes, key=self.api_key, group_id=group_id)
+        except RuntimeError as exc:
+            raise DemoError(str(exc)) from None
 
     # ---- phases
 

@@ -309,11 +309,15 @@ def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> dic
 
 
 def post_group(
-    gateway: str, model: str, episodes: Sequence[Episode], *, group_id: str, timeout: float = 60.0
+    gateway: str, model: str, episodes: Sequence[Episode], *, key: str, group_id: str, timeout: float = 60.0
 ) -> dict[str, Any]:
-    """POST /v1/art/groups: the attempts at one scenario with their rewards (idempotent by group id)."""
+    """POST /v1/art/groups with `key` (the `reward` scope, or the admin key): the attempts at one scenario with
+    their rewards (idempotent by group id)."""
     answer = httpx.post(
-        f"{gateway.rstrip('/')}/v1/art/groups", json=group_body(model, episodes, group_id=group_id), timeout=timeout
+        f"{gateway.rstrip('/')}/v1/art/groups",
+        json=group_body(model, episodes, group_id=group_id),
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=timeout,
     )
     if answer.status_code not in (200, 201):
         raise RuntimeError(f"POST /v1/art/groups answered {answer.status_code}: {answer.text[:300]}")

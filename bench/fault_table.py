@@ -31,6 +31,10 @@ Scenarios (`--only` takes their keys), in order:
   restart: answered calls lost, calls refused with 503.
 - connections: 100 idle, 100 slow-header and 100 slow-body connections (a byte a second) at once: seconds
   until the gateway closed each kind, and whether a normal call is served meanwhile.
+- broken-adapter: steps 1 and 2 committed (real safetensors files), step 2 served, its weights cut short, the
+  gateway restarted: what `my-agent` answers from, how soon, and what the status and metrics say.
+- damaged-checkpoint: steps 1 and 2 of the tiny model committed (PEFT checkpoints), step 2's weights cut short,
+  a real `artgw train` started: where it resumes, what it says, whether it goes on (builds the tiny model).
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
@@ -86,8 +90,12 @@ from tests.conftest import (  # noqa: E402
     metric,
     start_gateway,
     start_stub,
+    start_trainer,
     stop_group,
 )
+from tests.integration.test_adapter_fallback import adapter, cut_short  # noqa: E402
+from tests.integration.test_adapter_fallback import admin as adapter_admin  # noqa: E402
+from tests.integration.test_adapter_fallback import load as load_adapter  # noqa: E402
 from tests.integration.test_faults import TcpProxy  # noqa: E402
 from tests.integration.test_input_limits import chat_at_depth  # noqa: E402
 from tests.load_helpers import Gateway, one_call, recorded, wait_recorded  # noqa: E402
@@ -104,6 +112,8 @@ SCENARIOS = (
     "engine-4xx",
     "connections",
     "full-disk",
+    "broken-adapter",
+    "damaged-checkpoint",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -986,6 +996,83 @@ async def scenario_full_disk(b: Bench, upstream: str) -> None:
     )
 
 
+async def scenario_broken_adapter(b: Bench, upstream: str) -> None:
+    """Steps 1 and 2 committed (real safetensors files), step 2 served; its weights cut short, the gateway
+    restarted on its data dir (as after an engine restart): what `my-agent` answers from, and how soon."""
+    gateway = b.crash_gateway("broken-adapter", upstream)
+    steps = {step: adapter(b.tmp / "broken-adapter-checkpoints", step) for step in (1, 2)}
+    start(gateway)
+    for step in (1, 2):
+        loaded = await asyncio.to_thread(load_adapter, gateway, step, steps[step])
+        assert loaded.status_code == 200, loaded.text
+    cut_short(steps[2])
+    gateway.stop()
+    started = time.monotonic()
+    start(gateway)
+    async with httpx.AsyncClient(timeout=30, headers=adapter_admin(gateway)) as client:
+        body = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
+        answer = await client.post(f"{gateway.url}/v1/chat/completions", json=body, headers=rid("after-the-cut"))
+        answered = time.monotonic() - started
+        recorded = await until(lambda: recorded_steps(client, gateway.url, "after-the-cut"), 30)
+        shown = (await client.get(f"{gateway.url}/v1/art/models/my-agent")).json()
+    broken = [s["step"] for s in shown["steps"] if s["status"] == "broken"]
+    gauge = metric(gateway.url, "artgw_adapter_broken_steps", exported=True, model="my-agent")
+    gateway.stop()
+    b.add(
+        "served adapter's weights cut short, gateway restarted (stand-in engine; the gateway checks the files)",
+        "404 naming vLLM's alias (`alpha@9`), /readyz ready, the step listed as served (#24)",
+        f"{answer.status_code} from step {', '.join(map(str, recorded or []))} {answered:.1f} s after the restart "
+        f"began; serves step "
+        f"{shown['served_step']}; broken steps {broken}, artgw_adapter_broken_steps {gauge:.0f}",
+        "200 from step 1; step 2 broken, said by the status and a metric",
+        answer.status_code == 200 and recorded == [1] and broken == [2] and gauge == 1,
+    )
+
+
+async def recorded_steps(client: httpx.AsyncClient, url: str, rollout: str) -> list[int] | None:
+    r = await client.get(f"{url}/v1/art/rollouts/{rollout}")
+    return [c["step"] for c in r.json()["calls"]] if r.status_code == 200 else None
+
+
+async def scenario_damaged_checkpoint(b: Bench) -> None:
+    """Steps 1 and 2 of the tiny model committed (PEFT checkpoints, as the trainer saves them), step 2's weights
+    cut short: where a real `artgw train` resumes, what it says, and whether it goes on."""
+    from artgw.tiny_model import build_tiny_model
+    from tests.integration.test_trainer_resume import damaged, save_step
+    from trainer.config import TrainConfig
+
+    tiny = await asyncio.to_thread(build_tiny_model, b.tmp / "tiny")
+    gateway = b.gateway("--upstream", b.stub())
+    config = TrainConfig(base_model=str(tiny), db="sqlite+aiosqlite:///unused")
+    root = b.tmp / "damaged-checkpoints"
+    for step in (1, 2):
+        path = await asyncio.to_thread(save_step, config, root, step)
+        loaded = await asyncio.to_thread(load_adapter, gateway, step, path)  # committed as the trainer does
+        assert loaded.status_code == 200, loaded.text
+    damaged(root / "step-2", "truncated")
+    started = time.monotonic()
+    proc, log = start_trainer(gateway, tiny, "--max-wait", "1")
+    b.procs.append(proc)
+    try:
+        await until(
+            lambda: asyncio.to_thread(lambda: "resume_step=" in log.read_text() or proc.poll() is not None), 300
+        )
+        resumed = time.monotonic() - started
+    finally:
+        stop_group(proc)
+    text = log.read_text(errors="replace")
+    line = next((x.strip() for x in text.splitlines() if "resume_step=" in x), "(no resume line)")
+    warned = sum("does not load" in x for x in text.splitlines())
+    b.add(
+        "newest committed checkpoint's weights cut short, `artgw train` started",
+        "a raw traceback (SafetensorError), training stopped (#24)",
+        f"`{line}` after {resumed:.1f} s, {warned} warning line, exit {proc.returncode} on SIGTERM, "
+        f"{'a' if 'Traceback' in text else 'no'} traceback",
+        "resumes from step 1's weights (next step 3), one warning line, no traceback",
+        "weights=step 1" in line and "resume_step=2" in line and warned == 1 and "Traceback" not in text,
+    )
+
+
 def render(rows: list[Row], markdown: bool) -> None:
     if markdown:
         print("| fault | what the issue measured before | measured now | expected |")
@@ -1008,7 +1095,7 @@ async def run(b: Bench, only: list[str]) -> None:
     upstream = None
     for key in only:
         console.log(f"[bold]{key}[/]")
-        if key in ("kill", "locked-kill", "locked-load", "big", "full-disk"):
+        if key in ("kill", "locked-kill", "locked-load", "big", "full-disk", "broken-adapter"):
             upstream = upstream or b.upstream()
         started = time.monotonic()
         try:
@@ -1034,6 +1121,10 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_connections(b)
             elif key == "full-disk":
                 await scenario_full_disk(b, upstream)  # type: ignore[arg-type]
+            elif key == "broken-adapter":
+                await scenario_broken_adapter(b, upstream)  # type: ignore[arg-type]
+            elif key == "damaged-checkpoint":
+                await scenario_damaged_checkpoint(b)
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)

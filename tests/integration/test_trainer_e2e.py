@@ -141,7 +141,7 @@ def test_grpo_steps_raise_held_out_reward_while_serving(
             for scenario in chosen:
                 attempts = [e for e in done if e.scenario_id == scenario.id]
                 group_ids.append(f"g-{round_}-{scenario.id}")
-                demo_task.post_group(rl_gateway.url, MODEL, attempts, group_id=group_ids[-1])
+                demo_task.post_group(rl_gateway.url, MODEL, attempts, key=rl_gateway.admin_key, group_id=group_ids[-1])
             served_steps.append(wait_trained(rl_gateway, group_ids, trainer))
         after = held_out_reward(rl_gateway, bias, "after")
     seconds = time.monotonic() - started
