@@ -69,6 +69,14 @@ class Route:
     step: int | None  # adapter step that serves it; 0 = base weights; None for the base model
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """The model and step that served a rollout's first call: its later calls to `model` go there too."""
+
+    model: str
+    step: int
+
+
 def adapter_problem(path: str) -> str | None:
     """Why an adapter directory cannot be served, or None: a config that is not a JSON object, weights cut short
     or with a header that does not read. Checked before the engine is asked, because vLLM may take a damaged
@@ -117,6 +125,13 @@ def adapter_name(model: str, step: int) -> str:
     return f"{model}@{step}"
 
 
+def _pinned_step(model: TrainableModel, pin: Pin | None) -> int | None:
+    """The step of `model` the rollout is pinned to, if it still serves (the base weights always do)."""
+    if pin is None or pin.model != model.name or not (pin.step == 0 or pin.step in model.loaded_steps):
+        return None
+    return pin.step
+
+
 def canary_bucket(rollout_id: str) -> float:
     """A stable number in [0, 1) for a rollout id: below the canary share, the rollout is on the canary."""
     return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2**64
@@ -137,29 +152,39 @@ class AdapterRegistry:
         self.models = {name: TrainableModel(name) for name in trainable}
         self.canary_share = canary_share  # of `NAME`'s rollouts, served by its canary step while one runs
 
-    def resolve(self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None) -> Route:
+    def resolve(
+        self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None, pin: Pin | None = None
+    ) -> Route:
         """Map the `model` field of a request to the engine's model name. A model the caller's key does not
-        cover is `model_not_found`, exactly like one that does not exist. `rollout_id`: which arm of a canary
+        cover is `model_not_found`, exactly like one that does not exist. `pin`: the step the rollout's first
+        call was served by, where `NAME` goes while it is loaded; else `rollout_id` says which arm of a canary
         the call is on (every call of a rollout on the same one)."""
         if self.base_model is None:
             raise OpenAIError(503, "The engine is starting; retry shortly.", code="engine_unavailable")
-        route = self._find(requested, rollout_id)
+        route = self._find(requested, rollout_id, pin)
         if route is None or not caller.covers(route.model or route.upstream_model):
             raise model_not_found(requested)
         return route
 
-    def _find(self, requested: str, rollout_id: str | None = None) -> Route | None:
+    def _find(self, requested: str, rollout_id: str | None = None, pin: Pin | None = None) -> Route | None:
         assert self.base_model is not None
         model = self.models.get(requested)
         if model is not None:
+            if (step := _pinned_step(model, pin)) is not None:
+                return self._route(model, step)  # the rollout's step, whatever was promoted since
             canary = model.canary_step
             if canary is not None and canary in model.loaded_steps and rollout_id is not None:
                 if canary_bucket(rollout_id) < self.canary_share:
                     return self._route(model, canary)
             return self._route(model, model.served_step)
-        pinned = _PINNED.match(requested)
-        if pinned is not None and (model := self.models.get(pinned["name"])) is not None:
-            step = model.latest_step if pinned["step"] == "latest" else int(pinned["step"])
+        named = _PINNED.match(requested)
+        if named is not None and (model := self.models.get(named["name"])) is not None:
+            if named["step"] == "latest":
+                if (step := _pinned_step(model, pin)) is not None:
+                    return self._route(model, step)  # as for `NAME`: the rollout's step
+                step = model.latest_step
+            else:
+                step = int(named["step"])  # an explicit step wins
             if step == 0 or step in model.loaded_steps:
                 return self._route(model, step)
         if requested == self.base_model:
@@ -251,6 +276,8 @@ class ModelStatus(msgspec.Struct, frozen=True):
     promotion: Promotion = "always"
     canary_step: int | None = None  # the candidate serving a share of `NAME`'s rollouts, while a canary runs
     canary_share: float = 0.0
+    # step -> the active rollouts pinned to it (their first call's step; called within --pin-hold): kept loaded
+    pinned_rollouts: dict[int, int] = {}
     promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
     evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
     judge_flags: list[RubricAgreement] = []  # RULER rubrics that disagree with the callers (judge-report)
@@ -276,12 +303,15 @@ class AdapterService:
         store: AsyncEngine,
         keep: int = 3,
         promotion: Promotion = "always",
+        held_steps: Callable[[str], dict[int, int]] = lambda _: {},
     ):
         self.registry = registry
         self.client = client
         self.store = store
         self.keep = keep  # adapters kept loaded per model besides the promoted one: pinned `NAME@K` keep working
         self.promotion = promotion
+        # model -> {step: active rollouts pinned to it} (gateway/rollouts.py RolloutOwners): kept loaded.
+        self.held_steps = held_steps
         # Told of each step committed under `gated` promotion (gateway/promotion/ evaluates it).
         self.on_commit: Callable[[str, int], None] | None = None
         self._lock = asyncio.Lock()
@@ -423,8 +453,10 @@ class AdapterService:
         raise OpenAIError(409, f"`{name}` has no earlier promoted step to roll back to.", code="nothing_to_roll_back")
 
     async def _unload_old(self, model: TrainableModel) -> None:
-        # The newest `keep` stay loaded, and the promoted step whatever its age: `NAME` must keep answering.
-        unpinned = sorted(model.loaded_steps - {model.served_step, model.canary_step})
+        # The newest `keep` stay loaded, the promoted step whatever its age (`NAME` must keep answering), and
+        # the steps active rollouts are pinned to (a rollout stays on one policy).
+        held = {model.served_step, model.canary_step, *self.held_steps(model.name)}
+        unpinned = sorted(model.loaded_steps - held)
         old = unpinned[: -self.keep] if self.keep else unpinned
         done = []
         for step in old:
@@ -594,6 +626,7 @@ class AdapterService:
                 promotion=self.promotion,
                 canary_step=model.canary_step,
                 canary_share=self.registry.canary_share,
+                pinned_rollouts=self.held_steps(name),
                 promotions=promotions,
                 evaluations=evaluations,
                 adapter_events=events,

@@ -170,7 +170,7 @@ class ChatService:
 
     async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_chat_request(body)
-        route = self.registry.resolve(head.model, origin.caller, origin.rollout_id)
+        route = await self.calls.route(head.model, origin)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)
         spec = EngineRequest("chat", "/v1/chat/completions", upstream_body, request, route, bool(head.stream), wire)

@@ -119,7 +119,7 @@ class CompletionsService:
 
     async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_completion_request(body)
-        route = self.calls.registry.resolve(head.model, origin.caller, origin.rollout_id)
+        route = await self.calls.route(head.model, origin)
         upstream = dict(request)
         upstream["model"] = route.upstream_model
         upstream["return_token_ids"] = True

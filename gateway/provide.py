@@ -258,7 +258,10 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             journal_fsync_interval=settings.journal_fsync_interval,
         )
         metrics.watch_recorder(recorder)
-        adapters = AdapterService(registry, client, store.engine, promotion=settings.promotion)
+        owners = RolloutOwners(store.engine, hold_seconds=settings.rollout_pin_seconds, clock=clock)
+        adapters = AdapterService(
+            registry, client, store.engine, promotion=settings.promotion, held_steps=owners.held_steps
+        )
         rollouts = RolloutService(store.rollouts, recorder)
         tracing = start_tracing("artgw-gateway")  # None unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
         tracer = tracing.tracer("artgw.gateway") if tracing is not None else None
@@ -294,7 +297,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             request_timeout=settings.request_timeout,
             registry=registry,
             recorder=recorder,
-            owners=RolloutOwners(store.engine),
+            owners=owners,
             engine_state=lambda: engine.state,
             metrics=metrics,
             limits=keyring.limits,

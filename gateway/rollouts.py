@@ -1,5 +1,5 @@
-"""Rollouts over HTTP: whose a rollout is (`RolloutOwners`), and reading them (the store's reader, after the
-recorder has written what is on its way)."""
+"""Rollouts over HTTP: whose a rollout is and which step it is on (`RolloutOwners`), and reading them (the
+store's reader, after the recorder has written what is on its way)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.adapters import Pin
 from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
-from store.calls import RolloutFilter, rollout_model
+from store.calls import RolloutFilter, RolloutOwner, rollout_owner
+from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound
 from store.rollouts import RolloutPage, RolloutReader
 from store.trajectories import Trajectory
@@ -25,40 +28,63 @@ log = logging.getLogger("artgw.gateway")
 ROLLOUT_HEADER = "X-ART-Rollout-Id"  # the rollout a call belongs to (or a `/rollouts/{id}/v1` prefix)
 
 
-class RolloutOwners:
-    """A rollout belongs to the trainable model of its calls. A call of another trainable model that names it is
-    refused (409 `rollout_id_taken`) before the engine sees it, so it never joins it: another key's calls can't
-    be read, grouped or trained as this model's, nor this model's as theirs. Calls of the base model (no
-    trainable model; no model-scoped key may make them) join any rollout, and a rollout of such calls only is
-    taken by the first trainable model that calls in it.
+@dataclass(slots=True)
+class _Owner:
+    model: str | None  # the trainable model whose rollout it is; None: none yet (unknown, or base calls only)
+    step: int | None  # the step that served its first call of `model` (its pin); None: not known yet
+    last_call: float  # when a call last joined it (the clock's monotonic seconds): an active rollout holds its step
 
-    Rollout ids are not namespaced per model: a tenant that can guess another's ids can take them first (that
-    one's calls then get the 409), so clients should use ids nobody can guess (a UUID in them); the ones the
-    gateway makes up are random. Owners are remembered here (the newest `size` ids) and looked up in the store
-    for ids not seen yet; with the store away the call goes on, and the store keeps a stray call apart when it
-    writes it (store/calls.py).
+
+class RolloutOwners:
+    """A rollout belongs to the trainable model of its calls, and stays on the step that served its first call.
+
+    Tenants apart: a call of another trainable model that names a rollout is refused (409 `rollout_id_taken`)
+    before the engine sees it, so it never joins it: another key's calls can't be read, grouped or trained as
+    this model's, nor this model's as theirs. Calls of the base model (no trainable model; no model-scoped key
+    may make them) join any rollout, and a rollout of such calls only is taken by the first trainable model
+    that calls in it. Rollout ids are not namespaced per model: a tenant that can guess another's ids can take
+    them first (that one's calls then get the 409), so clients should use ids nobody can guess (a UUID in
+    them); the ones the gateway makes up are random.
+
+    One policy per rollout: a call to `NAME` in a rollout goes to the step its first call was served by (its
+    pin) while that step is loaded, so a promotion between two turns does not mix two policies in one
+    trajectory; an explicit `NAME@K` still wins. A rollout that called within `hold_seconds` holds its step
+    loaded (`held_steps`).
+
+    Owners are remembered here (the newest `size` ids) and looked up in the store for ids not seen yet (a
+    restart, another replica); with the store away the call goes on unpinned, and the store keeps a stray call
+    apart when it writes it (store/calls.py).
     """
 
-    def __init__(self, store: AsyncEngine, *, size: int = 50_000, lookup_seconds: float = 2.0) -> None:
+    def __init__(
+        self,
+        store: AsyncEngine,
+        *,
+        size: int = 50_000,
+        lookup_seconds: float = 2.0,
+        hold_seconds: float = 900.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.store = store
         self.size = size
         self.lookup_seconds = lookup_seconds
-        self._owners: OrderedDict[str, str | None] = OrderedDict()  # rollout id -> its model (None: none yet)
+        self.hold_seconds = hold_seconds
+        self.clock = clock
+        self._owners: OrderedDict[str, _Owner] = OrderedDict()
 
-    async def claim(self, rollout_id: str, model: str | None) -> None:
-        """Let a call of `model` join `rollout_id` (the first trainable one makes it its own), or raise the 409."""
-        if rollout_id in self._owners:
-            self._owners.move_to_end(rollout_id)
-        else:
-            stored = await self._lookup(rollout_id)
-            if rollout_id not in self._owners:  # else another call claimed it while the store answered
-                self._owners[rollout_id] = stored
-                if len(self._owners) > self.size:
-                    self._owners.popitem(last=False)
-        owner = self._owners[rollout_id]
-        if owner is None:
-            self._owners[rollout_id] = model
-        elif model is not None and model != owner:
+    async def pin(self, rollout_id: str) -> Pin | None:
+        """The model and step the rollout's first call was served by, once known (looked up in the store for
+        an id not seen here yet)."""
+        owner = await self._owner(rollout_id)
+        return Pin(owner.model, owner.step) if owner.model is not None and owner.step is not None else None
+
+    async def claim(self, rollout_id: str, model: str | None, step: int | None) -> None:
+        """Let a call of `model` served by `step` join `rollout_id` (the first trainable one makes it its own,
+        and its step the rollout's pin), or raise the 409."""
+        owner = await self._owner(rollout_id)
+        if owner.model is None and model is not None:
+            owner.model, owner.step = model, step
+        elif model is not None and model != owner.model:
             raise OpenAIError(
                 409,
                 f"Rollout `{rollout_id}` belongs to another model: all the calls of a rollout are of one model. "
@@ -66,11 +92,37 @@ class RolloutOwners:
                 param=ROLLOUT_HEADER,
                 code="rollout_id_taken",
             )
+        elif owner.step is None:
+            owner.step = step
+        owner.last_call = self.clock.monotonic()
 
-    async def _lookup(self, rollout_id: str) -> str | None:
+    def held_steps(self, model: str) -> dict[int, int]:
+        """step -> how many of `model`'s rollouts that called within `hold_seconds` are pinned to it."""
+        since = self.clock.monotonic() - self.hold_seconds
+        held: dict[int, int] = {}
+        for owner in self._owners.values():
+            if owner.model == model and owner.step is not None and owner.last_call >= since:
+                held[owner.step] = held.get(owner.step, 0) + 1
+        return held
+
+    async def _owner(self, rollout_id: str) -> _Owner:
+        owner = self._owners.get(rollout_id)
+        if owner is not None:
+            self._owners.move_to_end(rollout_id)
+            return owner
+        stored = await self._lookup(rollout_id)
+        owner = self._owners.get(rollout_id)  # another call may have claimed it while the store answered
+        if owner is None:
+            known = (stored.model, stored.first_step) if stored is not None else (None, None)
+            owner = self._owners[rollout_id] = _Owner(*known, last_call=self.clock.monotonic())
+            if len(self._owners) > self.size:
+                self._owners.popitem(last=False)
+        return owner
+
+    async def _lookup(self, rollout_id: str) -> RolloutOwner | None:
         try:
             async with asyncio.timeout(self.lookup_seconds), self.store.connect() as conn:
-                return await rollout_model(conn, rollout_id)
+                return await rollout_owner(conn, rollout_id)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:
             log.warning("rollout %s: owner unknown (%s); the store keeps a stray call apart", rollout_id, exc)
             return None

@@ -205,6 +205,13 @@ class Settings:
     canary_min_rewards: int = field(
         default=50, metadata={"help": "rewarded rollouts each canary arm needs before the canary is decided"}
     )
+    rollout_pin_seconds: float = field(
+        default=900.0,
+        metadata={
+            "help": "a rollout's calls to NAME go to the step that served its first call while that step is "
+            "loaded; a rollout that called within these seconds keeps its step loaded"
+        },
+    )
     eval_concurrency: int = field(
         default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
     )
@@ -280,6 +287,8 @@ class Settings:
             raise ValueError(f"--canary must be a share at least 0 and below 1, got {self.canary}")
         if self.canary > 0 and self.promotion != "gated":
             raise ValueError("--canary needs --promotion gated: with `always` every step is promoted at once")
+        if not _positive(self.rollout_pin_seconds):
+            raise ValueError(f"--rollout-pin-seconds must be a number of seconds > 0, got {self.rollout_pin_seconds}")
         if self.canary_min_rewards < 2:
             raise ValueError(f"--canary-min-rewards must be >= 2, got {self.canary_min_rewards}")
         if self.engine_max_restarts < 0:

@@ -55,9 +55,26 @@ def stray_rollout_id(rollout_id: str, model: str | None) -> str:
     return f"{rollout_id}@{model or 'base'}"
 
 
-async def rollout_model(conn: AsyncConnection, rollout_id: str) -> str | None:
-    """The trainable model a recorded rollout belongs to; None when it has none (unknown, or base calls only)."""
-    return (await conn.execute(sa.select(rollouts.c.model).where(rollouts.c.id == rollout_id))).scalar()
+class RolloutOwner(msgspec.Struct, frozen=True):
+    """Whose a recorded rollout is: its trainable model, and the step that served its first call of it."""
+
+    model: str
+    first_step: int | None  # None: its first call of the model is not recorded yet (or had no step)
+
+
+async def rollout_owner(conn: AsyncConnection, rollout_id: str) -> RolloutOwner | None:
+    """The trainable model a recorded rollout belongs to and its first step; None when it has no model
+    (unknown, or base calls only)."""
+    model = (await conn.execute(sa.select(rollouts.c.model).where(rollouts.c.id == rollout_id))).scalar()
+    if model is None:
+        return None
+    first = (
+        sa.select(calls.c.step)
+        .where(calls.c.rollout_id == rollout_id, calls.c.model == model)
+        .order_by(calls.c.started_at, calls.c.id)
+        .limit(1)
+    )
+    return RolloutOwner(model, (await conn.execute(first)).scalar())
 
 
 def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:

@@ -48,7 +48,7 @@ class MessagesService:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
         request = parse_request(body)
         chat = to_chat(request)
-        route = self.calls.registry.resolve(request.model, origin.caller, origin.rollout_id)
+        route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
         spec = EngineRequest(
             "messages", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), MessagesWire(request)

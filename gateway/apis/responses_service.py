@@ -120,7 +120,7 @@ class ResponsesService:
                 param="input",
                 code="empty_array",
             )
-        route = self.calls.registry.resolve(request.model, origin.caller, origin.rollout_id)
+        route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
         wire = ResponsesWire(self, request, origin, history)
         spec = EngineRequest(
