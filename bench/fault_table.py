@@ -94,7 +94,6 @@ from tests.conftest import (  # noqa: E402
     stop_group,
 )
 from tests.integration.test_adapter_fallback import adapter, cut_short  # noqa: E402
-from tests.integration.test_adapter_fallback import admin as adapter_admin  # noqa: E402
 from tests.integration.test_adapter_fallback import load as load_adapter  # noqa: E402
 from tests.integration.test_faults import TcpProxy  # noqa: E402
 from tests.integration.test_input_limits import chat_at_depth  # noqa: E402
@@ -1009,7 +1008,7 @@ async def scenario_broken_adapter(b: Bench, upstream: str) -> None:
     gateway.stop()
     started = time.monotonic()
     start(gateway)
-    async with httpx.AsyncClient(timeout=30, headers=adapter_admin(gateway)) as client:
+    async with httpx.AsyncClient(timeout=30, headers=gateway.admin) as client:
         body = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
         answer = await client.post(f"{gateway.url}/v1/chat/completions", json=body, headers=rid("after-the-cut"))
         answered = time.monotonic() - started

@@ -10,6 +10,7 @@ import msgspec
 from litestar import Litestar, Response, get
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
@@ -186,7 +187,8 @@ def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> Litestar:
         ],
         dependencies=DEPENDENCIES,
         lifespan=[lifespan],
-        exception_handlers=exception_handlers,  # type: ignore[arg-type]
+        # Litestar's own errors (gateway/apis/routes.py): Anthropic's shape under /v1/messages, OpenAI's elsewhere.
+        exception_handlers={**exception_handlers, HTTPException: inference.handle_http_exception},  # type: ignore[arg-type]
         request_max_body_size=settings.max_body_bytes,
         debug=False,
         type_encoders={msgspec.Struct: msgspec.to_builtins},

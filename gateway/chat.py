@@ -115,6 +115,10 @@ def upstream_request(request: dict[str, Any], route: Route, **extra: Any) -> tup
     """The engine's request: the client's, for the routed model, asking for what the recorder needs."""
     asked = Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
     upstream = dict(request)
+    if upstream.get("tools") == []:  # no tools (strands' and fast-agent's default): vLLM refuses an empty list
+        del upstream["tools"]
+        if upstream.get("tool_choice") in ("auto", "none"):  # what no tools means anyway; refused without tools
+            del upstream["tool_choice"]
     upstream["model"] = route.upstream_model
     upstream["logprobs"] = True
     upstream["return_token_ids"] = True

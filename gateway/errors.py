@@ -198,6 +198,7 @@ SERVED_ENDPOINTS = (
     "DELETE /v1/responses/{id}",
     "GET /v1/responses/{id}/input_items",
     "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "GET /v1/models",
     "GET /v1/models/{id}",
     "/v1/art/... (rollouts, groups, models)",
@@ -226,10 +227,6 @@ def from_http_exception(request: Request, exc: HTTPException) -> OpenAIError:
             "the inference endpoints also under /rollouts/{rollout_id}/v1/...."
         )
     return OpenAIError(status, message, param=param, code=code)
-
-
-def handle_http_exception(request: Request, exc: HTTPException) -> Response[bytes]:
-    return from_http_exception(request, exc).to_response()
 
 
 def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
@@ -267,6 +264,5 @@ exception_handlers = {
     OpenAIError: handle_openai_error,
     StoreError: handle_store_error,
     SQLAlchemyError: handle_database_error,
-    HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

@@ -355,3 +355,22 @@ messages_operation = documented(
         "text/event-stream": _media({"type": "string", "description": "Anthropic's events, `message_stop` last"}),
     },
 )
+
+
+count_tokens_operation = documented(
+    body=_loose_request(
+        ["model", "messages"],
+        "Anthropic's token count: the Messages request's fields (no max_tokens), counted by the engine's chat "
+        "template and tokenizer through the same translation as /v1/messages. Nothing is recorded.",
+        messages={"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"]}},
+        system={"type": ["string", "array", "null"]},
+        tools=_nullable("array", items={"type": "object"}),
+    ),
+    example={"model": "my-agent", "messages": [{"role": "user", "content": "Hi!"}]},
+    headers=(),
+    success={
+        "application/json": _media(
+            {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+        )
+    },
+)

@@ -356,6 +356,28 @@ class EngineCalls:
             raise unrecorded(exc) from None
         return JSONBody(body, headers)
 
+    async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the
+        client sees (the engine's own for its 4xx)."""
+        try:
+            async with self.session.post(self.upstream_url + path, json=body, timeout=self.timeout) as upstream:
+                payload = await upstream.read()
+                status = upstream.status
+        except Exception as exc:
+            error = self._send_error(exc)
+            if error is None:
+                raise
+            raise error from None
+        if status != 200:
+            raise upstream_error(status, payload)
+        try:
+            answer = _decode(payload)
+        except msgspec.DecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error")
+        return answer
+
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send to the engine; None when the engine is not at fault."""
         if isinstance(exc, aiohttp.ConnectionTimeoutError):  # nothing was sent: unreachable, not slow

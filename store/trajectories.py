@@ -10,15 +10,29 @@ the sampled token ids and the prompt ids vLLM saw: never re-tokenized text.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from store.records import CallRecord, ChoiceRecord
 
-SPLIT_RERENDERED = "template re-rendered earlier turns"
-SPLIT_DROPPED_REASONING = "dropped reasoning"
-SPLIT_EDITED = "client edited history"
+# Why a call's prompt does not extend the sequence before it (the previous call's prompt and sampled tokens):
+SplitCause = Literal[
+    "rerendered",  # the history means what the model produced, but the template rendered it as other tokens
+    "dropped_reasoning",  # the model's reasoning is gone from the history (the client's or the template's doing)
+    "edited",  # the client changed a message of the history (`split_reason` says which)
+    "history_cut",  # the client sent fewer messages than the history (`split_reason` says how many)
+    "system_changed",  # another system (or developer) prompt
+    "tools_changed",  # other tools
+    "new_attempt",  # the same history again: another completion of one prompt
+    "other_choice",  # the history goes on from another choice of an n > 1 call than this rollout's
+    "model_changed",  # another model (a base-model call in a model's rollout, or the other way round)
+]
+SPLIT_CAUSES: tuple[SplitCause, ...] = get_args(SplitCause)
+SPLIT_RERENDERED = "the template rendered the model's earlier turns as other tokens than it sampled"
+SPLIT_DROPPED_REASONING = "the model's reasoning was dropped from the history"
+SPLIT_NEW_ATTEMPT = "the same history again: another completion of the previous call's prompt"
 
 
 class Sequence(msgspec.Struct, frozen=True):
@@ -27,8 +41,9 @@ class Sequence(msgspec.Struct, frozen=True):
     logprobs: list[float | None]  # sampling logprob of each sampled token, None for context
     call_ids: list[str]  # the calls merged into this sequence, in order
     steps: list[int | None]  # adapter step that served each of call_ids
-    split_reason: str | None  # why this sequence did not continue the previous one (None: the first)
+    split_reason: str | None  # why this sequence did not continue the previous one, in words (None: the first)
     sampled_spans: list[tuple[int, int]] = []  # [start, end) in token_ids of each call's sampled tokens
+    split_cause: SplitCause | None = None  # the same, as a code (metrics count them)
 
     @property
     def trainable_tokens(self) -> int:
@@ -103,32 +118,87 @@ def _canonical(value: Any) -> bytes:
     return msgspec.json.encode(value, order="sorted")
 
 
+def _text(content: Any) -> str:
+    """A message's text: a string, or the text of its content parts (Anthropic's and Vercel's shape)."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def _arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a value: clients send back `{"city": "rome"}` for the model's `{"city":"rome"}`."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
 def _message_key(message: dict[str, Any]) -> bytes:
-    """What makes two messages the same turn: role, text and tool calls (ids and nulls ignored)."""
+    """What makes two messages the same turn: role, text and tool calls (names and JSON-equal arguments); ids,
+    nulls, the content's shape and reasoning are ignored."""
     calls = [
-        {
-            "name": (c.get("function") or {}).get("name"),
-            "arguments": (c.get("function") or {}).get("arguments"),
-        }
+        [(c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments"))]
         for c in message.get("tool_calls") or ()
     ]
-    return _canonical([message.get("role"), message.get("content") or "", calls])
+    return _canonical([message.get("role"), _text(message.get("content")), calls])
 
 
-def _split_reason(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord) -> str:
-    """Why `call` does not extend the previous sequence, judged from the messages."""
-    before = [*previous.request.get("messages", []), previous_choice.message]
-    now = call.request.get("messages", [])
-    if len(now) < len(before) or any(
-        _message_key(a) != _message_key(b) for a, b in zip(before, now[: len(before)], strict=False)
-    ):
-        return SPLIT_EDITED
-    reply_then, reply_now = previous_choice.message, now[len(before) - 1]
-    if (reply_then.get("reasoning") or reply_then.get("reasoning_content")) and not (
-        reply_now.get("reasoning") or reply_now.get("reasoning_content")
-    ):
-        return SPLIT_DROPPED_REASONING
-    return SPLIT_RERENDERED
+def _reasoning(message: dict[str, Any]) -> bool:
+    return bool(message.get("reasoning") or message.get("reasoning_content"))
+
+
+def _system(messages: list[dict[str, Any]]) -> list[bytes]:
+    return [_message_key(m) for m in messages if m.get("role") in ("system", "developer")]
+
+
+def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord) -> tuple[SplitCause, str]:
+    """Why `call` does not extend the sequence its rollout's previous call ended, judged from the requests."""
+    if call.model != previous.model:
+        return (
+            "model_changed",
+            f"another model: {call.model or 'the base model'}, after {previous.model or 'the base model'}",
+        )
+    if _canonical(call.request.get("tools")) != _canonical(previous.request.get("tools")):
+        return "tools_changed", "other tools than the previous call's"
+    if "messages" not in call.request or "messages" not in previous.request:  # completions: a prompt
+        return _prompt_split(previous, previous_choice, call)
+    then: list[dict[str, Any]] = previous.request.get("messages") or []
+    now: list[dict[str, Any]] = call.request.get("messages") or []
+    if _system(now) != _system(then):
+        return "system_changed", "another system prompt than the previous call's"
+    keys_then, keys_now = [_message_key(m) for m in then], [_message_key(m) for m in now]
+    if keys_now == keys_then:
+        return "new_attempt", SPLIT_NEW_ATTEMPT
+    for k, (a, b) in enumerate(zip(keys_then, keys_now, strict=False)):
+        if a != b:
+            return "edited", f"the client edited message {k} ({now[k].get('role')}) of the history"
+    if len(now) < len(then):
+        return "history_cut", f"the client sent {len(now)} of the history's {len(then)} messages"
+    reply = now[len(then)] if len(now) > len(then) else None
+    if reply is None or _message_key(reply) != _message_key(previous_choice.message):
+        others = [c.index for c in previous.choices if c is not previous_choice]
+        match = next(
+            (c.index for c in previous.choices if reply and _message_key(c.message) == _message_key(reply)), None
+        )
+        if match is not None and match in others:
+            return "other_choice", f"the history goes on from choice {match}, not choice {previous_choice.index}"
+        role = reply.get("role") if reply is not None else "none"
+        return "edited", f"the client edited message {len(then)} ({role}), the model's reply"
+    if _reasoning(previous_choice.message) and not _reasoning(reply):
+        return "dropped_reasoning", SPLIT_DROPPED_REASONING
+    return "rerendered", SPLIT_RERENDERED
+
+
+def _prompt_split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord) -> tuple[SplitCause, str]:
+    before, now = previous.request.get("prompt"), call.request.get("prompt")
+    if _canonical(now) == _canonical(before):
+        return "new_attempt", SPLIT_NEW_ATTEMPT
+    sampled = _text(previous_choice.message.get("content"))
+    if isinstance(before, str) and isinstance(now, str) and now.startswith(before + sampled):
+        return "rerendered", "the prompt's text goes on from the previous call's, but tokenizes otherwise"
+    return "edited", "a prompt that does not go on from the previous call's prompt and completion"
 
 
 def _extends(prompt: list[int], tokens: list[int]) -> bool:
@@ -176,10 +246,10 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
         else:
             current = None
             context = prompt
-            split = _split_reason(*previous, call) if previous is not None else None
+            split = _split(*previous, call) if previous is not None else None
         if current is None:
             current = {"token_ids": [], "sampled_mask": [], "logprobs": [], "call_ids": [], "steps": []}
-            current["split_reason"] = split
+            current["split_cause"], current["split_reason"] = split or (None, None)
             current["sampled_spans"] = []
             sequences.append(current)
         start = len(current["token_ids"]) + len(context)
@@ -240,4 +310,10 @@ def _choose(call: CallRecord, following: CallRecord | None, wanted: int | None) 
         for choice in call.choices:
             if _extends(following.prompt_token_ids, call.prompt_token_ids + choice.token_ids):
                 return choice
+        # Not by tokens (the template rendered the reply anew): the choice the next call sent back as the reply.
+        history = call.request.get("messages") or []
+        sent = following.request.get("messages") or []
+        if len(sent) > len(history):
+            reply = _message_key(sent[len(history)])
+            return next((c for c in call.choices if _message_key(c.message) == reply), call.choices[0])
     return call.choices[0]

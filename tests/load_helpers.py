@@ -32,6 +32,11 @@ class Gateway:
     def db(self) -> Path:
         return self.data_dir / "artgw.sqlite"
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers of an admin request (the key `serve` made in its data dir)."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin_key').read_text().strip()}"}
+
     def start(self) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"

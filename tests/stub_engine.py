@@ -190,6 +190,10 @@ def make_app(  # type: ignore[no-untyped-def]
                 pass
             await _endless_stream(receive, send, stats)
             return
+        elif path == "/tokenize":  # a count as vLLM's has it: one token per message, one per tool, one to answer
+            request = json.loads(await _body(receive) or b"{}")
+            count = len(request.get("messages") or ()) + len(request.get("tools") or ()) + 1
+            body, code = json.dumps({"count": count, "max_model_len": 2048, "tokens": [1] * count}).encode(), 200
         elif path == "/v1/models":
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200

@@ -14,11 +14,24 @@ import msgspec
 
 from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
+from gateway.auth import Caller
 from gateway.chat import upstream_request
 from gateway.errors import OpenAIError
 from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 
 _encode = msgspec.json.encode
+
+
+def _with_max_tokens(body: bytes) -> bytes:
+    """A count_tokens body as a Messages request: the same fields, and a `max_tokens` (none is sent)."""
+    try:
+        fields = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body  # parse_request says what is wrong with it
+    if isinstance(fields, dict):
+        fields.setdefault("max_tokens", 1)
+        return _encode(fields)
+    return body
 
 
 class MessagesWire:
@@ -43,6 +56,19 @@ class MessagesWire:
 class MessagesService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
+
+    async def count_tokens(self, body: bytes, caller: Caller) -> dict[str, int]:
+        """`POST /v1/messages/count_tokens`: the prompt's tokens as the engine counts them, through the same
+        translation as `/v1/messages` (its chat template and tokenizer; the tools included). Nothing is
+        recorded: no call is made."""
+        request = parse_request(_with_max_tokens(body))  # count_tokens has no max_tokens; one is as good as any
+        chat = to_chat(request)
+        route = self.calls.registry.resolve(request.model, caller)
+        tokenize = {k: v for k, v in chat.items() if k in ("messages", "tools", "add_generation_prompt")}
+        tokenize.update(model=route.upstream_model, continue_final_message=chat.get("continue_final_message", False))
+        tokenize.setdefault("add_generation_prompt", True)
+        payload = await self.calls.engine_json("/tokenize", tokenize)
+        return {"input_tokens": int(payload["count"])}
 
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""

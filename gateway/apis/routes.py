@@ -30,6 +30,7 @@ from gateway.openapi import (
     anthropic_errors,
     chat_operation,
     completions_operation,
+    count_tokens_operation,
     errors,
     messages_operation,
     responses_operation,
@@ -147,6 +148,12 @@ def _anthropic_response(exc: AnthropicError) -> Response[bytes]:
     )
 
 
+def _in_anthropic_shape(exc: OpenAIError) -> Response[bytes]:
+    error = from_openai_error(exc)
+    error.headers = exc.headers
+    return _anthropic_response(error)
+
+
 @post(
     ["/v1/messages", "/rollouts/{rollout_id:str}/v1/messages"],
     status_code=200,
@@ -161,9 +168,47 @@ async def create_message(request: Request[Any, Any, Any], rollout_id: str | None
     except AnthropicError as exc:
         return _anthropic_response(exc)
     except OpenAIError as exc:
-        error = from_openai_error(exc)
-        error.headers = exc.headers
-        return _anthropic_response(error)
+        return _in_anthropic_shape(exc)
+
+
+@post(
+    ["/v1/messages/count_tokens", "/rollouts/{rollout_id:str}/v1/messages/count_tokens"],
+    status_code=200,
+    operation_class=count_tokens_operation,
+    responses=anthropic_errors(400, 401, 403, 404, 413, 500, 502, 503, 504),
+)
+async def count_message_tokens(request: Request[Any, Any, Any], rollout_id: str | None = None) -> Response[bytes]:
+    """Anthropic's token count (`client.messages.count_tokens`): the engine's count of the prompt a Messages
+    request would send it. A key with `infer` may ask; nothing is recorded, and no rate limit is charged."""
+    service: MessagesService = _services(request.app.state).messages
+    try:
+        caller = _services(request.app.state).keyring.caller(request.headers)
+        caller.check_scope("infer")
+        try:
+            body = await request.body()
+        except HTTPException as exc:
+            raise from_http_exception(request, exc) from None
+        counted = await service.count_tokens(body, caller)
+    except AnthropicError as exc:
+        return _anthropic_response(exc)
+    except OpenAIError as exc:
+        return _in_anthropic_shape(exc)
+    return Response(msgspec.json.encode(counted), media_type="application/json")
+
+
+def _under_messages(path: str) -> bool:
+    return (
+        path == "/v1/messages" or path.startswith("/v1/messages/") or "/v1/messages" in path.partition("/rollouts/")[2]
+    )
+
+
+def handle_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    """Litestar's own errors (an unknown path, a wrong method, a body too large): in Anthropic's shape under
+    `/v1/messages` (Anthropic's SDK reads no other), OpenAI's elsewhere."""
+    error = from_http_exception(request, exc)
+    if _under_messages(request.url.path):
+        return _in_anthropic_shape(error)
+    return error.to_response()
 
 
 routes = [
@@ -174,4 +219,5 @@ routes = [
     delete_response,
     list_input_items,
     create_message,
+    count_message_tokens,
 ]

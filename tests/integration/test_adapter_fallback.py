@@ -35,21 +35,17 @@ def cut_short(path: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])
 
 
-def admin(gateway: Gateway) -> dict[str, str]:
-    return {"Authorization": f"Bearer {(gateway.data_dir / 'admin_key').read_text().strip()}"}
-
-
 def load(gateway: Gateway, step: int, path: Path) -> httpx.Response:
     return httpx.post(
         f"{gateway.url}/v1/art/models/{MODEL}/adapters",
         json={"step": step, "path": str(path)},
-        headers=admin(gateway),
+        headers=gateway.admin,
         timeout=60,
     )
 
 
 def status(gateway: Gateway) -> dict:
-    return httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", headers=admin(gateway), timeout=30).json()
+    return httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", headers=gateway.admin, timeout=30).json()
 
 
 def test_a_broken_served_step_falls_back_to_the_one_before(tmp_path: Path, upstream: str) -> None:
@@ -100,7 +96,7 @@ def test_a_broken_served_step_falls_back_to_the_one_before(tmp_path: Path, upstr
         promoted = httpx.post(
             f"{gateway.url}/v1/art/models/{MODEL}/promote",
             json={"step": 2, "reason": "try"},
-            headers=admin(gateway),
+            headers=gateway.admin,
             timeout=30,
         )
         assert promoted.status_code == 409 and promoted.json()["error"]["code"] == "adapter_broken", promoted.text

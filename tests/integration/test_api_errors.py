@@ -729,7 +729,8 @@ def test_unknown_endpoint_is_404_naming_the_served_ones(gateway) -> None:
     assert r.json() == openai_error(
         "The gateway does not serve GET /v1/embeddings. It serves: POST /v1/chat/completions, "
         "POST /v1/completions, POST /v1/responses, GET /v1/responses/{id}, DELETE /v1/responses/{id}, "
-        "GET /v1/responses/{id}/input_items, POST /v1/messages, GET /v1/models, GET /v1/models/{id}, "
+        "GET /v1/responses/{id}/input_items, POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, "
+        "GET /v1/models/{id}, "
         "/v1/art/... (rollouts, groups, models); the inference endpoints also under /rollouts/{rollout_id}/v1/....",
         code="unknown_endpoint",
         type="not_found_error",
@@ -738,9 +739,25 @@ def test_unknown_endpoint_is_404_naming_the_served_ones(gateway) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/completions"), ("GET", "/messages"), ("PUT", "/responses"), ("POST", "/responses/resp_1")],
+    [("GET", "/completions"), ("PUT", "/responses"), ("POST", "/responses/resp_1")],
 )
 def test_wrong_method_is_405(gateway, method: str, path: str) -> None:
     r = httpx.request(method, f"{gateway.base_url}{path}")
     assert r.status_code == 405
     assert r.json() == openai_error("Method Not Allowed", code="method_not_allowed")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/messages", 405),
+        ("GET", "/v1/messages/count_tokens", 405),
+        ("POST", "/v1/messages/batches", 404),
+        ("POST", "/rollouts/r1/v1/messages/batches", 404),
+    ],
+)
+def test_every_path_under_messages_errs_in_anthropics_shape(gateway, method: str, path: str, status: int) -> None:
+    """Anthropic's SDK reads only its own error shape (#27: these were OpenAI's)."""
+    r = httpx.request(method, f"{gateway.url}{path}")
+    kind = {404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert (r.status_code, r.json()["type"], r.json()["error"]["type"]) == (status, "error", kind), r.text

@@ -301,6 +301,29 @@ def test_anthropic_errors_are_in_anthropics_shape(engine_gateway) -> None:
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_anthropic_count_tokens_is_the_engines_count_of_the_prompt(engine_gateway) -> None:
+    """`messages.count_tokens` (#27: a 404 in OpenAI's shape): the prompt tokens the engine gets for the same
+    Messages request, tools and system prompt included; nothing recorded. Other paths under /v1/messages
+    answer in Anthropic's shape too."""
+    rid = new_id("count")
+    client = anthropic_client(engine_gateway, rid)
+    asked = {"model": "my-agent", "system": INSTRUCTIONS, "messages": [{"role": "user", "content": QUESTION}]}
+    for tools in ([], [ANTHROPIC_TOOL]):
+        counted = client.messages.count_tokens(**asked, tools=tools)  # type: ignore[arg-type]
+        made = client.messages.create(**asked, tools=tools, max_tokens=1)  # type: ignore[arg-type]
+        assert counted.input_tokens == made.usage.input_tokens > 0
+    with_tool = client.messages.count_tokens(**asked, tools=[ANTHROPIC_TOOL])  # type: ignore[arg-type]
+    assert with_tool.input_tokens > client.messages.count_tokens(**asked).input_tokens  # type: ignore[arg-type]
+    assert len(rollout(engine_gateway, rid)["calls"]) == 2  # the two creates; no count is a call
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    for method, path in (("GET", "/messages"), ("POST", "/messages/batches"), ("GET", "/messages/count_tokens")):
+        r = httpx.request(method, f"{engine_gateway.base_url}{path}", json={})
+        assert r.status_code in (404, 405) and r.json()["type"] == "error", (path, r.text)
+        assert r.json()["error"]["type"] == ("not_found_error" if r.status_code == 404 else "invalid_request_error")
+
+
 # ---------------------------------------------------------------- one rollout, several APIs
 
 

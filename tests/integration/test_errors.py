@@ -120,7 +120,8 @@ def test_unknown_route_and_wrong_method(stub, gateway_factory) -> None:
     assert error(r) == {
         "message": "The gateway does not serve POST /v1/nope. It serves: POST /v1/chat/completions, "
         "POST /v1/completions, POST /v1/responses, GET /v1/responses/{id}, DELETE /v1/responses/{id}, "
-        "GET /v1/responses/{id}/input_items, POST /v1/messages, GET /v1/models, GET /v1/models/{id}, "
+        "GET /v1/responses/{id}/input_items, POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, "
+        "GET /v1/models/{id}, "
         "/v1/art/... (rollouts, groups, models); the inference endpoints also under /rollouts/{rollout_id}/v1/....",
         "type": "not_found_error",
         "param": None,

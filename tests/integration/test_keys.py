@@ -370,6 +370,13 @@ ENDPOINTS: dict[str, Endpoint] = {
         hidden="model",
         anthropic=True,
     ),
+    "POST /v1/messages/count_tokens": Endpoint(
+        "infer",
+        lambda w: {"json": {"model": "a", "messages": USER}},
+        _has(200, input_tokens=2),  # the stand-in engine's count: one a message, one to answer
+        hidden="model",
+        anthropic=True,
+    ),
     "GET /v1/models": Endpoint("infer", lambda w: {}, _listing(_listed_models, lambda w: {"a"}), listed=_listed_models),
     "GET /v1/models/{id}": Endpoint("infer", lambda w: {"id": "a"}, _has(200, id="a", object="model"), "model"),
     # reading: scope `read`
@@ -534,6 +541,7 @@ TABLE: dict[str, tuple[Outcome, ...]] = {
     "GET /v1/responses/{id}/input_items":      (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_INFER,  OK,        OK),
     "DELETE /v1/responses/{id}":               (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_INFER,  OK,        OK),
     "POST /v1/messages":                       (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_INFER,  OK,        OK),
+    "POST /v1/messages/count_tokens":          (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_INFER,  OK,        OK),
     "GET /v1/models":                          (NO_KEY,    BAD_KEY,   BAD_KEY,   ONLY_B,    NO_INFER,  OK,        OK),
     "GET /v1/models/{id}":                     (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_INFER,  OK,        OK),
     "GET /v1/art/rollouts/{id}":               (NO_KEY,    BAD_KEY,   BAD_KEY,   HIDDEN,    NO_READ,   OK,        OK),

@@ -90,6 +90,15 @@ def test_tools_required_gives_a_parsed_tool_call(client: openai.OpenAI) -> None:
     assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")
 
 
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_an_empty_tool_list_means_no_tools(client: openai.OpenAI, tool_choice: str | None) -> None:
+    """strands' default Agent and fast-agent send `tools: []` (#27: vLLM's 400 `tools must not be an empty
+    array` came back through the gateway)."""
+    extra = {"tool_choice": tool_choice} if tool_choice else {}
+    r = client.chat.completions.create(model="my-agent", messages=USER, tools=[], max_tokens=4, **extra)  # type: ignore[call-overload]
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("length", "stop")
+
+
 def test_tools_streamed_tool_call(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="my-agent",

@@ -55,7 +55,7 @@ def test_the_document_is_served_and_valid_openapi(gateway: GatewayProcess) -> No
         assert operation["requestBody"]["required"] is True
     for path, item in doc["paths"].items():
         # Anthropic's Messages API answers errors in Anthropic's shape, every other route in OpenAI's.
-        shape = "AnthropicError" if path.endswith("/v1/messages") else "OpenAIError"
+        shape = "AnthropicError" if path.endswith(("/v1/messages", "/v1/messages/count_tokens")) else "OpenAIError"
         error_ref = {"$ref": f"#/components/schemas/{shape}"}
         for method, operation in item.items():
             for status, response in operation["responses"].items():
@@ -88,6 +88,8 @@ OPERATIONS = [
     ("GET", "/rollouts/{rollout_id}/v1/responses/{response_id}/input_items"),
     ("POST", "/v1/messages"),
     ("POST", "/rollouts/{rollout_id}/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/rollouts/{rollout_id}/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
     ("GET", "/rollouts/{rollout_id}/v1/models"),
     ("GET", "/v1/models/{model_id}"),
@@ -135,6 +137,8 @@ HAS_INVALID = {
     ("POST", "/rollouts/{rollout_id}/v1/responses"),
     ("POST", "/v1/messages"),
     ("POST", "/rollouts/{rollout_id}/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/rollouts/{rollout_id}/v1/messages/count_tokens"),
     ("GET", "/v1/responses/{response_id}/input_items"),
     ("GET", "/rollouts/{rollout_id}/v1/responses/{response_id}/input_items"),
     ("GET", "/v1/art/rollouts"),

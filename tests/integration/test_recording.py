@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from store.trajectories import SPLIT_RERENDERED
 from tests.conftest import ARTGW, BASE_NAME, WEATHER_TOOLS
 
 pytestmark = pytest.mark.engine
@@ -128,7 +129,8 @@ def test_multi_turn_tool_rollout_merges_where_the_prefix_holds_and_splits_where_
     ids = [c["id"] for c in recorded["calls"]]
     first, second = recorded["sequences"]
     assert first["call_ids"] == ids[:1] and first["split_reason"] is None
-    assert second["call_ids"] == ids[1:] and second["split_reason"] == "template re-rendered earlier turns"
+    assert second["call_ids"] == ids[1:] and second["split_reason"] == SPLIT_RERENDERED
+    assert second["split_cause"] == "rerendered"  # the SDK sent the tool call back as the model made it
     # Masks sit exactly on sampled tokens: the forced "the" twice in the merged sequence.
     sampled = [t for t, m in zip(second["token_ids"], second["sampled_mask"], strict=True) if m]
     assert sampled == [the, the]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from store.trajectories import (
+    SPLIT_CAUSES,
     SPLIT_DROPPED_REASONING,
-    SPLIT_EDITED,
+    SPLIT_NEW_ATTEMPT,
     SPLIT_RERENDERED,
     assemble,
     sampled_under_grammar,
@@ -68,7 +73,111 @@ def test_edited_history_and_dropped_reasoning_are_told_apart() -> None:
         "c", 3, [{"role": "user", "content": "other"}], [7, 7], ({"role": "assistant", "content": "z"}, [6])
     )
     sequences = assemble("r", [c1, dropped, edited]).sequences
-    assert [s.split_reason for s in sequences] == [None, SPLIT_DROPPED_REASONING, SPLIT_EDITED]
+    assert [s.split_cause for s in sequences] == [None, "dropped_reasoning", "edited"]
+    assert [s.split_reason for s in sequences] == [
+        None,
+        SPLIT_DROPPED_REASONING,
+        "the client edited message 0 (user) of the history",
+    ]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+SAMPLED = {"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {**CALL["function"]}}]}
+SAMPLED["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris"}'  # as the model wrote it
+
+
+def split_of(first: dict[str, Any], second: dict[str, Any], *choices: tuple[Any, ...]) -> tuple[str, str]:
+    """The cause and reason of the split between two calls whose tokens do not extend (prompt [9] after [1, 2])."""
+    c1 = make_call("a", 1, first["messages"], [1, 2], *(choices or ((TOOL_CALL_REPLY, [10]),)), **first["fields"])
+    c2 = make_call("b", 2, second["messages"], [9], ({"role": "assistant", "content": "x"}, [5]), **second["fields"])
+    _, sequence = assemble("r", [c1, c2]).sequences
+    assert sequence.split_cause is not None and sequence.split_reason is not None
+    return sequence.split_cause, sequence.split_reason
+
+
+def call_of(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    return {"messages": messages, "fields": fields}
+
+
+# One case per cause: the previous call, the next one, the cause and the reason given.
+SPLITS = {
+    "rerendered": (
+        # The tool call sent back as the client's SDK re-serialized it (`{"city": "Paris"}`, content "", an id):
+        # it means what the model produced, yet the template rendered other tokens.
+        call_of([SYSTEM, USER]),
+        call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]),
+        SPLIT_RERENDERED,
+    ),
+    "dropped_reasoning": (
+        call_of([USER]),
+        call_of([USER, {"role": "assistant", "content": "sunny"}, USER]),
+        SPLIT_DROPPED_REASONING,
+    ),
+    "edited": (
+        call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]),
+        call_of([SYSTEM, USER, TOOL_CALL_REPLY, {**TOOL_RESULT, "content": "rainy"}]),
+        "the client edited message 3 (tool) of the history",
+    ),
+    "history_cut": (
+        call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]),
+        call_of([SYSTEM, USER]),
+        "the client sent 2 of the history's 4 messages",
+    ),
+    "system_changed": (
+        call_of([SYSTEM, USER]),
+        call_of([{"role": "system", "content": "be verbose"}, USER, TOOL_CALL_REPLY, TOOL_RESULT]),
+        "another system prompt than the previous call's",
+    ),
+    "tools_changed": (
+        call_of([USER], extra={"tools": [TOOL]}),
+        call_of([USER, TOOL_CALL_REPLY, TOOL_RESULT], extra={"tools": []}),
+        "other tools than the previous call's",
+    ),
+    "new_attempt": (call_of([SYSTEM, USER]), call_of([SYSTEM, USER], extra={"temperature": 0.5}), SPLIT_NEW_ATTEMPT),
+    "model_changed": (
+        call_of([USER]),
+        call_of([USER, TOOL_CALL_REPLY, TOOL_RESULT], model=None),
+        "another model: the base model, after my-agent",
+    ),
+}
+
+
+@pytest.mark.parametrize("cause", list(SPLITS))
+def test_each_split_names_its_cause(cause: str) -> None:
+    first, second, reason = SPLITS[cause]
+    thinking = {"role": "assistant", "content": "sunny", "reasoning": "it is Paris"}
+    choices = ((thinking, [10]),) if cause == "dropped_reasoning" else ((SAMPLED, [10]),)
+    assert split_of(first, second, *choices) == (cause, reason)
+
+
+def test_every_cause_has_a_case() -> None:
+    assert set(SPLITS) | {"other_choice"} == set(SPLIT_CAUSES)
+
+
+def test_a_choice_other_than_the_rollouts_is_named() -> None:
+    """`rollout/1` of an n = 2 call follows choice 1; a next call that went on from choice 0 is a split that says
+    so. Without a choice asked for, the next call's reply (by meaning, the tokens not extending) picks it."""
+    p, q = {"role": "assistant", "content": "p"}, {"role": "assistant", "content": "q"}
+    c1 = make_call("a", 1, [USER], [1, 2], (p, [5]), (q, [6]))
+    c2 = make_call("b", 2, [USER, p, USER], [9], ({"role": "assistant", "content": "r"}, [7]))
+    _, second = assemble("r", [c1, c2], choice=1).sequences
+    assert (second.split_cause, second.split_reason) == (
+        "other_choice",
+        "the history goes on from choice 0, not choice 1",
+    )
+    trajectory = assemble("r", [c1, c2])
+    assert {c.id: c.choice for c in trajectory.calls} == {"a": 0, "b": 0}
+    assert trajectory.sequences[1].split_cause == "rerendered"
+
+
+def test_a_completions_prompt_that_goes_on_in_text_is_rerendered() -> None:
+    first = make_call(
+        "a", 1, None, [1, 2], ({"role": "assistant", "content": " world"}, [5]), request={"prompt": "hello"}
+    )
+    again = make_call("b", 2, None, [9], request={"prompt": "hello world, and"})
+    other = make_call("c", 3, None, [8], request={"prompt": "bye"})
+    causes = [s.split_cause for s in assemble("r", [first, again, other]).sequences]
+    assert causes == [None, "rerendered", "edited"]
 
 
 def test_identical_retry_is_kept_marked_and_only_the_last_attempt_trains() -> None:
