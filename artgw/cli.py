@@ -199,7 +199,10 @@ def _build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
 def _store_url(args: argparse.Namespace) -> str:
     from store.provide import store_url
 
-    return store_url(args.data_dir, args.db)
+    try:
+        return store_url(args.data_dir, args.db)
+    except ValueError as exc:
+        raise CommandError(str(exc), code=2) from None
 
 
 def admin_key_path(args: argparse.Namespace) -> Path:

@@ -31,6 +31,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -45,6 +46,9 @@ import httpx
 import psutil
 
 log = logging.getLogger("artgw.engine")
+SAY_WAITING_SECONDS = 5.0  # an upstream that does not answer by then is said so (and still waited for)
+# A line of a Python traceback that names the exception: `OSError: ...`, `torch.OutOfMemoryError: ...`.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*:")
 
 EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
 
@@ -269,8 +273,10 @@ async def wait_until_ready(
     *,
     child_pid: int | None = None,
     served_name: str | None = None,
+    on_waiting: Callable[[str], None] | None = None,
 ) -> None:
     """Poll the engine's /health until it answers 200; raise if `alive()` turns false or time runs out.
+    `on_waiting` is told once, after SAY_WAITING_SECONDS, what the engine answers meanwhile (or that nothing does).
 
     With `child_pid` (supervised mode) an answer counts only if the socket listening on the port belongs to
     that process or its descendants: until our child listens, a 200 there comes from someone else, e.g. a
@@ -280,17 +286,22 @@ async def wait_until_ready(
     """
     target = httpx.URL(url)
     host, port = target.host, target.port or 80
-    deadline = time.monotonic() + within
+    started = time.monotonic()
+    deadline = started + within
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if not alive():
                 raise EngineFailed("the engine process exited during start-up")
             try:
-                healthy = (await client.get(f"{url}/health")).status_code == 200
-            except httpx.TransportError:
-                healthy = False
-            if healthy and await _is_ours(client, url, host, port, child_pid, served_name, alive):
+                status = (await client.get(f"{url}/health")).status_code
+                problem = f"its /health answers {status}"
+            except httpx.TransportError as exc:
+                status, problem = None, f"nothing answers there ({type(exc).__name__})"
+            if status == 200 and await _is_ours(client, url, host, port, child_pid, served_name, alive):
                 return
+            if on_waiting is not None and time.monotonic() - started >= SAY_WAITING_SECONDS:
+                on_waiting(problem)
+                on_waiting = None
             await asyncio.sleep(0.5)
     raise EngineFailed(f"the engine did not become ready within {within:.0f}s")
 
@@ -524,7 +535,7 @@ class EngineSupervisor:
             # vLLM died on its bind: someone took the port between our check and its start.
             if exited and await asyncio.to_thread(port_in_use, self.config.host, self.config.port):
                 reason = f"{port_in_use_message(self.config.host, self.config.port)} ({reason})"
-            raise EngineFailed(f"{reason}; last lines of {self.config.log_path}:\n{self.log_tail()}") from None
+            raise EngineFailed(f"{reason}: {self.log_cause()}") from None
         await asyncio.to_thread(spawn.remember)
         self.ready_seconds = time.monotonic() - self.started_at
         if self.on_ready is not None:
@@ -547,7 +558,7 @@ class EngineSupervisor:
                 self.state = "failed"
                 self.on_fatal(
                     f"{why}, and it was restarted {len(self._restarts)} times in "
-                    f"{self.config.restart_window:.0f}s; giving up. Last lines of its log:\n{self.log_tail()}"
+                    f"{self.config.restart_window:.0f}s; giving up: {self.log_cause()}"
                 )
                 return
             self._restarts.append(now)
@@ -631,8 +642,13 @@ class EngineSupervisor:
         )
         return False
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_cause(self) -> str:
+        """Why the engine died, in one line: the last exception its log names (else its last line), and where
+        the whole log is."""
         try:
-            return "\n".join(self.config.log_path.read_text(errors="replace").splitlines()[-lines:])
+            lines = [line.strip() for line in self.config.log_path.read_text(errors="replace").splitlines()]
         except OSError:
-            return "(no log)"
+            return f"(no log at {self.config.log_path})"
+        causes = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        cause = (causes or [line for line in lines if line] or ["(an empty log)"])[-1]
+        return f"{cause[:500]} (the engine's log: {self.config.log_path})"

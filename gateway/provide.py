@@ -70,11 +70,19 @@ class UpstreamEngine:
         self.ready_seconds: float | None = None
 
     async def start(self) -> None:
-        await wait_until_ready(self.url, self.startup_timeout)
+        await wait_until_ready(self.url, self.startup_timeout, on_waiting=self._say_waiting)
         registry = self.adapters.registry
         registry.base_model, registry.base_model_path = await self._base_model()
         await self.adapters.sync_engine()
         self.state = "ready"
+
+    def _say_waiting(self, problem: str) -> None:
+        log.warning(
+            "the upstream engine at %s is not ready: %s; still waiting, up to %.0f s (--engine-startup-timeout)",
+            self.url,
+            problem,
+            self.startup_timeout,
+        )
 
     async def _base_model(self) -> tuple[str, str]:
         """The model entry that is not a LoRA adapter: (its served name, the path or hub id it was loaded from)."""

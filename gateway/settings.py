@@ -34,7 +34,7 @@ def valid_model_name(name: str) -> bool:
 def served_base_name(base_model: str) -> str:
     """The name vLLM serves the base weights under: a local dir's name, or the hub id as is."""
     path = Path(base_model)
-    return path.name if path.exists() else base_model
+    return path.resolve().name if path.exists() else base_model  # resolved: `.` has no name of its own
 
 
 def _positive(value: float) -> bool:
@@ -229,8 +229,20 @@ class Settings:
     def __post_init__(self) -> None:
         if (self.base_model is None) == (self.upstream is None):
             raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
+        if self.base_model is not None and self.base_model.startswith(("/", ".", "~")):  # a directory, not an id
+            weights = Path(self.base_model).expanduser()
+            if not (weights / "config.json").is_file():
+                what = "has no config.json" if weights.is_dir() else "does not exist"
+                raise ValueError(
+                    f"--base-model {self.base_model}: the directory {what} (give a model directory as "
+                    "save_pretrained writes one, or a model id of the hub)"
+                )
         if not self.model_names:
             raise ValueError("give at least one --model-name")
+        if self.db is not None:
+            from store.db import check_url  # here: --help reads this module without SQLAlchemy
+
+            check_url(self.db)
         for name in self.model_names:
             if not valid_model_name(name):
                 raise ValueError(f"invalid --model-name {name!r}: {MODEL_NAME_RULE}")

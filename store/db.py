@@ -74,6 +74,22 @@ def keyset_page(
     return query
 
 
+def check_url(url: str) -> None:
+    """ValueError (one line, for `--db`) unless `url` names a store this project runs on: SQLite or PostgreSQL."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        backend = None
+    if backend not in ("sqlite", "postgresql", "postgres"):
+        shown = url if "@" not in url else url.split("://", 1)[0] + "://..."  # no password in a message
+        raise ValueError(
+            f"--db {shown!r} is not a store URL: give sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER:PW@HOST/DB"
+        )
+
+
 def create_engine(url: str, *, wait_seconds: float = STORE_WAIT_SECONDS) -> AsyncEngine:
     """An async engine; SQLite gets WAL and a busy timeout, PostgreSQL a pool with pre-ping. A store access
     waits at most about `wait_seconds` for a lock, a connection or a connect, then fails (OperationalError or

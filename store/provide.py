@@ -12,14 +12,17 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.db import STORE_WAIT_SECONDS, create_engine, head_revision, migrate
+from store.db import STORE_WAIT_SECONDS, check_url, create_engine, head_revision, migrate
 from store.errors import StoreMissing
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
 
 
 def store_url(data_dir: Path, db: str | None) -> str:
-    """The store's SQLAlchemy URL: `db` when given, else SQLite in `data_dir` (as `artgw serve` uses)."""
+    """The store's SQLAlchemy URL: `db` when given (ValueError if it is not one), else SQLite in `data_dir` (as
+    `artgw serve` uses)."""
+    if db is not None:
+        check_url(db)
     return db or f"sqlite+aiosqlite:///{(data_dir / 'artgw.sqlite').resolve()}"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ARTGW, ROOT, free_port, stop_group, wait_http
+from tests.conftest import ARTGW, ROOT, free_port, poll, stop_group, wait_http
 
 
 @pytest.fixture
@@ -65,6 +65,56 @@ def test_export_of_an_unmigrated_store_says_migrate(tmp_path: Path) -> None:
     result = artgw("export", cwd=tmp_path)
     line = one_line_error(result, "artgw export")
     assert "artgw migrate" in line
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("migrate",),
+        ("export",),
+        ("train", "--base-model", "x"),
+        ("serve", "--upstream", "http://127.0.0.1:1"),
+    ],
+    ids=lambda c: c[0],
+)
+@pytest.mark.parametrize("db", ["notaurl", "mysql://bob:hunter2@db.example/art"])
+def test_a_db_that_is_not_a_store_url_is_one_line(tmp_path: Path, command: tuple[str, ...], db: str) -> None:
+    """#27: a 40-line SQLAlchemy traceback before; a password is not echoed."""
+    result = artgw(*command, "--db", db, cwd=tmp_path)
+    line = one_line_error(result, f"artgw {command[0]}")
+    assert "is not a store URL" in line and "hunter2" not in line
+    assert result.returncode == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("given", "says"), [("/no/such/model", "does not exist"), (".", "has no config.json")])
+def test_serve_of_a_base_model_directory_that_is_not_one_is_one_line(tmp_path: Path, given: str, says: str) -> None:
+    """#27: vLLM started, died, and its 30-line traceback was printed twice."""
+    result = artgw("serve", "--base-model", given, cwd=tmp_path)
+    assert f"--base-model {given}: the directory {says}" in one_line_error(result, "artgw serve")
+    assert result.returncode == 2
+
+
+def test_serve_says_within_seconds_that_its_upstream_does_not_answer(tmp_path: Path) -> None:
+    """#27: `--upstream` at a port nobody listens on showed the engine `starting` for ever, saying nothing."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [ARTGW, "serve", "--upstream", nobody, "--port", str(free_port())],
+            cwd=tmp_path,
+            env=clean,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        said = f"the upstream engine at {nobody} is not ready: nothing answers there (ConnectError); still waiting"
+        poll(lambda: said in log.read_text(), 60, "serve to say its upstream does not answer")
+        assert proc.poll() is None  # it goes on waiting: the engine may come up later
+    finally:
+        stop_group(proc)
 
 
 def test_train_with_a_bad_variable_names_it(tmp_path: Path) -> None:
