@@ -93,6 +93,14 @@ class StatusOptions:
             "repeat": True,
         },
     )
+    json: bool = field(
+        default=False, metadata={"help": "print the statuses as the gateway gives them, a JSON array, not a table"}
+    )
+
+
+@dataclass(frozen=True)
+class KeyListOptions:
+    json: bool = field(default=False, metadata={"help": "print the keys as a JSON array, not a table"})
 
 
 @dataclass(frozen=True)
@@ -437,27 +445,38 @@ class _ModelStatus(msgspec.Struct, kw_only=True):
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from store.types import StepMetrics
 
     gateway = gateway_url(args)
-    names = list(_build(StatusOptions, args).models)
+    chosen = _build(StatusOptions, args)
+    names = list(chosen.models)
     try:
         if not names:
             names = msgspec.json.decode(_ask(args, "GET", "/v1/art/models").content, type=_ModelList).data
-        statuses = []
+        statuses, answers = [], []
         for name in names:
             answer = _ask(args, "GET", f"/v1/art/models/{quote(name, safe='')}")
             status = msgspec.json.decode(answer.content, type=_ModelStatus)
             metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
             statuses.append((status, metrics))
+            answers.append(msgspec.json.decode(answer.content))
     except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
         raise CommandError(f"{gateway} did not answer like an ART gateway: {exc}") from None
-    console = Console()
+    if chosen.json:
+        print(json.dumps(answers, indent=2))
+        return 0
+    console = _stdout_console()
     for status, metrics in statuses:
         _print_status(console, status, metrics)
     return 0
+
+
+def _stdout_console() -> Console:
+    """rich's console for stdout; piped, as wide as its lines are (rich would cut them at 80 columns)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=10_000, soft_wrap=True)
 
 
 def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> None:
@@ -658,10 +677,12 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_list(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     keys = _ask(args, "GET", "/v1/art/keys?include_revoked=true").json()["data"]
+    if _build(KeyListOptions, args).json:
+        print(json.dumps(keys, indent=2))
+        return 0
     table = Table("id", "name", "prefix", "models", "scopes", "rpm", "tpm", "revoked")
     table.columns[0].no_wrap = True  # the id is what `revoke` takes: never cut
     for key in keys:
@@ -675,7 +696,7 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
             str(key["tpm"] or "-"),
             "yes" if key["revoked_at"] else "",
         )
-    Console().print(table)
+    _stdout_console().print(table)
     return 0
 
 
@@ -929,6 +950,8 @@ def build_parser() -> argparse.ArgumentParser:
         command = _command(keys_sub, name, func, help=text, description=text[0].upper() + text[1:] + ".")
         if name == "create":
             options.add_options(command, KeyCreateOptions)
+        if name == "list":
+            options.add_options(command, KeyListOptions)
         if name == "revoke":
             command.add_argument("key_id", help="the key's id (key_...), from `artgw keys list`")
         options.add_options(command, TrainConfig, only=("gateway",), computed={"gateway": "http://HOST:PORT"})

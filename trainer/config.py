@@ -53,7 +53,8 @@ class TrainConfig:
     # The CLI builds it from --data-dir/--db, declared once on the gateway's Settings.
     db: str = field(metadata={"option": False})
     gateway: str = field(
-        default="http://127.0.0.1:8000", metadata={"help": "URL of the gateway that loads the new adapters"}
+        default="http://127.0.0.1:8000",
+        metadata={"help": "URL of the gateway to talk to (the trainer commits its steps there)"},
     )
     admin_key: str | None = field(
         default=None,

@@ -4,6 +4,7 @@ ARTGW_* variables removed so only what each test sets counts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,10 @@ def test_status_and_export_find_the_gateway_and_store_like_serve(
     ok = artgw("status", cwd=tmp_path, env=found)
     assert ok.returncode == 0, ok.stderr
     assert "my-agent" in ok.stdout and "serves step 0" in ok.stdout
+    as_json = artgw("status", "--json", cwd=tmp_path, env=found)
+    assert as_json.returncode == 0, as_json.stderr
+    (shown,) = json.loads(as_json.stdout)
+    assert (shown["name"], shown["served_step"], shown["object"]) == ("my-agent", 0, "art.model")
     unknown = artgw("status", "--model", "nope", cwd=tmp_path, env=found)
     assert "404" in one_line_error(unknown, "artgw status")
     exported = artgw("export", cwd=tmp_path, env={"ARTGW_DATA_DIR": str(gateway.data_dir)})

@@ -950,7 +950,9 @@ def artgw_keys(world: World, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_artgw_keys_create_list_revoke(world: World) -> None:
-    made = artgw_keys(world, "create", "--name", "cli-bot", "--model", "a", "--scope", "infer", "--scope", "read",
+    # A long name: piped, `keys list` prints it whole (rich cut tables at 80 columns).
+    name = "cli-bot-" + "x" * 100
+    made = artgw_keys(world, "create", "--name", name, "--model", "a", "--scope", "infer", "--scope", "read",
                       "--rpm", "600")  # fmt: skip
     assert made.returncode == 0, made.stderr
     secret = made.stdout.strip()
@@ -963,12 +965,15 @@ def test_artgw_keys_create_list_revoke(world: World) -> None:
     listed = artgw_keys(world, "list")
     assert listed.returncode == 0, listed.stderr
     line = next(line for line in listed.stdout.splitlines() if key_id in line)
-    assert "cli-bot" in line and "600" in line and "yes" not in line
+    assert name in line and "600" in line and "yes" not in line
     assert secret not in listed.stdout and secret[len("sk-art-") + 4 :] not in listed.stdout
     described = world.admin("GET", "/v1/art/keys").json()["data"]
+    as_json = artgw_keys(world, "list", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == world.admin("GET", "/v1/art/keys?include_revoked=true").json()["data"]
     assert next(k for k in described if k["id"] == key_id) | {"created_at": 0} == {
         "id": key_id,
-        "name": "cli-bot",
+        "name": name,
         "prefix": secret[: len("sk-art-") + 4],
         "models": ["a"],
         "scopes": ["infer", "read"],
@@ -981,7 +986,7 @@ def test_artgw_keys_create_list_revoke(world: World) -> None:
 
     revoked = artgw_keys(world, "revoke", key_id)
     assert revoked.returncode == 0, revoked.stderr
-    assert revoked.stdout.strip() == f"revoked key {key_id} (cli-bot)"
+    assert revoked.stdout.strip() == f"revoked key {key_id} ({name})"
     r = world.ask("POST", "/v1/chat/completions", secret, json=CHAT_A)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     line = next(line for line in artgw_keys(world, "list").stdout.splitlines() if key_id in line)
