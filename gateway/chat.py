@@ -111,6 +111,25 @@ class Asked:
     token_ids: bool
 
 
+def strict_forced_calls(request: dict[str, Any]) -> dict[str, Any]:
+    """The request with the tools a named or `required` tool_choice forces made `strict`: their arguments are
+    then sampled under the tool's schema. Without it vLLM 0.32 constrains only the `<tool_call>` envelope and the
+    arguments may be any JSON (a model still learning writes a number), which most clients send by default.
+    The request is recorded as changed (the trainer rebuilds the grammar the engine sampled under from it)."""
+    tools = request.get("tools")
+    choice = request.get("tool_choice")
+    if not tools or not (choice == "required" or isinstance(choice, dict)):
+        return request
+    forced = None if choice == "required" else (choice.get("function") or {}).get("name")
+    strict = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and forced in (None, function.get("name")) and function.get("strict") is not True:
+            tool = {**tool, "function": {**function, "strict": True}}
+        strict.append(tool)
+    return {**request, "tools": strict}
+
+
 def upstream_request(request: dict[str, Any], route: Route, **extra: Any) -> tuple[bytes, Asked]:
     """The engine's request: the client's, for the routed model, asking for what the recorder needs."""
     asked = Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
@@ -174,6 +193,7 @@ class ChatService:
 
     async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_chat_request(body)
+        request = strict_forced_calls(request)
         route = await self.calls.route(head.model, origin)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)

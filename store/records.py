@@ -36,7 +36,7 @@ class CallRecord(msgspec.Struct, frozen=True):
     model: str | None  # trainable model name; None when the base model was asked for by name
     step: int | None  # adapter step that served the call; 0 = base weights
     upstream_model: str  # the engine-side model name
-    request: dict[str, Any]  # the client's request body, as sent
+    request: dict[str, Any]  # the client's request body as sent; a forced call's tools `strict`, as the engine got them
     stream: bool
     status: CallStatus
     http_status: int

@@ -15,7 +15,7 @@ import msgspec
 from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
-from gateway.chat import upstream_request
+from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError
 from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 
@@ -73,7 +73,7 @@ class MessagesService:
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
         request = parse_request(body)
-        chat = to_chat(request)
+        chat = strict_forced_calls(to_chat(request))
         route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
         spec = EngineRequest(

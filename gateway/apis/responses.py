@@ -391,7 +391,24 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
     if tool.strict is not None:
         function["strict"] = tool.strict
+    elif tool.parameters is not None and strict_compatible(tool.parameters):
+        function["strict"] = True  # OpenAI: a function tool with `strict` omitted is strict when its schema allows
     return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
+
+
+def strict_compatible(schema: Any) -> bool:
+    """Whether a JSON schema is one OpenAI's strict mode takes: every object lists all its properties as required
+    and allows no others (checked through properties, items, anyOf and $defs)."""
+    if not isinstance(schema, dict):
+        return False
+    if schema.get("type") == "object" or "properties" in schema:
+        properties = schema.get("properties") or {}
+        if schema.get("additionalProperties") is not False or set(schema.get("required") or ()) != set(properties):
+            return False
+        if not all(strict_compatible(p) for p in properties.values()):
+            return False
+    nested = [schema.get("items"), *(schema.get("anyOf") or ()), *(schema.get("$defs") or {}).values()]
+    return all(strict_compatible(n) for n in nested if n is not None)
 
 
 def _chat_tool_choice(choice: str | NamedToolChoice | None) -> str | dict[str, Any] | None:

@@ -26,7 +26,7 @@ from gateway.apis.responses import (
 )
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import ANONYMOUS, Caller
-from gateway.chat import upstream_request
+from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound
@@ -113,7 +113,7 @@ class ResponsesService:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 ) from None
-        chat = to_chat(request, history)
+        chat = strict_forced_calls(to_chat(request, history))
         if not chat["messages"]:
             raise invalid_request(
                 "Nothing to answer: 'input' is empty, and there are no instructions and no previous response.",
