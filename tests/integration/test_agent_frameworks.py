@@ -67,3 +67,65 @@ def test_llama_index_openai_like_defaults(engine_gateway, tokenizer) -> None:
     (call,) = recorded["calls"]
     assert call["api"] == "completions"  # OpenAILike's default: not a chat model
     assert texts(recorded, tokenizer) == [run["text"]]
+
+
+# ---------------------------------------------------------------- forced tool calls at the frameworks' defaults (#27)
+
+
+def forced_calls_strict(gateway, rollout_id: str) -> list[dict]:
+    """The rollout's calls that forced a tool: each recorded with its tools strict (as the engine got them)."""
+    calls = poll(lambda: rollout(gateway, rollout_id)["calls"], 10, "the rollout")
+    forced = [
+        c for c in calls if c["grammar_request"] and c["grammar_request"].get("tool_choice") not in (None, "auto")
+    ]
+    assert forced, calls
+    for call in forced:
+        assert all(t["function"].get("strict") for t in call["grammar_request"]["tools"]), call
+    return forced
+
+
+def test_instructor_tools_mode_gets_a_valid_model(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("instructor_tools", env)
+    assert run["city"] in ("Paris", "Rome")
+    forced_calls_strict(engine_gateway, rid)
+
+
+def test_smolagents_tool_calling_agent_calls_its_tools_with_valid_arguments(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("smolagents_tool_calling", env)
+    recorded = rollout(engine_gateway, rid)["calls"]
+    seen = [
+        (c["status"], c["error"], c["finish_reasons"], (c["grammar_request"] or {}).get("tool_choice"))
+        for c in recorded
+    ]
+    assert run["steps"], (run, seen)
+    for step in run["steps"]:
+        assert step["name"] in ("get_weather", "final_answer") and isinstance(step["arguments"], dict), step
+        if step["name"] == "get_weather":
+            assert isinstance(step["arguments"].get("city"), str), step
+    forced_calls_strict(engine_gateway, rid)
+
+
+def test_autogen_function_tool_forced_gets_valid_arguments(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("autogen_function_tool", env)
+    assert run["strict"] is False  # autogen's default: the gateway makes the forced call strict all the same
+    assert run["name"] == "get_weather" and run["arguments"]["city"] in ("Paris", "Rome")
+    forced_calls_strict(engine_gateway, rid)
+
+
+def test_strands_default_agent_with_no_tools_and_structured_output(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("strands_agent", env)
+    assert isinstance(run["text"], str)  # `tools: []` was a 400 from vLLM
+    assert run["city"] in ("Paris", "Rome"), run
+    calls = rollout(engine_gateway, rid)["calls"]
+    assert calls[0]["status"] == "ok"
+
+
+def test_llama_index_structured_predict_gets_a_valid_model(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("llama_index_structured_predict", env)
+    assert run["city"] in ("Paris", "Rome")
+    forced_calls_strict(engine_gateway, rid)

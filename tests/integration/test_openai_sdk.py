@@ -99,6 +99,17 @@ def test_an_empty_tool_list_means_no_tools(client: openai.OpenAI, tool_choice: s
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_seeded_call_with_a_long_prompt_does_not_take_the_engine_down(client: openai.OpenAI, engine_gateway) -> None:
+    """vLLM 0.32 on CPU crashed its engine on a seeded request whose prompt it prefilled in chunks (smolagents'
+    2,000-token system prompt with a seed did it): the engine is started with a step budget that keeps a prompt
+    whole (gateway/engine.py)."""
+    long = [{"role": "user", "content": "word " * 1200}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="my-agent", messages=long, max_tokens=2, seed=seed)  # type: ignore[arg-type]
+        assert r.usage is not None and r.usage.prompt_tokens > 1500
+    assert httpx.get(f"{engine_gateway.url}/readyz", timeout=30).status_code == 200
+
+
 def test_tools_streamed_tool_call(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="my-agent",
