@@ -656,14 +656,20 @@ CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
 
 
 def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str, Any]:
-    """Run tests/clients/`app`.py, an agent app written against a framework at its defaults, in the frameworks'
-    own locked environment (.venv-clients, requirements/clients.txt) as a process of its own; returns the JSON
+    """Run tests/clients/`app`.py (or tests/clients-js/`app`.mjs, on Node), an agent app written against a
+    framework at its defaults, in the frameworks' own locked environment (.venv-clients, requirements/clients.txt;
+    tests/clients-js/package-lock.json) as a process of its own; returns the JSON
     it prints. A failure shows the app's exit, the framework versions it announced and its traceback."""
-    if not CLIENTS_PYTHON.exists():
+    command = [str(CLIENTS_PYTHON), str(ROOT / "tests" / "clients" / f"{app}.py")]
+    if (ROOT / "tests" / "clients-js" / f"{app}.mjs").exists():  # a JavaScript app: Node, its locked packages
+        if not (ROOT / "tests" / "clients-js" / "node_modules").is_dir():
+            pytest.fail("tests/clients-js/node_modules is missing: scripts/setup installs it (npm ci)")
+        command = ["node", str(ROOT / "tests" / "clients-js" / f"{app}.mjs")]
+    elif not CLIENTS_PYTHON.exists():
         pytest.fail(f"{CLIENTS_PYTHON} is missing: scripts/setup installs requirements/clients.txt there")
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "ARTGW_"))}
     proc = subprocess.run(
-        [str(CLIENTS_PYTHON), str(ROOT / "tests" / "clients" / f"{app}.py")],
+        command,
         env={**inherited, **env},
         capture_output=True,
         text=True,

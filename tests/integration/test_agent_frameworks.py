@@ -129,3 +129,27 @@ def test_llama_index_structured_predict_gets_a_valid_model(engine_gateway) -> No
     run = run_client("llama_index_structured_predict", env)
     assert run["city"] in ("Paris", "Rome")
     forced_calls_strict(engine_gateway, rid)
+
+
+def test_vercel_ai_sdk_forced_tool_gets_a_valid_input(engine_gateway) -> None:
+    """Vercel's `ai` with `@ai-sdk/openai` (Node), toolChoice naming the tool (#27: ToolChoiceViolationError)."""
+    rid, env = app_env(engine_gateway)
+    run = run_client("vercel_forced_tool", env)
+    (call,) = run["calls"]
+    assert call["name"] == "get_weather" and call["input"]["city"] in ("Paris", "Rome"), run
+    forced_calls_strict(engine_gateway, rid)
+
+
+def test_openai_agents_js_calls_its_tool_with_a_valid_input(engine_gateway) -> None:
+    """`@openai/agents` (Node) with a tool, one provider per run (the SDK keeps the first client it is given)."""
+    rid, env = app_env(engine_gateway)
+    run = run_client("openai_agents_tool", env)
+    assert run["asked"] and all(city in ("Paris", "Rome") for city in run["asked"]), run
+    forced_calls_strict(engine_gateway, rid)
+
+
+def test_langchain_bind_tools_with_tool_choice_gets_valid_arguments(engine_gateway) -> None:
+    rid, env = app_env(engine_gateway)
+    run = run_client("langchain_bind_tools", env)
+    assert run["name"] == "get_weather" and run["args"]["city"] in ("Paris", "Rome"), run
+    forced_calls_strict(engine_gateway, rid)

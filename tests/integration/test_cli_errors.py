@@ -169,3 +169,12 @@ def test_status_and_export_find_the_gateway_and_store_like_serve(
     exported = artgw("export", cwd=tmp_path, env={"ARTGW_DATA_DIR": str(gateway.data_dir)})
     assert exported.returncode == 0, exported.stderr
     assert exported.stderr.strip().startswith("exported ")
+
+
+@pytest.mark.parametrize("command", [("keys", "list"), ("status",)])
+def test_the_gateway_option_says_what_it_is_for(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """#27: `keys list --help` called --gateway the gateway that "loads the new adapters"."""
+    shown = artgw(*command, "--help", cwd=tmp_path)
+    assert shown.returncode == 0
+    text = " ".join(shown.stdout.split())
+    assert "loads the new adapters" not in text and "URL of the gateway to talk to" in text and "--json" in text
