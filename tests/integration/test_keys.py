@@ -126,33 +126,28 @@ class World:
         return self.keys[role]["key"]  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    where = tmp_path_factory.mktemp("keys")
+def _world(where: Path, auth: str) -> Iterator[World]:
+    """A gateway (`--auth AUTH`) in front of a stand-in engine, its keys made and data recorded for both models."""
     stub, stub_proc = start_stub()
     try:
-        gateway = serve(where, stub, "--auth", "required", env={"ARTGW_METRICS_KEY": METRICS_KEY})
+        gateway = serve(where, stub, "--auth", auth, env={"ARTGW_METRICS_KEY": METRICS_KEY})
         try:
             yield _populated(World(gateway, gateway.admin_key, where / "adapter", {}, {}, {}, {}, {}))
         finally:
             gateway.stop()
     finally:
         stop_group(stub_proc)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    yield from _world(tmp_path_factory.mktemp("keys"), "required")
 
 
 @pytest.fixture(scope="module")
 def world_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """The same world behind a gateway with `--auth off` (on loopback)."""
-    where = tmp_path_factory.mktemp("keys-off")
-    stub, stub_proc = start_stub()
-    try:
-        gateway = serve(where, stub, "--auth", "off", env={"ARTGW_METRICS_KEY": METRICS_KEY})
-        try:
-            yield _populated(World(gateway, gateway.admin_key, where / "adapter", {}, {}, {}, {}, {}))
-        finally:
-            gateway.stop()
-    finally:
-        stop_group(stub_proc)
+    yield from _world(tmp_path_factory.mktemp("keys-off"), "off")
 
 
 def _populated(w: World) -> World:
