@@ -24,6 +24,7 @@ class Token:
     text: str
     trained: bool  # sampled by the model: what the trainer trains on
     logprob: float | None  # the sampling logprob (sampled tokens only)
+    diverges: bool = False  # a split sequence's first token that differs from the sequence before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,17 @@ def token_view(trajectory: Trajectory, pieces: Callable[[list[int]], list[str]])
     """Every token of every sequence, cut at call boundaries (each call's new context + its sampled span)."""
     calls = {call.id: call for call in trajectory.calls}
     views = []
+    previous: list[int] | None = None
     for index, sequence in enumerate(trajectory.sequences):
         texts = pieces(sequence.token_ids)
+        first = _first_difference(previous, sequence.token_ids) if previous is not None else None
         tokens = [
-            Token(token_id, text, bool(mask), logprob)
-            for token_id, text, mask, logprob in zip(
-                sequence.token_ids, texts, sequence.sampled_mask, sequence.logprobs, strict=True
+            Token(token_id, text, bool(mask), logprob, position == first)
+            for position, (token_id, text, mask, logprob) in enumerate(
+                zip(sequence.token_ids, texts, sequence.sampled_mask, sequence.logprobs, strict=True)
             )
         ]
+        previous = sequence.token_ids
         # Each call's part runs from the end of the previous call's sampled span to the end of its own.
         called = list(zip(sequence.call_ids, sequence.sampled_spans, strict=True)) if sequence.sampled_spans else []
         ends = [end for _, (_, end) in called]
@@ -65,6 +69,11 @@ def token_view(trajectory: Trajectory, pieces: Callable[[list[int]], list[str]])
             parts.append(CallPart(None, tokens[tail:]))
         views.append(SequenceView(index, sequence.split_reason, parts, sequence.trainable_tokens, len(tokens)))
     return views
+
+
+def _first_difference(before: list[int], now: list[int]) -> int:
+    """Where `now` stops following `before`: the first position whose token differs (or the end of the shorter)."""
+    return next((i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b), min(len(before), len(now)))
 
 
 # ---------------------------------------------------------------- groups

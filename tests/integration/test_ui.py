@@ -600,3 +600,13 @@ def test_token_view_cuts_at_call_boundaries() -> None:
     assert [part.call.id for part in sequence.parts if part.call] == ["c1", "c2"]
     assert [t.trained for part in sequence.parts for t in part.tokens] == [False] * 3 + [True] * 2 + [False, True]
     assert sequence.parts[1].tokens[1].text == "<10>" and sequence.parts[1].tokens[1].logprob == -0.5
+
+
+def test_token_view_marks_where_a_split_sequence_leaves_the_one_before() -> None:
+    """The first token of a split sequence that differs from the sequence before it (#25): the place to look."""
+    first = make_call("c1", 0.0, None, [1, 2, 3], ({"role": "assistant", "content": "a"}, [7, 8]), rollout_id="r")
+    rerendered = make_call("c2", 1.0, None, [1, 2, 3, 7, 5, 9], ({"role": "assistant", "content": "b"}, [10]))
+    one, two = token_view(assemble("r", [first, rerendered]), lambda ids: [f"<{i}>" for i in ids])
+    assert not any(t.diverges for part in one.parts for t in part.tokens)
+    marked = [(i, t.id) for i, t in enumerate(t for part in two.parts for t in part.tokens) if t.diverges]
+    assert marked == [(4, 5)]  # 1 2 3 7 are the sequence before's; 5 is where it went 8
