@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -25,6 +25,7 @@ from store.groups import count_by_state
 from store.judge_report import JudgeReport
 from store.promotions import canary_rewards, evaluation_counts, promotion_counts
 from store.records import CallRecord
+from store.trajectories import Trajectory
 from store.types import GroupState
 
 # LLM latencies run from milliseconds (a cached short answer) to minutes (long generations).
@@ -229,6 +230,23 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        # One rollout, one sequence: what the rollouts put in groups (what training reads) assemble into.
+        self.grouped_calls = Counter(
+            "artgw_grouped_rollout_calls", "Answered calls of the rollouts put in groups.", ["model"], registry=r
+        )
+        self.grouped_sequences = Counter(
+            "artgw_grouped_rollout_sequences",
+            "Sequences those rollouts assemble into: one a rollout when each call continues its rollout's tokens, "
+            "one a call when none does.",
+            ["model"],
+            registry=r,
+        )
+        self.sequence_splits = Counter(
+            "artgw_sequence_splits",
+            "Why a grouped rollout's sequence does not continue the one before, by cause (store/trajectories.py).",
+            ["model", "cause"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "artgw_store_up",
             "1 if the store answered the last scrape's reads and the recorder's last write, else 0.",
@@ -256,6 +274,14 @@ class GatewayMetrics:
             self.ttft.labels(model).observe(record.first_token_at - record.started_at)
         self.prompt_tokens.labels(model).inc(len(record.prompt_token_ids))
         self.completion_tokens.labels(model).inc(sum(len(c.token_ids) for c in record.choices))
+
+    def rollouts_grouped(self, model: str, trajectories: Iterable[Trajectory]) -> None:
+        for trajectory in trajectories:
+            self.grouped_calls.labels(model).inc(sum(len(s.call_ids) for s in trajectory.sequences))
+            self.grouped_sequences.labels(model).inc(len(trajectory.sequences))
+            for sequence in trajectory.sequences:
+                if sequence.split_cause is not None:
+                    self.sequence_splits.labels(model, sequence.split_cause).inc()
 
     def judged(self, model: str, seconds: float, calls: int, prompt_tokens: int, completion_tokens: int) -> None:
         self.judge_calls.labels(model).inc(calls)

@@ -339,7 +339,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             responses=ResponsesService(calls, ResponseStore(store.engine)),
             messages=MessagesService(calls),
             rollouts=rollouts,
-            groups=GroupService(store.engine, rollouts, registry, scorer),
+            groups=GroupService(store.engine, rollouts, registry, scorer, metrics=metrics),
             scorer=scorer,
             adapters=adapters,
             judge_reports=JudgeReportService(

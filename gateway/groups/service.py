@@ -19,10 +19,12 @@ from gateway.auth import ANONYMOUS, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
+from gateway.metrics import GatewayMetrics
 from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
 from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
+from store.trajectories import Trajectory
 from store.types import GROUP_STATES, GroupState
 
 _GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -80,12 +82,14 @@ class GroupService:
         registry: AdapterRegistry,
         scorer: Scorer,
         *,
+        metrics: GatewayMetrics,
         settle_seconds: float = 2.0,
     ) -> None:
         self.engine = engine
         self.rollouts = rollouts
         self.registry = registry
         self.scorer = scorer
+        self.metrics = metrics  # what the grouped rollouts assemble into (sequences a call, split causes)
         self.settle_seconds = settle_seconds  # how long a new group waits for its rollouts' last calls
 
     # ------------------------------------------------------------ create
@@ -104,7 +108,7 @@ class GroupService:
         if existing is not None:
             return self._replay(existing, digest), False
 
-        await self._check_rollouts(spec, caller)
+        trajectories = await self._check_rollouts(spec, caller)
         members = []
         for position, item in enumerate(spec.rollouts):
             rollout_id, choice = split_ref(item.rollout_id)
@@ -141,6 +145,7 @@ class GroupService:
             raise OpenAIError(
                 409, "A rollout of this group was just put in another group.", code="rollout_in_group"
             ) from None
+        self.metrics.rollouts_grouped(spec.model, trajectories)
         if spec.ruler is not None:
             self.scorer.start(group_id, spec.ruler)
         return await self.get(group_id), True
@@ -197,8 +202,10 @@ class GroupService:
         if spec.ruler is not None:
             _check_judge(spec.ruler)
 
-    async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> None:
+    async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> list[Trajectory]:
+        """The members' trajectories, once each is known, of the group's model, trainable and in no group."""
         refs = [r.rollout_id for r in spec.rollouts]
+        trajectories = []
         rollout_ids = sorted({split_ref(r)[0] for r in refs})
         await self.rollouts.settle(rollout_ids, self.settle_seconds)
         busy = [r for r in rollout_ids if self.rollouts.recorder.in_flight(r)]
@@ -236,6 +243,7 @@ class GroupService:
                     param=f"rollouts[{i}].rollout_id",
                     code="unknown_choice",
                 )
+            trajectories.append(trajectory)
         async with self.engine.connect() as conn:
             taken = await taken_refs(conn, rollout_ids)
         for i, ref in enumerate(refs):
@@ -249,6 +257,7 @@ class GroupService:
                     param=f"rollouts[{i}].rollout_id",
                     code="rollout_in_group",
                 )
+        return trajectories
 
     def _replay(self, existing: GroupRow, digest: str) -> GroupOut:
         if existing.request_hash != digest:

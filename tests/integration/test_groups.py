@@ -319,3 +319,46 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
         "sk-secret"
         not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).text
     )
+
+
+def test_grouped_rollouts_count_their_calls_sequences_and_split_causes(stub_gateway) -> None:
+    """#25's figures on /metrics, counted when a group is made (the rollouts training reads): two rollouts of two
+    calls each, the second call sending back the first one's reply. The stand-in engine's prompt ids never
+    extend a sequence, so each call is a sequence of its own, split because the "template" re-rendered."""
+    url = stub_gateway.url
+    before = {
+        name: metric(url, name, model="my-agent")
+        for name in ("artgw_grouped_rollout_calls_total", "artgw_grouped_rollout_sequences_total")
+    }
+    rerendered = metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered")
+    rollouts = []
+    for _ in range(2):
+        rid = f"two-turns-{uuid.uuid4().hex[:8]}"
+        first = httpx.post(
+            f"{stub_gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": rid}, timeout=30
+        )
+        assert first.status_code == 200, first.text
+        history = [*CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "and?"}]
+        second = httpx.post(
+            f"{stub_gateway.base_url}/chat/completions",
+            json={**CHAT, "messages": history},
+            headers={"X-ART-Rollout-Id": rid},
+            timeout=30,
+        )
+        assert second.status_code == 200, second.text
+        rollouts.append({"rollout_id": rid, "reward": float(len(rollouts))})
+    made = post_group(stub_gateway, {"model": "my-agent", "rollouts": rollouts})
+    assert made.status_code == 201, made.text
+    assert (
+        metric(url, "artgw_grouped_rollout_calls_total", model="my-agent") - before["artgw_grouped_rollout_calls_total"]
+        == 4
+    )
+    assert (
+        metric(url, "artgw_grouped_rollout_sequences_total", model="my-agent")
+        - before["artgw_grouped_rollout_sequences_total"]
+        == 4
+    )
+    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered") - rerendered == 2
+    again = post_group(stub_gateway, {"model": "my-agent", "group_id": made.json()["id"], "rollouts": rollouts})
+    assert again.status_code == 200  # the same group: counted once
+    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered") - rerendered == 2
