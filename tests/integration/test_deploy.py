@@ -75,6 +75,9 @@ GATEWAY_METRICS = {
     "artgw_trainer_reward_mean",
     "artgw_trainer_step_seconds",
     "artgw_trainer_tokens_per_second",
+    "artgw_grouped_rollout_calls_total",
+    "artgw_grouped_rollout_sequences_total",
+    "artgw_sequence_splits_total",
 }
 METRIC_NAME = re.compile(r"\b(?:artgw_[a-z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
