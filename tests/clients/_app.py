@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -18,3 +19,15 @@ def announce(*distributions: str) -> None:
 
 def result(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
+
+
+def first_success(attempt: Callable[[int], Any], what: str, seeds: int = 8) -> tuple[Any, list[str]]:
+    """`attempt(seed)` for seed 0, 1, ... until one returns (a random-weight model may pad its JSON past the
+    token limit on a seed): its value and the failures before it; the app exits saying why when none does."""
+    failures = []
+    for seed in range(seeds):
+        try:
+            return attempt(seed), failures
+        except Exception as exc:
+            failures.append(f"seed {seed}: {type(exc).__name__}: {str(exc)[:300]}")
+    sys.exit(f"no {what} in {seeds} seeded attempts:\n" + "\n".join(failures))

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Literal
 
-from _app import QUESTION, announce, result
+from _app import QUESTION, announce, first_success, result
 from llama_index.core.prompts import PromptTemplate
 from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
@@ -18,8 +17,7 @@ class Weather(BaseModel):
     city: Literal["Paris", "Rome"]
 
 
-failures = []
-for seed in range(8):  # a random-weight model may pad the JSON past the token limit on a seed
+def ask(seed: int) -> Weather:
     llm = OpenAILike(
         model="my-agent",
         api_base=os.environ["OPENAI_BASE_URL"],
@@ -30,12 +28,8 @@ for seed in range(8):  # a random-weight model may pad the JSON past the token l
         max_retries=0,
         additional_kwargs={"seed": seed},
     )
-    try:
-        weather = llm.structured_predict(Weather, PromptTemplate(QUESTION))
-    except Exception as exc:
-        failures.append(f"seed {seed}: {type(exc).__name__}: {str(exc)[:300]}")
-        continue
-    result(city=weather.city, failed_seeds=failures)
-    break
-else:
-    sys.exit("no valid Weather in 8 seeded attempts:\n" + "\n".join(failures))
+    return llm.structured_predict(Weather, PromptTemplate(QUESTION))
+
+
+weather, failures = first_success(ask, "valid Weather")
+result(city=weather.city, failed_seeds=failures)
