@@ -26,7 +26,7 @@ import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.auth import ANONYMOUS, Caller
+from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.settings import MODEL_NAME_RULE, Promotion, valid_model_name
 from store.adapters import (
@@ -119,6 +119,9 @@ class TrainableModel:
     # follows it, and by its status reads, so that a status never shows the store ahead of them (a promotion
     # row with the old served step). Never held across an engine call.
     changing: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    # Bumped by each change this replica makes to the fields above: a store read by `follow_store` that was
+    # under way meanwhile may predate it, and is not applied (the next round reads again).
+    changed: int = 0
 
 
 def adapter_name(model: str, step: int) -> str:
@@ -152,9 +155,7 @@ class AdapterRegistry:
         self.models = {name: TrainableModel(name) for name in trainable}
         self.canary_share = canary_share  # of `NAME`'s rollouts, served by its canary step while one runs
 
-    def resolve(
-        self, requested: str, caller: Caller = ANONYMOUS, rollout_id: str | None = None, pin: Pin | None = None
-    ) -> Route:
+    def resolve(self, requested: str, caller: Caller, rollout_id: str | None = None, pin: Pin | None = None) -> Route:
         """Map the `model` field of a request to the engine's model name. A model the caller's key does not
         cover is `model_not_found`, exactly like one that does not exist. `pin`: the step the rollout's first
         call was served by, where `NAME` goes while it is loaded; else `rollout_id` says which arm of a canary
@@ -208,7 +209,7 @@ class AdapterRegistry:
         """model -> (promoted step, newest step)."""
         return {name: (model.served_step, model.latest_step) for name, model in self.models.items()}
 
-    def model_list(self, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    def model_list(self, caller: Caller) -> dict[str, Any]:
         """The body of `GET /v1/models`: what the caller's key may use."""
         data = [
             {"id": model_id, "object": "model", "created": 0, "owned_by": "artgw", "root": root}
@@ -216,14 +217,14 @@ class AdapterRegistry:
         ]
         return {"object": "list", "data": data}
 
-    def model_card(self, model_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    def model_card(self, model_id: str, caller: Caller) -> dict[str, Any]:
         """The body of `GET /v1/models/{id}` (404 `model_not_found` for a model the gateway does not serve)."""
         for card in self.model_list(caller)["data"]:
             if card["id"] == model_id:
                 return card  # type: ignore[no-any-return]
         raise model_not_found(model_id)
 
-    def model_ids(self, caller: Caller = ANONYMOUS) -> list[tuple[str, str]]:
+    def model_ids(self, caller: Caller) -> list[tuple[str, str]]:
         """(id, root) pairs for `GET /v1/models`: trainable names, their loaded steps, the base."""
         if self.base_model is None:
             return []
@@ -386,6 +387,7 @@ class AdapterService:
                     model.latest_step = spec.step  # `name@latest` moves; `name` too unless promotion is gated
                     if self.promotion == "always":
                         model.served_step = spec.step
+                    model.changed += 1
             except BaseException as exc:
                 # Whatever stopped the commit (a lost lease, the store down or locked, a cancelled request),
                 # the adapter must not stay loaded: the store says what serves, and a retry loads it again.
@@ -399,7 +401,7 @@ class AdapterService:
             await self._unload_old(model)
         if self.promotion == "gated" and self.on_commit is not None:
             self.on_commit(name, spec.step)
-        return await self.status(name)
+        return await self.status(name, ADMIN)  # the trainer's commit: an admin endpoint
 
     async def promote(
         self, name: str, step: int, *, action: PromotionAction, actor: PromotionActor, reason: str
@@ -437,6 +439,7 @@ class AdapterService:
                         reason=reason,
                     )
                 model.served_step = step
+                model.changed += 1
             await self._unload_old(model)
         log.info("%s: %s to step %d by %s (%s)", name, action, step, actor, reason)
         return promotion
@@ -462,6 +465,7 @@ class AdapterService:
         for step in old:
             ok, _ = await self._engine("unload", {"lora_name": adapter_name(model.name, step)})
             model.loaded_steps.discard(step)
+            model.changed += 1
             if ok:
                 done.append(step)
         async with self.store.begin() as conn:
@@ -479,6 +483,7 @@ class AdapterService:
                 await self._load_lineage(model, rows, promoted.get(model.name, 0))
                 canary = canaries.get(model.name)
                 model.canary_step = canary.step if canary is not None else None
+                model.changed += 1
 
     async def _load_lineage(self, model: TrainableModel, rows: list[AdapterRow], promoted: int) -> None:
         """Load the newest `keep` of a model's serving steps and its promoted one into the engine (under the
@@ -548,7 +553,7 @@ class AdapterService:
                 model = self.registry.models.setdefault(name, TrainableModel(name))
                 if self.registry.base_model is not None:  # else sync_engine loads it once the engine is up
                     await self._load_lineage(model, rows, promoted.get(name, 0))
-        return await self.status(name), created
+        return await self.status(name, ADMIN), created  # an admin endpoint
 
     async def retire_model(self, name: str) -> ModelStatus:
         """Stop serving and training a model: its adapters leave the engine, its data stays in the store."""
@@ -569,6 +574,7 @@ class AdapterService:
         steps it committed."""
         while True:
             await asyncio.sleep(every)
+            seen = {name: model.changed for name, model in self.registry.models.items()}
             try:
                 async with self.store.connect() as conn:
                     rows = await loaded_adapters(conn)
@@ -590,6 +596,8 @@ class AdapterService:
                 target = promoted.get(model.name, 0)
                 canary = canaries.get(model.name)
                 async with model.changing:  # not while one of its status reads runs (it lags the store anyway)
+                    if model.changed != seen.get(model.name, model.changed):
+                        continue  # changed here while the store was read: the read may predate it
                     model.canary_step = canary.step if canary is not None else None
                     if (steps and max(steps) > model.latest_step) or target != model.served_step:
                         # Mirror what the committing replica left in the engine, unloads included: a pinned
@@ -598,12 +606,12 @@ class AdapterService:
                         model.latest_step = max(steps, default=0)
                         model.served_step = target if target == 0 or target in steps else model.served_step
 
-    async def status(self, name: str, caller: Caller = ANONYMOUS) -> ModelStatus:
+    async def status(self, name: str, caller: Caller) -> ModelStatus:
         """A model's served step, adapters, groups and step history (404 for a model the caller's key lacks)."""
         caller.check_model(name)
         return await self._status_of(self._model(name))
 
-    def list_models(self, caller: Caller = ANONYMOUS) -> list[str]:
+    def list_models(self, caller: Caller) -> list[str]:
         return sorted(name for name in self.registry.models if caller.covers(name))
 
     async def _status_of(self, model: TrainableModel) -> ModelStatus:

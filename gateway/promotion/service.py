@@ -289,6 +289,7 @@ class PromotionService:
                     )
                 await save_evaluation(conn, EvaluationRow.running(model, step, CANARY, baseline, self.margin))
             self.registry.models[model].canary_step = step
+            self.registry.models[model].changed += 1
         log.info("%s: step %d serves %.0f%% of the rollouts (canary)", model, step, 100 * self.registry.canary_share)
 
     async def record_reward(self, rollout_id: str, reward: float, caller: Caller) -> bool:
@@ -348,6 +349,7 @@ class PromotionService:
                 if not await finish_canary(conn, done):  # another replica decided it first
                     return
             self.registry.models[name].canary_step = None
+            self.registry.models[name].changed += 1
         reason = (
             f"canary: {len(candidate)} rewarded rollouts {done.mean:.3f} vs {len(promoted)} of step "
             f"{row.baseline_step} {done.baseline_mean:.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
