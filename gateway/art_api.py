@@ -11,6 +11,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from gateway.adapters import AdapterLoad, AdapterService, ModelStatus, PromoteRequest
+from gateway.auth import ADMIN as ADMIN_CALLER
 from gateway.auth import Caller
 from gateway.errors import decode_body, invalid_request
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage
@@ -226,7 +227,7 @@ async def promote_step(request: Request, adapters: AdapterService, name: str) ->
     if spec.step is None:
         raise invalid_request("Give the `step` to promote.", param="step")
     await adapters.promote(name, spec.step, action="promote", actor="admin", reason=spec.reason or "by hand")
-    return await adapters.status(name)
+    return await adapters.status(name, ADMIN_CALLER)
 
 
 @post(
@@ -242,7 +243,7 @@ async def rollback_step(request: Request, adapters: AdapterService, name: str) -
     spec = decode_body(body, PromoteRequest) if body.strip() else PromoteRequest()
     step = spec.step if spec.step is not None else await adapters.rollback_target(name)
     await adapters.promote(name, step, action="rollback", actor="admin", reason=spec.reason or "by hand")
-    return await adapters.status(name)
+    return await adapters.status(name, ADMIN_CALLER)
 
 
 @post(

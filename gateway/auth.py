@@ -77,8 +77,6 @@ class Caller:
 
 
 ADMIN = Caller(key_id=None, models=None, scopes=frozenset(SCOPES), admin=True)
-# A service called without a caller: the gateway's own paths (requests always name theirs; #26 removes it).
-ANONYMOUS = Caller(key_id=None, models=None, scopes=frozenset(SCOPES))
 # --auth off, a request without a key: inference on every model, and nothing recorded to read or change.
 KEYLESS = Caller(key_id=None, models=None, scopes=frozenset({"infer"}), keyless=True)
 

@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterRegistry
-from gateway.auth import ANONYMOUS, Caller
+from gateway.auth import Caller
 from gateway.errors import model_not_found
 from gateway.metrics import STORE_READ_SECONDS, GatewayMetrics
 from store.judge_report import JudgeReport, RubricAgreement, judge_report, judged_groups
@@ -45,7 +45,7 @@ class JudgeReportService:
         self._made_at: dict[str, float] = {}  # model -> time.monotonic() of its newest report
         self._reports: dict[str, JudgeReport] = {}
 
-    async def report(self, name: str, caller: Caller = ANONYMOUS) -> JudgeReport:
+    async def report(self, name: str, caller: Caller) -> JudgeReport:
         """The model's judge report, fresh from the store (404 as `GET /v1/art/models/{name}`: for a model the
         gateway does not serve or the caller's key does not cover)."""
         caller.check_model(name)

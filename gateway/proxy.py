@@ -25,7 +25,7 @@ from opentelemetry.trace import Span
 
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
-from gateway.auth import ANONYMOUS, Caller, RateLimits
+from gateway.auth import Caller, RateLimits
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
@@ -51,7 +51,7 @@ class CallOrigin:
 
     rollout_id: str
     explicit: bool  # False when the gateway made the id up
-    caller: Caller = ANONYMOUS
+    caller: Caller
     # The client's W3C trace context (`traceparent`, `tracestate`; gateway/tracing.py::trace_context): the
     # call's span joins the client's trace, and the engine gets it on.
     trace_headers: tuple[tuple[str, str], ...] = ()
@@ -60,7 +60,7 @@ class CallOrigin:
 def call_origin(
     header: str | None,
     path_id: str | None,
-    caller: Caller = ANONYMOUS,
+    caller: Caller,
     trace_headers: tuple[tuple[str, str], ...] = (),
 ) -> CallOrigin:
     """The rollout a call belongs to: the path prefix wins over the header; neither → a new id."""

@@ -14,7 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import Pin
-from gateway.auth import ANONYMOUS, Caller
+from gateway.auth import Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
 from store.calls import RolloutFilter, RolloutOwner, rollout_owner
@@ -142,7 +142,7 @@ class RolloutService:
         await self.settle([rollout_id])
         return await self.reader.find(rollout_id, choice=choice)
 
-    async def get(self, rollout_id: str, *, choice: int | None = None, caller: Caller = ANONYMOUS) -> Trajectory:
+    async def get(self, rollout_id: str, *, choice: int | None = None, caller: Caller) -> Trajectory:
         """The rollout once its answered calls are in the store (read-your-writes, waiting up to settle_seconds).
 
         404 either way when it is not there, but saying which: unknown, or answered and still on its way to
@@ -167,7 +167,7 @@ class RolloutService:
         *,
         limit: int,
         cursor: str | None,
-        caller: Caller = ANONYMOUS,
+        caller: Caller,
         newest_first: bool = False,
     ) -> RolloutPage:
         """A page of the rollouts `where` selects, of the caller's models only (`newest_first`: as the UI lists

@@ -25,7 +25,7 @@ from gateway.apis.responses import (
     to_response,
 )
 from gateway.asgi import EventStream, HangUp, JSONBody
-from gateway.auth import ANONYMOUS, Caller
+from gateway.auth import Caller
 from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
@@ -135,16 +135,16 @@ class ResponsesService:
             raise response_not_found(response_id)
         return stored
 
-    async def get(self, response_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
         return (await self._stored(response_id, caller)).response
 
-    async def delete(self, response_id: str, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    async def delete(self, response_id: str, caller: Caller) -> dict[str, Any]:
         await self._stored(response_id, caller)
         await self.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def input_items(
-        self, response_id: str, *, limit: int, order: str, after: str | None, caller: Caller = ANONYMOUS
+        self, response_id: str, *, limit: int, order: str, after: str | None, caller: Caller
     ) -> dict[str, Any]:
         """A page of the response's input items, as OpenAI lists them (newest first unless `order=asc`)."""
         if not 1 <= limit <= MAX_ITEMS_PAGE:

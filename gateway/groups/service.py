@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.adapters import AdapterRegistry
-from gateway.auth import ANONYMOUS, Caller
+from gateway.auth import Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
@@ -94,9 +94,7 @@ class GroupService:
 
     # ------------------------------------------------------------ create
 
-    async def create(
-        self, spec: GroupCreate, idempotency_key: str | None = None, caller: Caller = ANONYMOUS
-    ) -> tuple[GroupOut, bool]:
+    async def create(self, spec: GroupCreate, idempotency_key: str | None, caller: Caller) -> tuple[GroupOut, bool]:
         """Create a group (or return the one this same request created before). Returns (group, created)."""
         caller.check_model(spec.model)
         self._validate(spec)
@@ -148,7 +146,7 @@ class GroupService:
         self.metrics.rollouts_grouped(spec.model, trajectories)
         if spec.ruler is not None:
             self.scorer.start(group_id, spec.ruler)
-        return await self.get(group_id), True
+        return await self.get(group_id, caller), True
 
     def _validate(self, spec: GroupCreate) -> None:
         if spec.model not in self.registry.models:
@@ -276,7 +274,7 @@ class GroupService:
             rows = await load_groups(conn, [group_id])
         return rows[0] if rows else None
 
-    async def get(self, group_id: str, caller: Caller = ANONYMOUS) -> GroupOut:
+    async def get(self, group_id: str, caller: Caller) -> GroupOut:
         row = await self._row(group_id)
         if row is None or not caller.covers(row.model):
             raise OpenAIError(404, f"No group `{group_id}`.", code="group_not_found")
@@ -289,7 +287,7 @@ class GroupService:
         state: str | None,
         limit: int,
         cursor: str | None,
-        caller: Caller = ANONYMOUS,
+        caller: Caller,
         newest_first: bool = False,
     ) -> GroupPage:
         """A page of groups, of the caller's models only, oldest first (`newest_first`: as the UI lists them)."""

@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterLoad, AdapterRegistry, AdapterService, ModelStatus
+from gateway.auth import ADMIN
 from store.models import add_models
 from tests.conftest import start_stub, stop_group
 
@@ -57,7 +58,7 @@ async def test_status_reads_agree_with_themselves_while_steps_commit_and_promoti
 
         async def read_all_the_while() -> None:
             while writing:
-                reads.append(await adapters.status(MODEL))
+                reads.append(await adapters.status(MODEL, ADMIN))
                 await asyncio.sleep(0)
 
         readers = [asyncio.create_task(read_all_the_while()) for _ in range(3)]
@@ -75,7 +76,7 @@ async def test_status_reads_agree_with_themselves_while_steps_commit_and_promoti
             await asyncio.gather(*readers)
 
     print(f"{len(reads)} status reads during {STEPS} commits and {MOVES} promotions")
-    final = await adapters.status(MODEL)
+    final = await adapters.status(MODEL, ADMIN)
     assert final.served_step == (MOVES - 1) % (STEPS + 1) and final.latest_step == STEPS
     assert final.promotions[0].reason == f"move {MOVES - 1}"
     assert len(reads) > MOVES and len({r.served_step for r in reads}) > 1, "the reads must interleave the writes"

@@ -128,3 +128,27 @@ def test_no_test_module_imports_another() -> None:
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in names if ".test_" in f".{name}"]
     assert offenders == []
+
+
+def test_no_caller_has_a_default() -> None:
+    """Deny by default (#26): every function of the gateway that reads or changes data for someone takes that
+    someone (`caller`) as a required argument, so a call site that forgets it fails instead of seeing every
+    model. Checked on the source: a `caller` parameter with a default value anywhere in gateway/."""
+    defaulted = []
+    for name, path in _modules().items():
+        if not name.startswith("gateway"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            if isinstance(node, ast.ClassDef):  # a dataclass field `caller: Caller = ...`
+                fields = [s for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+                defaulted += [f"{name}.{node.name}" for s in fields if s.target.id == "caller" and s.value]
+                continue
+            args = node.args
+            positional = [*args.posonlyargs, *args.args]
+            with_defaults = positional[len(positional) - len(args.defaults) :]
+            kw_defaulted = [a for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
+            if any(a.arg == "caller" for a in [*with_defaults, *kw_defaulted]):
+                defaulted.append(f"{name}.{node.name}")
+    assert defaulted == []

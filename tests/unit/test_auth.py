@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import ADMIN, ANONYMOUS, Caller, RateLimits, bearer, load_admin_key, read_admin_key
+from gateway.auth import ADMIN, KEYLESS, Caller, RateLimits, bearer, load_admin_key, read_admin_key
 from gateway.errors import OpenAIError
 from store.clock import SystemClock
 
@@ -45,7 +45,7 @@ def test_a_key_covers_its_models_and_their_pinned_steps_only() -> None:
     caller = key(models={"a"})
     assert caller.covers("a") and not caller.covers("b") and not caller.covers(None)
     assert caller.covers_id("a@3") and not caller.covers_id("b@3")
-    assert ADMIN.covers(None) and ANONYMOUS.covers("anything")
+    assert ADMIN.covers(None) and KEYLESS.covers("anything") and KEYLESS.scopes == {"infer"}
     with pytest.raises(OpenAIError) as caught:
         caller.check_model("b")
     assert (caught.value.status, caught.value.code) == (404, "model_not_found")
