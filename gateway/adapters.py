@@ -474,11 +474,11 @@ class AdapterService:
     async def sync_engine(self) -> None:
         """After the engine (re)starts: load what the store says should be serving, newest `keep` per model
         and the promoted step."""
-        async with self.store.connect() as conn:
-            rows = await loaded_adapters(conn)
-            promoted = await promoted_steps(conn)
-            canaries = await running_canaries(conn)
-        async with self._lock:
+        async with self._lock:  # read under the lock too: a step committed meanwhile is in the read
+            async with self.store.connect() as conn:
+                rows = await loaded_adapters(conn)
+                promoted = await promoted_steps(conn)
+                canaries = await running_canaries(conn)
             for model in self.registry.models.values():
                 await self._load_lineage(model, rows, promoted.get(model.name, 0))
                 canary = canaries.get(model.name)
