@@ -133,6 +133,7 @@ class EngineConfig:
             "--max-model-len",
             str(self.max_model_len),
             "--enable-auto-tool-choice",
+            "--enable-scale-out",  # render/generate/derender: a call continuing its rollout (gateway/continuation.py)
             "--tool-call-parser",
             "hermes",
             "--disable-uvicorn-access-log",

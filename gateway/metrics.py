@@ -247,6 +247,14 @@ class GatewayMetrics:
             ["model", "cause"],
             registry=r,
         )
+        self.continued_calls = Counter(
+            "artgw_continued_calls",
+            "Calls that continue their rollout, by how they were served: spliced (from the model's own tokens: one "
+            "sequence), or rendered anew (rerendered: --continuity rerender; no_scale_out: the engine lacks "
+            "--enable-scale-out; template_mismatch, render_failed).",
+            ["model", "how"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "artgw_store_up",
             "1 if the store answered the last scrape's reads and the recorder's last write, else 0.",
@@ -274,6 +282,9 @@ class GatewayMetrics:
             self.ttft.labels(model).observe(record.first_token_at - record.started_at)
         self.prompt_tokens.labels(model).inc(len(record.prompt_token_ids))
         self.completion_tokens.labels(model).inc(sum(len(c.token_ids) for c in record.choices))
+
+    def call_continued(self, model: str, how: str) -> None:
+        self.continued_calls.labels(model, how).inc()
 
     def rollouts_grouped(self, model: str, trajectories: Iterable[Trajectory]) -> None:
         for trajectory in trajectories:

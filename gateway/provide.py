@@ -28,6 +28,7 @@ from gateway.apis.responses_service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
 from gateway.chat import ChatService
 from gateway.completions import CompletionsService
+from gateway.continuation import Splicer
 from gateway.engine import (
     EngineConfig,
     EngineFailed,
@@ -61,8 +62,16 @@ log = logging.getLogger("artgw.gateway")
 class UpstreamEngine:
     """A vLLM server the gateway does not own (`--upstream`): wait for it, learn its base model."""
 
-    def __init__(self, url: str, startup_timeout: float, client: httpx.AsyncClient, adapters: AdapterService) -> None:
+    def __init__(
+        self,
+        url: str,
+        startup_timeout: float,
+        client: httpx.AsyncClient,
+        adapters: AdapterService,
+        splicer: Splicer | None = None,
+    ) -> None:
         self.url = url
+        self.splicer = splicer  # --continuity splice: whether this engine serves the scale-out endpoints, said at start
         self.startup_timeout = startup_timeout
         self.client = client
         self.adapters = adapters
@@ -74,6 +83,8 @@ class UpstreamEngine:
         registry = self.adapters.registry
         registry.base_model, registry.base_model_path = await self._base_model()
         await self.adapters.sync_engine()
+        if self.splicer is not None:
+            await self.splicer.probe()  # logs a warning when it does not
         self.state = "ready"
 
     def _say_waiting(self, problem: str) -> None:
@@ -274,6 +285,14 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         tracing = start_tracing("artgw-gateway")  # None unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
         tracer = tracing.tracer("artgw.gateway") if tracing is not None else None
         scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics, tracer=tracer)
+        # The splicer's renders wait as long as a call's engine request would.
+        splicer = (
+            Splicer(
+                session, settings.upstream_url, aiohttp.ClientTimeout(total=None, sock_read=settings.request_timeout)
+            )
+            if settings.continuity == "splice"
+            else None
+        )
         engine: EngineSupervisor | UpstreamEngine
         if settings.base_model is not None:
             assert base_name is not None
@@ -298,8 +317,9 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
                 on_ready=adapters.sync_engine,
             )
         else:
-            engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters)
+            engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(
+            splicer=splicer,
             session=session,
             upstream_url=settings.upstream_url,
             request_timeout=settings.request_timeout,

@@ -26,6 +26,7 @@ from opentelemetry.trace import Span
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
+from gateway.continuation import GENERATE_PATH, Continuations, DerenderedStream, DerenderFailed, Splice, Splicer
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
@@ -234,6 +235,7 @@ class EngineCalls:
         owners: RolloutOwners,
         limits: RateLimits | None = None,
         tracer: CallTracer | None = None,
+        splicer: Splicer | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
@@ -249,6 +251,10 @@ class EngineCalls:
         self.recorder = recorder
         self.owners = owners  # a rollout's calls are all of one model
         self.engine_state = engine_state
+        # One rollout, one sequence (gateway/continuation.py): each rollout's last chat call, and with
+        # `--continuity splice` the splicer that serves a call continuing it from the model's own tokens.
+        self.continuations = Continuations()
+        self.splicer = splicer
 
     async def route(self, requested: str, origin: CallOrigin) -> Route:
         """Where a call asking for `requested` goes: a rollout's calls to `NAME` go to the step its first call
@@ -287,8 +293,10 @@ class EngineCalls:
     async def _answer(self, call: _Call, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         spec = call.spec
         try:
+            splice = await self._splice(call)
+            path, body = (spec.path, spec.body) if splice is None else (GENERATE_PATH, _encode(splice.generate))
             upstream = await self.session.post(
-                self.upstream_url + spec.path, data=spec.body, headers=call.engine_headers, timeout=self.timeout
+                self.upstream_url + path, data=body, headers=call.engine_headers, timeout=self.timeout
             )
         except BaseException as exc:
             error = self._send_error(exc)
@@ -322,13 +330,17 @@ class EngineCalls:
             await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
             raise error
         if spec.stream:
-            relay = call.relay(upstream)
+            relay = call.relay(upstream if splice is None else DerenderedStream(self.splicer, upstream, splice))
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event).
             return EventStream(await anext(relay), relay, headers)
         try:
             payload = _decode(await upstream.read())
+            if splice is not None:
+                payload = await self.splicer.derender(payload, splice)
+            elif self.splicer is not None:
+                self.splicer.learn(payload)
             if hang_up is not None:
                 # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
                 # is whole and the call is recorded as answered.
@@ -341,6 +353,10 @@ class EngineCalls:
         except ENGINE_DATA_ERRORS as exc:  # the engine's answer, not the gateway's code: a 502
             await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
             raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
+        except DerenderFailed as exc:
+            error = upstream_error(exc.status, exc.body)
+            await call.finish("upstream_error", error.status, f"derender: {error.message}")
+            raise error from None
         usage = payload.get("usage")
         try:
             body = await spec.wire.answer(payload)
@@ -355,6 +371,26 @@ class EngineCalls:
         except RecordingUnavailable as exc:
             raise unrecorded(exc) from None
         return JSONBody(body, headers)
+
+    async def _splice(self, call: _Call) -> Splice | None:
+        """The splice a chat call that continues its rollout is served from; None: served as sent."""
+        spec, origin = call.spec, call.origin
+        if spec.path != "/v1/chat/completions" or not origin.explicit:
+            return None
+        continued = self.continuations.find(origin.rollout_id, spec.request, spec.route)
+        if continued is None:
+            return None
+        if self.splicer is None:
+            self.metrics.call_continued(call.label, "rerendered")
+            return None
+        upstream = _decode(spec.body)
+        try:
+            splice = await self.splicer.splice(upstream, continued, spec.stream)
+        except Exception:  # the plain path still answers the call: a splice is never worth a failed call
+            log.exception("splicing a call of rollout %s failed; it is rendered anew", origin.rollout_id)
+            splice = "render_failed"
+        self.metrics.call_continued(call.label, "spliced" if isinstance(splice, Splice) else splice)
+        return splice if isinstance(splice, Splice) else None
 
     async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the
@@ -489,6 +525,8 @@ class _Call:
             first = False
             records.append(record)
             self.service.metrics.call_ended(self.label, record)
+            if spec.path == "/v1/chat/completions" and self.origin.explicit:
+                self.service.continuations.remember(record)
             try:
                 await self.service.recorder.submit(record)
             except RecordingUnavailable:
@@ -513,7 +551,7 @@ class _Call:
             mine.append(msgspec.structs.replace(choice, index=choice.index % per))
         return [records[k] for k in sorted(records)]
 
-    async def relay(self, upstream: aiohttp.ClientResponse) -> AsyncGenerator[bytes]:
+    async def relay(self, upstream: aiohttp.ClientResponse | DerenderedStream) -> AsyncGenerator[bytes]:
         """Pass the engine's SSE events on, as the API's client expects them.
 
         Whatever the engine has sent by the time the gateway reads goes on as one write: events that
@@ -634,6 +672,8 @@ class _Stream:
             self.prompt_ids = event["prompt_token_ids"]
         if event.get("usage"):
             self.usage = event["usage"]
+            if call.service.splicer is not None:
+                call.service.splicer.learn(event)
         for choice in event.get("choices") or ():
             self.choices.setdefault(choice.get("index", 0), StreamedChoice()).add(choice)
         return self.wire.event(event)

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
 AuthMode = Literal["required", "off"]
+Continuity = Literal["splice", "rerender"]  # how a call continuing its rollout reaches the engine (continuation.py)
 Promotion = Literal["always", "gated"]  # what `NAME` serves: every committed step, or those the gate passes
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
@@ -210,6 +211,15 @@ class Settings:
         metadata={
             "help": "a rollout's calls to NAME go to the step that served its first call while that step is "
             "loaded; a rollout that called within these seconds keeps its step loaded"
+        },
+    )
+    continuity: Continuity = field(
+        default="splice",
+        metadata={
+            "help": "how a call that continues its rollout (the history it sent back means what the model produced) "
+            "reaches the engine: splice: as token ids, the model's own sampled tokens then the new messages, so the "
+            "rollout is one sequence and the model sees what training uses (needs vLLM's --enable-scale-out; "
+            "without it the gateway says so and renders anew); rerender: the history rendered again by the template"
         },
     )
     eval_concurrency: int = field(

@@ -135,7 +135,7 @@ def _arguments(arguments: Any) -> Any:
     return arguments
 
 
-def _message_key(message: dict[str, Any]) -> bytes:
+def message_key(message: dict[str, Any]) -> bytes:
     """What makes two messages the same turn: role, text and tool calls (names and JSON-equal arguments); ids,
     nulls, the content's shape and reasoning are ignored."""
     calls = [
@@ -145,12 +145,26 @@ def _message_key(message: dict[str, Any]) -> bytes:
     return _canonical([message.get("role"), _text(message.get("content")), calls])
 
 
+def tools_key(tools: Any) -> bytes:
+    """What makes two calls' tools the same: all but `strict` (the gateway makes a forced call's tools strict,
+    gateway/chat.py; it changes what may be sampled, not the tools)."""
+    if not isinstance(tools, list):
+        return _canonical(tools)
+    same = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and "strict" in function:
+            tool = {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
+        same.append(tool)
+    return _canonical(same)
+
+
 def _reasoning(message: dict[str, Any]) -> bool:
     return bool(message.get("reasoning") or message.get("reasoning_content"))
 
 
 def _system(messages: list[dict[str, Any]]) -> list[bytes]:
-    return [_message_key(m) for m in messages if m.get("role") in ("system", "developer")]
+    return [message_key(m) for m in messages if m.get("role") in ("system", "developer")]
 
 
 def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord) -> tuple[SplitCause, str]:
@@ -160,7 +174,7 @@ def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord
             "model_changed",
             f"another model: {call.model or 'the base model'}, after {previous.model or 'the base model'}",
         )
-    if _canonical(call.request.get("tools")) != _canonical(previous.request.get("tools")):
+    if tools_key(call.request.get("tools")) != tools_key(previous.request.get("tools")):
         return "tools_changed", "other tools than the previous call's"
     if "messages" not in call.request or "messages" not in previous.request:  # completions: a prompt
         return _prompt_split(previous, previous_choice, call)
@@ -168,7 +182,7 @@ def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord
     now: list[dict[str, Any]] = call.request.get("messages") or []
     if _system(now) != _system(then):
         return "system_changed", "another system prompt than the previous call's"
-    keys_then, keys_now = [_message_key(m) for m in then], [_message_key(m) for m in now]
+    keys_then, keys_now = [message_key(m) for m in then], [message_key(m) for m in now]
     if keys_now == keys_then:
         return "new_attempt", SPLIT_NEW_ATTEMPT
     for k, (a, b) in enumerate(zip(keys_then, keys_now, strict=False)):
@@ -177,10 +191,10 @@ def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord
     if len(now) < len(then):
         return "history_cut", f"the client sent {len(now)} of the history's {len(then)} messages"
     reply = now[len(then)] if len(now) > len(then) else None
-    if reply is None or _message_key(reply) != _message_key(previous_choice.message):
+    if reply is None or message_key(reply) != message_key(previous_choice.message):
         others = [c.index for c in previous.choices if c is not previous_choice]
         match = next(
-            (c.index for c in previous.choices if reply and _message_key(c.message) == _message_key(reply)), None
+            (c.index for c in previous.choices if reply and message_key(c.message) == message_key(reply)), None
         )
         if match is not None and match in others:
             return "other_choice", f"the history goes on from choice {match}, not choice {previous_choice.index}"
@@ -314,6 +328,6 @@ def _choose(call: CallRecord, following: CallRecord | None, wanted: int | None) 
         history = call.request.get("messages") or []
         sent = following.request.get("messages") or []
         if len(sent) > len(history):
-            reply = _message_key(sent[len(history)])
-            return next((c for c in call.choices if _message_key(c.message) == reply), call.choices[0])
+            reply = message_key(sent[len(history)])
+            return next((c for c in call.choices if message_key(c.message) == reply), call.choices[0])
     return call.choices[0]

@@ -1,0 +1,447 @@
+"""One rollout, one sequence: a call that continues its rollout reaches the engine as token ids.
+
+A multi-step agent sends its whole history on every call. Rendered again by the chat template, the model's
+earlier turns are not the tokens it sampled (vLLM's tool parser re-serializes arguments; BPE has many
+tokenizations of one text), so each call would start a new sequence, and the model would be served (and
+trained on) a history it never produced. A call *continues* its rollout when its messages are the previous
+call's messages, then an assistant message that means what the model produced (store/trajectories.py
+`message_key`: the same text, the same tool calls with JSON-equal arguments; dropped reasoning counts as the
+same), then new messages, with the same tools and template options. Such a call is served through vLLM's
+scale-out endpoints (`--enable-scale-out`):
+
+    prompt = previous prompt ids + the sampled ids + the template's end of turn + the rendered new messages
+
+`/v1/chat/completions/render` gives the ids of the new messages and the sampling params (the tool-call grammar
+included), `/inference/v1/generate` samples from the ids, `/v1/chat/completions/derender` turns its answer (or
+each streamed chunk) back into a chat completion with vLLM's own tool-call and reasoning parsers. The client
+gets what it would have got; the recorded prompt extends the previous call's prompt and sampled ids, so the
+store assembles the rollout as one sequence. Anything else is served as before (`rerender`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+
+from gateway.adapters import Route
+from store.records import CallRecord
+from store.trajectories import message_key, tools_key
+
+log = logging.getLogger("artgw.gateway")
+
+# How a call that continues its rollout was served (artgw_continued_calls_total{how}).
+Served = Literal["spliced", "rerendered", "no_scale_out", "template_mismatch", "render_failed"]
+
+RENDER_PATH = "/v1/chat/completions/render"
+GENERATE_PATH = "/inference/v1/generate"
+DERENDER_PATH = "/v1/chat/completions/derender"
+# Request fields besides the tools that change how the history renders: a call that changes one does not continue.
+_RENDER_KEYS = ("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")
+_PROMPT_TAIL = 8  # prompt ids derender reads (it seeds detokenization with the last few)
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+
+
+def _canonical(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")
+
+
+def render_key(request: dict[str, Any]) -> bytes:
+    """What a call's history renders with besides its messages: the same for a call that continues."""
+    return tools_key(request.get("tools")) + _canonical([request.get(key) for key in _RENDER_KEYS])
+
+
+@dataclass(frozen=True, slots=True)
+class LastCall:
+    """What a rollout's last answered chat call left: enough to tell whether the next call continues it."""
+
+    model: str | None
+    step: int | None
+    upstream_model: str
+    render_key: bytes
+    message_keys: tuple[bytes, ...]
+    prompt_ids: list[int]
+    replies: tuple[tuple[bytes, list[int]], ...]  # each choice: its message's key and its sampled ids
+
+
+@dataclass(frozen=True, slots=True)
+class Continued:
+    """A call found to continue its rollout: the ids it goes on from and how many of its messages they cover."""
+
+    prefix_ids: list[int]  # the previous prompt ids + the sampled ids of the reply sent back
+    sampled_ids: list[int]
+    history_len: int  # the previous call's messages + the reply
+
+
+class Continuations:
+    """Each rollout's last answered chat call (the newest `capacity` rollouts), and whether a call continues it.
+
+    In memory: after a restart, or on another replica, a rollout's next call is rendered as before and starts a
+    new sequence (its split reason says so)."""
+
+    def __init__(self, capacity: int = 50_000) -> None:
+        self.capacity = capacity
+        self._last: OrderedDict[str, LastCall] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def remember(self, record: CallRecord) -> None:
+        """A chat call of a rollout was answered: the next call of the rollout may continue it."""
+        messages = record.request.get("messages")
+        if record.status != "ok" or not record.choices or not isinstance(messages, list):
+            return
+        self._last[record.rollout_id] = LastCall(
+            model=record.model,
+            step=record.step,
+            upstream_model=record.upstream_model,
+            render_key=render_key(record.request),
+            message_keys=tuple(message_key(m) for m in messages),
+            prompt_ids=record.prompt_token_ids,
+            replies=tuple((message_key(c.message), c.token_ids) for c in record.choices),
+        )
+        self._last.move_to_end(record.rollout_id)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+    def find(self, rollout_id: str, request: dict[str, Any], route: Route) -> Continued | None:
+        """How `request` continues the rollout's last call, or None when it does not."""
+        last = self._last.get(rollout_id)
+        messages = request.get("messages")
+        if last is None or not isinstance(messages, list) or not last.prompt_ids:
+            return None
+        if (last.model, last.step, last.upstream_model) != (route.model, route.step, route.upstream_model):
+            return None
+        if request.get("continue_final_message") or request.get("add_generation_prompt") is False:
+            return None
+        then = len(last.message_keys)
+        if len(messages) < then + 2 or render_key(request) != last.render_key:
+            return None  # no new message after the reply, or other tools or template options
+        if any(message_key(m) != key for m, key in zip(messages, last.message_keys, strict=False)):
+            return None
+        reply = message_key(messages[then])
+        for key, sampled in last.replies:
+            if key == reply and sampled:
+                return Continued(last.prompt_ids + sampled, sampled, then + 1)
+        return None
+
+
+class ScaleOutUnavailable(Exception):
+    """The engine has no scale-out endpoints (vLLM started without --enable-scale-out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """A continuing call ready for `/inference/v1/generate`: its prompt ids and the engine requests."""
+
+    prompt_ids: list[int]
+    generate: dict[str, Any]  # /inference/v1/generate's request
+    chat_request: dict[str, Any]  # the engine's chat request, which derender parses the answer for
+    upstream_model: str
+
+    def derender_request(self, **fields: Any) -> bytes:
+        return _encode(
+            {
+                "model": self.upstream_model,
+                "prompt_tokens": len(self.prompt_ids),
+                "prompt_token_ids": self.prompt_ids[-_PROMPT_TAIL:],
+                "chat_request": self.chat_request,
+                **fields,
+            }
+        )
+
+
+class Splicer:
+    """Builds the token ids a continuing call is served from, with the engine's render endpoint."""
+
+    def __init__(self, session: aiohttp.ClientSession, upstream_url: str, timeout: aiohttp.ClientTimeout) -> None:
+        self.session = session
+        self.upstream_url = upstream_url
+        self.timeout = timeout
+        self.available: bool | None = None  # None: not known yet (probed at start, and on the first continuation)
+        self._tails: dict[str, list[int]] = {}
+        self.fingerprint: str | None = None  # by served model: the template's end of an assistant turn
+
+    async def probe(self) -> bool:
+        """Whether the engine serves the scale-out endpoints: vLLM answers 403 to them without the flag."""
+        try:
+            async with self.session.post(
+                self.upstream_url + RENDER_PATH, data=b"{}", headers=_JSON, timeout=self.timeout
+            ) as answer:
+                status = answer.status
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return bool(self.available)  # unreachable now: not an answer
+        self.available = status not in (403, 404, 405)
+        if not self.available:
+            log.warning(
+                "the engine at %s has no scale-out endpoints (HTTP %d; vLLM needs --enable-scale-out): calls that "
+                "continue their rollout are rendered anew, and each starts a new sequence",
+                self.upstream_url,
+                status,
+            )
+        return self.available
+
+    async def splice(self, upstream: dict[str, Any], continued: Continued, stream: bool) -> Splice | Served:
+        """The splice of a continuing call (`upstream`: the engine's chat request), or why it is not spliced."""
+        if self.available is None:
+            await self.probe()
+        if not self.available:
+            return "no_scale_out"
+        model = str(upstream["model"])
+        history = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
+        history.update(model=model, messages=upstream["messages"][: continued.history_len])
+        history["add_generation_prompt"] = False
+        try:
+            rendered, through_reply, tail = await asyncio.gather(
+                self._render(upstream), self._render(history), self._tail(model, history)
+            )
+        except ScaleOutUnavailable:
+            self.available = False
+            return "no_scale_out"
+        except _RenderFailed:
+            return "render_failed"
+        new_ids: list[int] = rendered["token_ids"]
+        reply_ids: list[int] = through_reply["token_ids"]
+        if new_ids[: len(reply_ids)] != reply_ids or (tail and reply_ids[-len(tail) :] != tail):
+            return "template_mismatch"  # the template renders the reply otherwise when it is not last
+        sampled = continued.sampled_ids
+        end_of_turn = tail[1:] if tail and sampled[-1] == tail[0] else tail  # the model's own end, if it sampled it
+        prompt_ids = continued.prefix_ids + end_of_turn + new_ids[len(reply_ids) :]
+        generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
+        generate["token_ids"] = prompt_ids
+        generate["stream"] = stream
+        if stream:
+            generate["stream_options"] = {"include_usage": True}
+        params = generate.get("sampling_params") or {}
+        asked = upstream.get("max_completion_tokens") or upstream.get("max_tokens")
+        if asked is None and isinstance(params.get("max_tokens"), int):
+            # vLLM's default is what the context leaves after the prompt it rendered; the splice is another length
+            params["max_tokens"] = params["max_tokens"] + len(new_ids) - len(prompt_ids)
+            if params["max_tokens"] < 1:
+                return "template_mismatch"
+        return Splice(prompt_ids, generate, upstream, model)
+
+    async def derender(self, generated: dict[str, Any], splice: Splice) -> dict[str, Any]:
+        """`/inference/v1/generate`'s whole answer -> the chat completion the engine would have answered, with
+        the prompt ids it was sampled from and each choice's sampled ids (what the recorder keeps)."""
+        body = splice.derender_request(generate_response=generated)
+        async with self.session.post(
+            self.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.timeout
+        ) as answer:
+            reply = await answer.read()
+            if answer.status != 200:
+                raise DerenderFailed(answer.status, reply)
+        completion: dict[str, Any] = _decode(reply)
+        completion["id"] = chat_id()
+        completion["system_fingerprint"] = self.fingerprint
+        completion["prompt_token_ids"] = splice.prompt_ids
+        sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
+        for choice in completion.get("choices") or ():
+            choice["token_ids"] = (sampled.get(choice.get("index", 0)) or {}).get("token_ids") or []
+            choice["logprobs"] = _without_unasked_tops(choice.get("logprobs"), splice.chat_request)
+        return completion
+
+    def learn(self, answer: dict[str, Any]) -> None:
+        """The engine's `system_fingerprint`, from one of its own chat answers (derender has none)."""
+        if self.fingerprint is None and answer.get("system_fingerprint"):
+            self.fingerprint = answer["system_fingerprint"]
+
+    async def _tail(self, model: str, like: dict[str, Any]) -> list[int]:
+        """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model."""
+        if model not in self._tails:
+            base = {key: like[key] for key in ("chat_template", "chat_template_kwargs") if key in like}
+            asking = {**base, "model": model, "messages": [{"role": "user", "content": "x"}]}
+            answered = {
+                **asking,
+                "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
+                "add_generation_prompt": False,
+            }
+            prompt, turn = await asyncio.gather(self._render(asking), self._render(answered))
+            head, whole = prompt["token_ids"], turn["token_ids"]
+            self._tails[model] = whole[len(head) :] if whole[: len(head)] == head else []
+        return self._tails[model]
+
+    async def _render(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self.session.post(
+                self.upstream_url + RENDER_PATH, data=_encode(request), headers=_JSON, timeout=self.timeout
+            ) as answer:
+                body = await answer.read()
+                status = answer.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _RenderFailed(type(exc).__name__) from None
+        if status in (403, 404):
+            raise ScaleOutUnavailable(status)
+        if status != 200:
+            raise _RenderFailed(f"HTTP {status}")
+        rendered = _decode(body)
+        if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
+            raise _RenderFailed("unreadable render answer")
+        return rendered
+
+
+class _RenderFailed(Exception):
+    pass
+
+
+class DerenderFailed(Exception):
+    """The engine's derender answered an error (its status and body, for the client's error)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+_JSON = {"content-type": "application/json"}
+
+
+class DerenderedStream:
+    """`/inference/v1/generate`'s SSE stream, each chunk derendered into chat's as vLLM's chat stream has it:
+    read by the relay (gateway/proxy.py) as it reads the engine's own chat stream. One derender state a choice."""
+
+    def __init__(self, splicer: Splicer, upstream: aiohttp.ClientResponse, splice: Splice) -> None:
+        self.splicer = splicer
+        self.upstream = upstream
+        self.splice = splice
+        self.content = self
+        self.id = chat_id()
+        self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state
+        self.states_started: set[int] = set()
+        self.logprobs_asked = bool(splice.chat_request.get("logprobs"))
+
+    def release(self) -> None:
+        self.upstream.release()
+
+    def close(self) -> None:
+        self.upstream.close()
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        pending = b""
+        async for data in self.upstream.content.iter_any():
+            *lines, pending = (pending + data).split(b"\n")
+            out: list[bytes] = []
+            for line in lines:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].rstrip()
+                if payload == b"[DONE]":
+                    out.append(b"data: [DONE]\n\n")
+                    continue
+                chunk = _decode(payload)
+                if "error" in chunk and "choices" not in chunk:
+                    out.append(line + b"\n\n")  # the engine's error event, read by the relay as from chat
+                    continue
+                for event in await self._events(chunk):
+                    out.append(b"data: " + _encode(event) + b"\n\n")
+            if out:
+                yield b"".join(out)
+
+    async def _events(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat events of one generate chunk: one a choice (each has its own derender state), or the usage
+        chunk. A choice's first event is, as in vLLM's chat stream, its role alone."""
+        head = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = self.splice.upstream_model
+        choices = chunk.get("choices") or []
+        if not choices:
+            event = {**head, "choices": [], "usage": chunk.get("usage")}
+            if self.splicer.fingerprint is not None:
+                event["system_fingerprint"] = self.splicer.fingerprint
+            return [event]
+        events = []
+        for choice in choices:
+            index = choice.get("index", 0)
+            one = {**chunk, "choices": [choice]}
+            if self.logprobs_asked and choice.get("logprobs"):
+                (derendered, state), logprobs = await asyncio.gather(
+                    self._derender(one, self.states.get(index)), self._chat_logprobs(choice)
+                )
+            else:
+                (derendered, state), logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
+            self.states[index] = state
+            if index not in self.states_started:
+                self.states_started.add(index)
+                delta = {"role": "assistant", "content": ""}
+                events.append({**head, "choices": [{"index": index, "delta": delta, "logprobs": None}]})
+                events[-1]["choices"][0]["finish_reason"] = None
+                if len(self.states_started) == 1:
+                    events[-1]["prompt_token_ids"] = self.splice.prompt_ids
+            out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
+            shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
+            shaped["delta"] = _delta(out.get("delta") or {})
+            if shaped["finish_reason"] is not None:
+                shaped["stop_reason"] = out.get("stop_reason")
+            shaped["token_ids"] = choice.get("token_ids") or []
+            events.append({**head, "choices": [shaped]})
+        return events
+
+    async def _derender(self, chunk: dict[str, Any], state: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
+        body = self.splice.derender_request(stream=True, generate_chunk=chunk, stream_state=state)
+        async with self.splicer.session.post(
+            self.splicer.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.splicer.timeout
+        ) as answer:
+            reply = await answer.read()
+            if answer.status != 200:
+                raise DerenderFailed(answer.status, reply)
+        derendered = _decode(reply)
+        return derendered["chunk"], derendered["stream_state"]
+
+    async def _chat_logprobs(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """Chat's logprobs of a chunk's tokens (the streaming derender leaves them out when a tool parser is on):
+        the whole-answer derender of just these tokens resolves them."""
+        part = {"choices": [{**choice, "index": 0, "finish_reason": None}], "request_id": "logprobs"}
+        body = self.splice.derender_request(generate_response=part)
+        async with self.splicer.session.post(
+            self.splicer.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.splicer.timeout
+        ) as answer:
+            reply = await answer.read()
+            if answer.status != 200:
+                raise DerenderFailed(answer.status, reply)
+        choices = _decode(reply).get("choices") or [{}]
+        return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
+
+
+def _delta(derendered: dict[str, Any]) -> dict[str, Any]:
+    """A derendered delta as vLLM's chat stream has it: no role after the first event, no null fields (its tool
+    call deltas name the id, type and name once; the OpenAI SDK refuses a `type: null`)."""
+    delta = {k: v for k, v in derendered.items() if v is not None and k != "role"}
+    if "tool_calls" in delta:
+        calls = []
+        for call in delta["tool_calls"]:
+            call = {k: v for k, v in call.items() if v is not None}
+            if isinstance(call.get("function"), dict):
+                call["function"] = {k: v for k, v in call["function"].items() if v is not None}
+            calls.append(call)
+        delta["tool_calls"] = calls
+    return delta
+
+
+def chat_id() -> str:
+    """A chat completion's id as vLLM makes it (derender names its answers `generate-tokens-…`)."""
+    return f"chatcmpl-{uuid.uuid4().hex[:16]}"
+
+
+def _bare(choice: dict[str, Any]) -> dict[str, Any] | None:
+    """The sampled tokens' logprobs for the recorder (the client did not ask for them: hidden on the way out)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if not content:
+        return None
+    return {"content": [{"token": "", "logprob": entry["logprob"], "top_logprobs": []} for entry in content]}
+
+
+def _without_unasked_tops(logprobs: dict[str, Any] | None, request: dict[str, Any]) -> dict[str, Any] | None:
+    """Derender lists the sampled token among its top logprobs when none were asked for; vLLM's chat lists none."""
+    if logprobs and not request.get("top_logprobs"):
+        for entry in logprobs.get("content") or ():
+            entry["top_logprobs"] = []
+    return logprobs
