@@ -249,6 +249,8 @@ class Splicer:
         for choice in completion.get("choices") or ():
             choice["token_ids"] = (sampled.get(choice.get("index", 0)) or {}).get("token_ids") or []
             choice["logprobs"] = _without_unasked_tops(choice.get("logprobs"), splice.chat_request)
+            called = bool((choice.get("message") or {}).get("tool_calls"))
+            choice["finish_reason"] = _finish_reason(choice.get("finish_reason"), called, splice.chat_request)
         return completion
 
     def learn(self, answer: dict[str, Any]) -> None:
@@ -318,6 +320,7 @@ class DerenderedStream:
         self.id = chat_id()
         self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state
         self.states_started: set[int] = set()
+        self.called: set[int] = set()  # choices that streamed a tool call
         self.logprobs_asked = bool(splice.chat_request.get("logprobs"))
 
     def release(self) -> None:
@@ -379,7 +382,12 @@ class DerenderedStream:
             out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
             shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
             shaped["delta"] = _delta(out.get("delta") or {})
+            if shaped["delta"].get("tool_calls"):
+                self.called.add(index)
             if shaped["finish_reason"] is not None:
+                shaped["finish_reason"] = _finish_reason(
+                    shaped["finish_reason"], index in self.called, self.splice.chat_request
+                )
                 shaped["stop_reason"] = out.get("stop_reason")
             shaped["token_ids"] = choice.get("token_ids") or []
             events.append({**head, "choices": [shaped]})
@@ -409,6 +417,13 @@ class DerenderedStream:
                 raise DerenderFailed(answer.status, reply)
         choices = _decode(reply).get("choices") or [{}]
         return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
+
+
+def _finish_reason(reason: str | None, called: bool, request: dict[str, Any]) -> str | None:
+    """vLLM's chat says `tool_calls` for a `required` tool_choice's calls; its derender (0.32) says `stop`."""
+    if reason == "stop" and called and request.get("tool_choice") == "required":
+        return "tool_calls"
+    return reason
 
 
 def _delta(derendered: dict[str, Any]) -> dict[str, Any]:

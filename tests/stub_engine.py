@@ -22,6 +22,8 @@ from typing import Any
 
 import uvicorn
 
+# vLLM's token-level chat (gateway/continuation.py): the stand-in has none, as vLLM without --enable-scale-out.
+SCALE_OUT_PATHS = ("/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender")
 COMPLETION = {
     "id": "chatcmpl-stub",
     "object": "chat.completion",
@@ -194,6 +196,9 @@ def make_app(  # type: ignore[no-untyped-def]
             request = json.loads(await _body(receive) or b"{}")
             count = len(request.get("messages") or ()) + len(request.get("tools") or ()) + 1
             body, code = json.dumps({"count": count, "max_model_len": 2048, "tokens": [1] * count}).encode(), 200
+        elif path in SCALE_OUT_PATHS:  # as vLLM started without --enable-scale-out
+            body = _error("Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out.", 403)
+            code = 403
         elif path == "/v1/models":
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200

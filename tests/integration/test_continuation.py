@@ -1,0 +1,359 @@
+"""One rollout, one sequence (gateway/continuation.py), with the real vLLM and the real clients, unmodified.
+
+A multi-call rollout whose every call sends back what the model produced is served from the model's own tokens
+and recorded as one sequence; the clients get what the plain path gives them (the first tests compare the two
+paths on the same prompt); a client that edits its history gets a new sequence that says which message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
+from tests.conftest import BASE_NAME, metric, poll, run_client, start_gateway, start_stub, stop_group
+from tests.recorded import decode, new_id, rollout, sampled_by_call
+
+pytestmark = pytest.mark.engine
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+QUESTION = [{"role": "user", "content": "What is the weather in Rome and in Paris?"}]
+
+
+# -- the token path answers as the plain path does -----------------------------------------------------------
+
+
+def _request(**fields: Any) -> dict[str, Any]:
+    base = {"model": BASE_NAME, "messages": QUESTION, "max_tokens": 40, "seed": 3}
+    return {**base, "logprobs": True, "return_token_ids": True, **fields}
+
+
+CASES = {
+    "text": _request(),
+    "forced tool": _request(tools=TOOLS, tool_choice=FORCED),
+    "required tool, strict": _request(
+        tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+        tool_choice="required",
+        max_tokens=60,
+    ),
+    "auto tools": _request(tools=TOOLS, seed=5),
+    "two choices": _request(n=2, seed=7),
+    "top logprobs": _request(top_logprobs=2, seed=9),
+}
+
+
+async def _both_paths(url: str, request: dict[str, Any]) -> tuple[Any, Any]:
+    """The engine's own chat answer to `request`, and the gateway's token path's (render → generate → derender)
+    from the same prompt ids: the plain prompt, no splice, so the sampled tokens are the same."""
+    async with aiohttp.ClientSession() as session:
+        splicer = Splicer(session, url, aiohttp.ClientTimeout(total=120))
+        async with session.post(url + "/v1/chat/completions", json=request) as answer:
+            assert answer.status == 200, await answer.text()
+            plain = await answer.read()
+        rendered = await splicer._render(request)
+        generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
+        stream = bool(request.get("stream"))
+        generate.update(stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        splice = Splice(rendered["token_ids"], generate, request, BASE_NAME)
+        if not stream:
+            splicer.learn(json.loads(plain))
+        async with session.post(url + GENERATE_PATH, json=generate) as answer:
+            assert answer.status == 200, await answer.text()
+            if not stream:
+                return json.loads(plain), await splicer.derender(await answer.json(), splice)
+            chunks = [chunk async for chunk in DerenderedStream(splicer, answer, splice).iter_any()]
+        return _events(plain), _events(b"".join(chunks))
+
+
+def _events(body: bytes) -> list[Any]:
+    return [
+        line[6:] if line == b"data: [DONE]" else json.loads(line[6:])
+        for line in body.split(b"\n")
+        if line.startswith(b"data: ")
+    ]
+
+
+def _same_answer(plain: dict[str, Any]) -> dict[str, Any]:
+    """What two answers sampled from the same prompt share: all but their fresh ids and time."""
+    out = {k: v for k, v in plain.items() if k not in ("id", "created")}
+    out["choices"] = [
+        {
+            **c,
+            "message": {
+                **c["message"],
+                "tool_calls": [{**t, "id": "call"} for t in c["message"].get("tool_calls") or ()],
+            },
+        }
+        for c in plain["choices"]
+    ]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_token_path_answers_as_the_engine_does(vllm_url: str, case: str) -> None:
+    plain, derendered = asyncio.run(_both_paths(vllm_url, CASES[case]))
+    assert _same_answer(derendered) == _same_answer(plain)
+    assert derendered["id"].startswith("chatcmpl-")
+
+
+def _stream_summary(events: list[Any]) -> dict[str, Any]:
+    """A chat stream as a client reads it: per choice its text, tool calls, finish reason and sampled ids, the
+    kinds of its events in order (runs of one kind merged: the engine batches tokens by timing), and the usage."""
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    assert events[-1] == b"[DONE]"
+    for event in events[:-1]:
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            mine = choices.setdefault(
+                choice["index"], {"text": "", "calls": {}, "kinds": [], "finish": None, "ids": [], "logprobs": []}
+            )
+            delta = choice["delta"]
+            kind = "role" if "role" in delta else "tool" if delta.get("tool_calls") else "text"
+            if not mine["kinds"] or mine["kinds"][-1] != kind:
+                mine["kinds"].append(kind)
+            mine["text"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                slot = mine["calls"].setdefault(call["index"], {"name": "", "arguments": "", "type": None})
+                slot["type"] = call.get("type") or slot["type"]
+                slot["name"] += (call.get("function") or {}).get("name") or ""
+                slot["arguments"] += (call.get("function") or {}).get("arguments") or ""
+            mine["finish"] = choice.get("finish_reason") or mine["finish"]
+            mine["ids"] += choice.get("token_ids") or []
+            mine["logprobs"] += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ()]
+    return {"choices": choices, "usage": usage, "first": events[0]["choices"][0]["delta"]}
+
+
+@pytest.mark.parametrize("case", ["text", "forced tool", "required tool, strict", "top logprobs"])
+def test_the_token_path_streams_as_the_engine_does(vllm_url: str, case: str) -> None:
+    request = {**CASES[case], "stream": True, "stream_options": {"include_usage": True}}
+    plain, derendered = asyncio.run(_both_paths(vllm_url, request))
+    ours, theirs = _stream_summary(derendered), _stream_summary(plain)
+    assert ours == theirs
+    assert ours["first"] == {"role": "assistant", "content": ""}
+    if case != "text":  # the client did not ask for logprobs' text: the recorder gets the sampled ones anyway
+        assert all(c["logprobs"] for c in ours["choices"].values())
+
+
+# -- clients through the gateway ------------------------------------------------------------------------------
+
+
+def _one_sequence(gateway: Any, rid: str, calls: int) -> dict[str, Any]:
+    recorded = poll(lambda: _recorded_calls(gateway, rid, calls), 10, f"{calls} calls of {rid}")
+    sequences = recorded["sequences"]
+    assert [len(s["call_ids"]) for s in sequences] == [calls], [s["split_reason"] for s in sequences]
+    return recorded
+
+
+def _recorded_calls(gateway: Any, rid: str, calls: int) -> dict[str, Any] | None:
+    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rid}", headers=gateway.admin)
+    if answer.status_code != 200 or len(answer.json()["calls"]) < calls:
+        return None
+    return answer.json()
+
+
+def _openai_tool_loop(gateway: Any, rid: str, seed: int, stream: bool) -> list[Any]:
+    """Two forced tool calls, an answer, a user follow-up: the OpenAI SDK as an agent loop writes it."""
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
+    messages: list[dict[str, Any]] = [*QUESTION]
+    replies = []
+
+    def call(**fields: Any) -> Any:
+        if not stream:
+            return client.chat.completions.create(
+                model="my-agent", messages=messages, tools=TOOLS, max_tokens=48, seed=seed, **fields
+            ).choices[0]
+        with client.chat.completions.stream(
+            model="my-agent", messages=messages, tools=TOOLS, max_tokens=48, seed=seed, **fields
+        ) as events:
+            for _ in events:
+                pass
+            return events.current_completion_snapshot.choices[0]
+
+    for _ in range(2):
+        choice = call(tool_choice=FORCED)
+        (tool_call,) = choice.message.tool_calls  # a failed parse raises: the test tries another seed
+        json.loads(tool_call.function.arguments)
+        replies.append(choice)
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"})
+    replies.append(call())
+    messages.append({"role": "assistant", "content": replies[-1].message.content or ""})
+    messages.append({"role": "user", "content": "And tomorrow?"})
+    replies.append(call())
+    return replies
+
+
+def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
+    """`run(seed)` until one completes (a random-weight model may pad a tool call's JSON past the token limit)."""
+    failures = []
+    for seed in range(seeds):
+        try:
+            return seed, run(seed)
+        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
+            failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
+    pytest.fail("no run completed:\n" + "\n".join(failures))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_sdk_tool_loop_is_one_sequence(engine_gateway, tokenizer, stream: bool) -> None:
+    rid = new_id("loop")
+    spliced_before = metric(engine_gateway.url, "artgw_continued_calls_total", how="spliced")
+    seed, replies = _first_run(lambda seed: _openai_tool_loop(engine_gateway, f"{rid}-{seed}", seed, stream))
+    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 4)
+    sampled = sampled_by_call(recorded)
+    for call, reply in zip(recorded["calls"], replies, strict=True):
+        text = decode(tokenizer, sampled[call["id"]])
+        if reply.message.tool_calls:  # the sampled ids are the tool call the client parsed
+            (tool_call,) = reply.message.tool_calls
+            assert json.loads(text.split("<tool_call>", 1)[1].split("</tool_call>")[0]) == {
+                "name": "get_weather",
+                "arguments": json.loads(tool_call.function.arguments),
+            }
+            assert reply.finish_reason in ("stop", "tool_calls")
+        else:
+            assert text == reply.message.content
+    assert [c["finish_reasons"][0] for c in recorded["calls"]] == [r.finish_reason for r in replies]
+    assert metric(engine_gateway.url, "artgw_continued_calls_total", how="spliced") - spliced_before >= 3
+
+
+def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway) -> None:
+    rid = new_id("edit")
+    client = openai.OpenAI(
+        base_url=engine_gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say something."}]
+    first = client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "More."},
+    ]
+    client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
+    messages[0] = {"role": "user", "content": "Say something else."}  # the client rewrites its first message
+    client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
+    recorded = poll(lambda: _recorded_calls(engine_gateway, rid, 3), 10, "the rollout")
+    first_seq, second_seq = recorded["sequences"]
+    assert len(first_seq["call_ids"]) == 2
+    assert second_seq["split_cause"] == "edited"
+    assert "message 0 (user)" in second_seq["split_reason"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bool) -> None:
+    rid = new_id("anthropic")
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "input_schema": TOOLS[0]["function"]["parameters"],
+        }
+    ]
+
+    def run(seed: int) -> list[Any]:
+        client = anthropic.Anthropic(
+            base_url=engine_gateway.url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION[0]["content"]}]
+        replies = []
+        for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "get_weather"}, None):
+            fields: dict[str, Any] = dict(model="my-agent", max_tokens=48, messages=messages, tools=tools)
+            fields.update(extra_body={"seed": seed}, **({"tool_choice": choice} if choice else {}))
+            if stream:
+                with client.messages.stream(**fields) as events:
+                    reply = events.get_final_message()
+            else:
+                reply = client.messages.create(**fields)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            uses = [b for b in reply.content if b.type == "tool_use"]
+            if choice is not None:
+                if not uses or reply.stop_reason != "tool_use":  # the JSON ran past max_tokens: another seed
+                    raise ValueError(f"no whole tool_use block ({reply.stop_reason})")
+                results = [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"} for b in uses]
+                messages.append({"role": "user", "content": results})
+        return replies
+
+    seed, replies = _first_run(run)
+    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
+    assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+
+
+def test_agents_sdk_run_is_one_sequence(engine_gateway) -> None:
+    rid = new_id("agents")
+    env = {"OPENAI_BASE_URL": f"{engine_gateway.url}/rollouts/{rid}/v1", "OPENAI_API_KEY": "unused"}
+    run = run_client("agents_sdk_tool_agent", env)
+    assert run["asked"]
+    recorded = rollout(engine_gateway, rid)
+    # Seeds that failed before the run that completed left calls of their own; the completed run is the last
+    # two (its forced tool call, then the answer after the tool's result), on the default Responses API.
+    tool_turn, answer_turn = [c for c in recorded["calls"] if c["status"] == "ok"][-2:]
+    assert recorded["sequences"][-1]["call_ids"][-2:] == [tool_turn["id"], answer_turn["id"]]
+    assert tool_turn["api"] == answer_turn["api"] == "responses"
+
+
+def test_langgraph_react_agent_is_one_sequence(engine_gateway) -> None:
+    rid = new_id("langgraph")
+    env = {"OPENAI_BASE_URL": engine_gateway.base_url, "OPENAI_API_KEY": "unused", "ROLLOUT_ID": rid}
+    run = run_client("langgraph_react_agent", env)
+    assert run["messages"] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    _one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
+
+
+# -- the other path ------------------------------------------------------------------------------------------
+
+
+def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, tokenizer) -> None:
+    gateway = start_gateway(tmp_path, "--upstream", vllm_url, "--continuity", "rerender")
+    try:
+        rid = new_id("rerender")
+        seed, _ = _first_run(lambda seed: _openai_tool_loop(gateway, f"{rid}-{seed}", seed, False))
+        recorded = poll(lambda: _recorded_calls(gateway, f"{rid}-{seed}", 4), 10, "the rollout")
+        assert len(recorded["sequences"]) > 1  # the template renders the tool calls anew
+        assert metric(gateway.url, "artgw_continued_calls_total", how="rerendered") >= 3
+        assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 0
+    finally:
+        gateway.stop()
+
+
+def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) -> None:
+    """vLLM started without --enable-scale-out answers 403 on its render endpoint: a stand-in engine that does
+    so (the real one would cost a second engine), with the real gateway in front."""
+    url, stub = start_stub()
+    gateway = start_gateway(tmp_path, "--upstream", url)
+    try:
+        assert poll(lambda: "no scale-out endpoints" in gateway.log(), 10, "the warning")
+        client = openai.OpenAI(
+            base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": new_id("stub")}
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="my-agent", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        second = client.chat.completions.create(model="my-agent", messages=messages)
+        assert second.choices[0].message.content == reply.choices[0].message.content  # answered as before
+        assert metric(gateway.url, "artgw_continued_calls_total", how="no_scale_out") == 1
+    finally:
+        gateway.stop()
+        stop_group(stub)
