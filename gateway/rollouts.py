@@ -17,7 +17,7 @@ from gateway.adapters import Pin
 from gateway.auth import Caller
 from gateway.errors import OpenAIError
 from gateway.recorder import Recorder
-from store.calls import RolloutFilter, RolloutOwner, rollout_owner
+from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owner
 from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound
 from store.rollouts import RolloutPage, RolloutReader
@@ -141,6 +141,21 @@ class RolloutService:
     async def find(self, rollout_id: str, *, choice: int | None = None) -> Trajectory | None:
         await self.settle([rollout_id])
         return await self.reader.find(rollout_id, choice=choice)
+
+    async def sequence_counts(self, summaries: Sequence[RolloutRow], *, caller: Caller) -> dict[str, int]:
+        """How many sequences each of these rollouts assembles into (one when every call continued its rollout's
+        tokens); a one-call rollout is one without being read. Only rollouts the caller may see are read."""
+        counts = {r.id: 1 for r in summaries if r.call_count <= 1}
+        slots = asyncio.Semaphore(8)
+
+        async def count(rollout_id: str) -> None:
+            async with slots:
+                trajectory = await self.reader.find(rollout_id)
+            if trajectory is not None and caller.covers(trajectory.model):
+                counts[rollout_id] = len(trajectory.sequences)
+
+        await asyncio.gather(*(count(r.id) for r in summaries if r.call_count > 1 and caller.covers(r.model)))
+        return counts
 
     async def get(self, rollout_id: str, *, choice: int | None = None, caller: Caller) -> Trajectory:
         """The rollout once its answered calls are in the store (read-your-writes, waiting up to settle_seconds).

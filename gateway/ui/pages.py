@@ -80,6 +80,7 @@ async def rollout_list(
     )
     return {
         "page": page,
+        "sequences": await rollouts.sequence_counts(page.data, caller=caller),
         "filters": filters,
         "models": adapters.list_models(caller),
         "statuses": CALL_STATUSES,

@@ -259,6 +259,16 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
         assert len(_listed(browser)) <= 3
         seen += _listed(browser)
     assert seen == recorded
+    # The sequences column: what each rollout trains as, as the API assembles it; a demo episode whose two calls
+    # went on from the model's own tokens is one sequence.
+    visit(browser, f"{url}/ui/rollouts?limit=50")
+    cells = {
+        row.get_attribute("data-rollout"): row.find_element(By.CSS_SELECTOR, "td.sequences").text
+        for row in browser.find_elements(By.CSS_SELECTOR, "tr.rollout-row")
+    }
+    assembled = {rid: site.api(f"/v1/art/rollouts/{rid}") for rid in recorded}
+    assert cells == {rid: str(len(t["sequences"])) for rid, t in assembled.items()}
+    assert any(len(t["calls"]) == 2 and len(t["sequences"]) == 1 for t in assembled.values())
     # The key filter: this key's rollouts, and none of another key's.
     visit(browser, f"{url}/ui/rollouts?key_id={site.key_id}")
     assert _listed(browser) == recorded

@@ -1,0 +1,112 @@
+"""Which call continues its rollout (gateway/continuation.py `Continuations`): pure, over call records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.adapters import Route
+from gateway.continuation import Continuations
+from store.records import CallRecord, ChoiceRecord
+from store.trajectories import tools_key
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
+ROUTE = Route("my-agent@2", "my-agent", 2)
+
+
+def _record(messages: list[dict[str, Any]], replies: list[dict[str, Any]], **fields: Any) -> CallRecord:
+    base: dict[str, Any] = dict(
+        call_id="c1",
+        rollout_id="r1",
+        rollout_explicit=True,
+        model="my-agent",
+        step=2,
+        upstream_model="my-agent@2",
+        request={"model": "my-agent", "messages": messages, "tools": [TOOL]},
+        stream=False,
+        status="ok",
+        http_status=200,
+        error=None,
+        prompt_token_ids=[1, 2, 3],
+        choices=[ChoiceRecord(i, reply, "stop", [10 + i, 11 + i], [-0.1, -0.2]) for i, reply in enumerate(replies)],
+        usage=None,
+        started_at=1.0,
+        first_token_at=1.5,
+        ended_at=2.0,
+    )
+    return CallRecord(**{**base, **fields})
+
+
+USER = {"role": "user", "content": "weather?"}
+REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+# What a client sends back for it: its own id and whitespace, content null, the reasoning gone.
+SENT_BACK = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{**CALL, "id": "other", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}],
+}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+def _continuations(*records: CallRecord) -> Continuations:
+    remembered = Continuations()
+    for record in records:
+        remembered.remember(record)
+    return remembered
+
+
+def _request(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    return {"model": "my-agent", "messages": messages, "tools": [TOOL], **fields}
+
+
+def test_a_call_sending_back_the_reply_then_new_messages_continues_from_the_sampled_ids() -> None:
+    remembered = _continuations(_record([USER], [{**REPLY, "reasoning": "think"}]))
+    continued = remembered.find("r1", _request([USER, SENT_BACK, RESULT]), ROUTE)
+    assert continued is not None
+    assert continued.prefix_ids == [1, 2, 3, 10, 11]
+    assert continued.sampled_ids == [10, 11]
+    assert continued.history_len == 2
+
+
+def test_the_reply_of_another_choice_continues_from_that_choice() -> None:
+    other = {"role": "assistant", "content": "no tool"}
+    remembered = _continuations(_record([USER], [REPLY, other]))
+    continued = remembered.find("r1", _request([USER, other, {"role": "user", "content": "and?"}]), ROUTE)
+    assert continued is not None and continued.sampled_ids == [11, 12]
+
+
+def test_a_gateway_made_strict_flag_is_the_same_tools() -> None:
+    strict = {**TOOL, "function": {**TOOL["function"], "strict": True}}
+    assert tools_key([strict]) == tools_key([TOOL])
+    remembered = _continuations(_record([USER], [REPLY], request=_request([USER], tools=[strict])))
+    assert remembered.find("r1", _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
+
+
+def test_calls_that_do_not_continue() -> None:
+    remembered = _continuations(_record([USER], [REPLY]))
+    edited_reply = {**SENT_BACK, "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": "{}"}}]}
+    other_tools = [{**TOOL, "function": {**TOOL["function"], "name": "get_time"}}]
+    cases = {
+        "edited history": _request([{"role": "user", "content": "other"}, SENT_BACK, RESULT]),
+        "edited reply": _request([USER, edited_reply, RESULT]),
+        "no new message": _request([USER, SENT_BACK]),
+        "the same history again": _request([USER]),
+        "other tools": _request([USER, SENT_BACK, RESULT], tools=other_tools),
+        "other template options": _request([USER, SENT_BACK, RESULT], chat_template_kwargs={"enable_thinking": 1}),
+        "continue the final message": _request([USER, SENT_BACK, RESULT], continue_final_message=True),
+    }
+    for name, request in cases.items():
+        assert remembered.find("r1", request, ROUTE) is None, name
+    other_step = Route("my-agent@3", "my-agent", 3)
+    assert remembered.find("r1", _request([USER, SENT_BACK, RESULT]), other_step) is None
+    assert remembered.find("r2", _request([USER, SENT_BACK, RESULT]), ROUTE) is None  # another rollout
+
+
+def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept() -> None:
+    failed = _record([USER], [], status="upstream_error", http_status=502)
+    assert len(_continuations(failed)) == 0
+    remembered = Continuations(capacity=2)
+    for rid in ("a", "b", "c"):
+        remembered.remember(_record([USER], [REPLY], rollout_id=rid))
+    assert remembered.find("a", _request([USER, SENT_BACK, RESULT]), ROUTE) is None
+    assert remembered.find("c", _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
