@@ -169,8 +169,8 @@ class Splicer:
         self.upstream_url = upstream_url
         self.timeout = timeout
         self.available: bool | None = None  # None: not known yet (probed at start, and on the first continuation)
-        self._tails: dict[str, list[int]] = {}
-        self.fingerprint: str | None = None  # by served model: the template's end of an assistant turn
+        self._tails: dict[str, list[int]] = {}  # by served model: the template's end of an assistant turn
+        self.fingerprint: str | None = None  # the engine's system_fingerprint (derender's answers have none)
 
     async def probe(self) -> bool:
         """Whether the engine serves the scale-out endpoints: vLLM answers 403 to them without the flag."""
@@ -220,8 +220,7 @@ class Splicer:
         generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
         generate["token_ids"] = prompt_ids
         generate["stream"] = stream
-        if stream:
-            generate["stream_options"] = {"include_usage": True}
+        generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
         params = generate.get("sampling_params") or {}
         asked = upstream.get("max_completion_tokens") or upstream.get("max_tokens")
         if asked is None and isinstance(params.get("max_tokens"), int):
@@ -318,6 +317,7 @@ class DerenderedStream:
         self.splice = splice
         self.content = self
         self.id = chat_id()
+        self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
         self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state
         self.states_started: set[int] = set()
         self.called: set[int] = set()  # choices that streamed a tool call
@@ -353,7 +353,7 @@ class DerenderedStream:
     async def _events(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """The chat events of one generate chunk: one a choice (each has its own derender state), or the usage
         chunk. A choice's first event is, as in vLLM's chat stream, its role alone."""
-        head = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time())}
+        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created}
         head["model"] = self.splice.upstream_model
         choices = chunk.get("choices") or []
         if not choices:

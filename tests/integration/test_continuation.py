@@ -75,7 +75,7 @@ async def _both_paths(url: str, request: dict[str, Any]) -> tuple[Any, Any]:
         rendered = await splicer._render(request)
         generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
         stream = bool(request.get("stream"))
-        generate.update(stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+        generate.update(stream=stream, stream_options=request.get("stream_options") if stream else None)
         splice = Splice(rendered["token_ids"], generate, request, BASE_NAME)
         if not stream:
             splicer.learn(json.loads(plain))
@@ -146,12 +146,14 @@ def _stream_summary(events: list[Any]) -> dict[str, Any]:
     return {"choices": choices, "usage": usage, "first": events[0]["choices"][0]["delta"]}
 
 
-@pytest.mark.parametrize("case", ["text", "forced tool", "required tool, strict", "top logprobs"])
+@pytest.mark.parametrize("case", ["text", "forced tool", "required tool, strict", "top logprobs", "no usage"])
 def test_the_token_path_streams_as_the_engine_does(vllm_url: str, case: str) -> None:
-    request = {**CASES[case], "stream": True, "stream_options": {"include_usage": True}}
+    usage = {"stream_options": {"include_usage": True}} if case != "no usage" else {}
+    request = {**CASES["text" if case == "no usage" else case], "stream": True, **usage}
     plain, derendered = asyncio.run(_both_paths(vllm_url, request))
     ours, theirs = _stream_summary(derendered), _stream_summary(plain)
     assert ours == theirs
+    assert (ours["usage"] is None) == (case == "no usage")
     assert ours["first"] == {"role": "assistant", "content": ""}
     if case != "text":  # the client did not ask for logprobs' text: the recorder gets the sampled ones anyway
         assert all(c["logprobs"] for c in ours["choices"].values())
