@@ -21,9 +21,11 @@ store assembles the rollout as one sequence. Anything else is served as before (
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -57,8 +59,14 @@ def _canonical(value: Any) -> bytes:
 
 
 def render_key(request: dict[str, Any]) -> bytes:
-    """What a call's history renders with besides its messages: the same for a call that continues."""
-    return tools_key(request.get("tools")) + _canonical([request.get(key) for key in _RENDER_KEYS])
+    """What a call's history renders with besides its messages (a digest): the same for a call that continues."""
+    key = tools_key(request.get("tools")) + _canonical([request.get(key) for key in _RENDER_KEYS])
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _digest(message: dict[str, Any]) -> bytes:
+    """A message's meaning (store/trajectories.py `message_key`) in 16 bytes: a 2 MB message is not kept twice."""
+    return hashlib.blake2b(message_key(message), digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +77,15 @@ class LastCall:
     step: int | None
     upstream_model: str
     render_key: bytes
-    message_keys: tuple[bytes, ...]
-    prompt_ids: list[int]
-    replies: tuple[tuple[bytes, list[int]], ...]  # each choice: its message's key and its sampled ids
+    message_keys: tuple[bytes, ...]  # each message's digest
+    prompt_ids: array[int]  # int32: 4 bytes a token
+    replies: tuple[tuple[bytes, array[int]], ...]  # each choice: its message's digest and its sampled ids
+
+    @property
+    def size(self) -> int:
+        """Bytes it holds, about: what the memory budget counts."""
+        tokens = len(self.prompt_ids) + sum(len(ids) for _, ids in self.replies)
+        return 4 * tokens + 16 * (len(self.message_keys) + len(self.replies)) + len(self.render_key) + 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,35 +98,48 @@ class Continued:
 
 
 class Continuations:
-    """Each rollout's last answered chat call (the newest `capacity` rollouts), and whether a call continues it.
+    """Each rollout's last answered chat call, the newest rollouts first within `budget_bytes`, and whether a call
+    continues it.
 
-    In memory: after a restart, or on another replica, a rollout's next call is rendered as before and starts a
-    new sequence (its split reason says so)."""
+    In memory: after a restart, on another replica, or once pushed out by newer rollouts, a rollout's next call is
+    rendered as before and starts a new sequence (its split reason says so)."""
 
-    def __init__(self, capacity: int = 50_000) -> None:
-        self.capacity = capacity
+    def __init__(self, budget_bytes: int = 64 << 20) -> None:
+        self.budget_bytes = budget_bytes
         self._last: OrderedDict[str, LastCall] = OrderedDict()
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._last)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
 
     def remember(self, record: CallRecord) -> None:
         """A chat call of a rollout was answered: the next call of the rollout may continue it."""
         messages = record.request.get("messages")
         if record.status != "ok" or not record.choices or not isinstance(messages, list):
             return
-        self._last[record.rollout_id] = LastCall(
+        last = LastCall(
             model=record.model,
             step=record.step,
             upstream_model=record.upstream_model,
             render_key=render_key(record.request),
-            message_keys=tuple(message_key(m) for m in messages),
-            prompt_ids=record.prompt_token_ids,
-            replies=tuple((message_key(c.message), c.token_ids) for c in record.choices),
+            message_keys=tuple(_digest(m) for m in messages),
+            prompt_ids=array("i", record.prompt_token_ids),
+            replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
         )
-        self._last.move_to_end(record.rollout_id)
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
+        replaced = self._last.pop(record.rollout_id, None)
+        if replaced is not None:
+            self._bytes -= replaced.size
+        if last.size > self.budget_bytes:
+            return  # one call larger than the whole budget: its rollout's next call is rendered anew
+        self._last[record.rollout_id] = last
+        self._bytes += last.size
+        while self._bytes > self.budget_bytes:
+            _, oldest = self._last.popitem(last=False)
+            self._bytes -= oldest.size
 
     def find(self, rollout_id: str, request: dict[str, Any], route: Route) -> Continued | None:
         """How `request` continues the rollout's last call, or None when it does not."""
@@ -127,12 +154,12 @@ class Continuations:
         then = len(last.message_keys)
         if len(messages) < then + 2 or render_key(request) != last.render_key:
             return None  # no new message after the reply, or other tools or template options
-        if any(message_key(m) != key for m, key in zip(messages, last.message_keys, strict=False)):
+        if any(_digest(m) != key for m, key in zip(messages, last.message_keys, strict=False)):
             return None
-        reply = message_key(messages[then])
+        reply = _digest(messages[then])
         for key, sampled in last.replies:
             if key == reply and sampled:
-                return Continued(last.prompt_ids + sampled, sampled, then + 1)
+                return Continued(last.prompt_ids.tolist() + sampled.tolist(), sampled.tolist(), then + 1)
         return None
 
 

@@ -320,6 +320,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(
             splicer=splicer,
+            continuation_bytes=settings.continuation_cache_bytes,
             session=session,
             upstream_url=settings.upstream_url,
             request_timeout=settings.request_timeout,

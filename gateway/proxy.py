@@ -236,6 +236,7 @@ class EngineCalls:
         limits: RateLimits | None = None,
         tracer: CallTracer | None = None,
         splicer: Splicer | None = None,
+        continuation_bytes: int = 64 << 20,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
@@ -253,7 +254,7 @@ class EngineCalls:
         self.engine_state = engine_state
         # One rollout, one sequence (gateway/continuation.py): each rollout's last chat call, and with
         # `--continuity splice` the splicer that serves a call continuing it from the model's own tokens.
-        self.continuations = Continuations()
+        self.continuations = Continuations(continuation_bytes)
         self.splicer = splicer
 
     async def route(self, requested: str, origin: CallOrigin) -> Route:

@@ -178,6 +178,13 @@ class Settings:
             "call is stored compactly"
         },
     )
+    continuation_cache_bytes: int = field(
+        default=64 << 20,
+        metadata={
+            "help": "bytes of memory (all rollouts together) for each rollout's last call, from whose tokens the "
+            "rollout's next call goes on (--continuity splice); a rollout pushed out is rendered anew"
+        },
+    )
     promotion: Promotion = field(
         default="always",
         metadata={
@@ -280,6 +287,7 @@ class Settings:
             ("--recorder-queue-size", self.recorder_queue_size),
             ("--recorder-batch-size", self.recorder_batch_size),
             ("--recorder-cache-bytes", self.recorder_cache_bytes),
+            ("--continuation-cache-bytes", self.continuation_cache_bytes),
             ("--recorder-queue-bytes", self.recorder_queue_bytes),
             ("--journal-segment-bytes", self.journal_segment_bytes),
         ):

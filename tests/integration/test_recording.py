@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from store.trajectories import SPLIT_RERENDERED
 from tests.conftest import ARTGW, BASE_NAME, WEATHER_TOOLS
+from tests.recorded import sampled_by_call
 
 pytestmark = pytest.mark.engine
 
@@ -88,10 +88,11 @@ def test_keying_by_header_path_and_neither(engine_gateway) -> None:
     assert httpx.get(f"{engine_gateway.base_url}/art/rollouts/nope", headers=engine_gateway.admin).status_code == 404
 
 
-def test_multi_turn_tool_rollout_merges_where_the_prefix_holds_and_splits_where_not(engine_gateway, tokenizer) -> None:
+def test_multi_turn_tool_rollout_is_one_sequence_of_the_sampled_tokens(engine_gateway, tokenizer) -> None:
     # Turn 1: a forced tool call (guided decoding). vLLM's hermes output has no newlines inside <tool_call>,
-    # the chat template adds them when it re-renders the turn: the next prompt cannot extend it.
-    # JSON allows free whitespace, which a random-weight model may emit until max_tokens: try a few seeds.
+    # the chat template adds them when it re-renders the turn: re-rendered, the next prompt would not extend it;
+    # the gateway goes on from the sampled tokens instead (gateway/continuation.py). JSON allows free whitespace,
+    # which a random-weight model may emit until max_tokens: try a few seeds.
     for seed in range(8):
         rid = f"tools-{uuid.uuid4().hex[:8]}"
         client = client_for(engine_gateway, rid)
@@ -127,14 +128,13 @@ def test_multi_turn_tool_rollout_merges_where_the_prefix_holds_and_splits_where_
 
     recorded = rollout(engine_gateway, rid)
     ids = [c["id"] for c in recorded["calls"]]
-    first, second = recorded["sequences"]
-    assert first["call_ids"] == ids[:1] and first["split_reason"] is None
-    assert second["call_ids"] == ids[1:] and second["split_reason"] == SPLIT_RERENDERED
-    assert second["split_cause"] == "rerendered"  # the SDK sent the tool call back as the model made it
-    # Masks sit exactly on sampled tokens: the forced "the" twice in the merged sequence.
-    sampled = [t for t, m in zip(second["token_ids"], second["sampled_mask"], strict=True) if m]
-    assert sampled == [the, the]
-    assert recorded["trainable_tokens"] == sum(first["sampled_mask"]) + 2
+    (sequence,) = recorded["sequences"]
+    assert sequence["call_ids"] == ids and sequence["split_reason"] is None
+    # Masks sit exactly on sampled tokens: the tool call as sampled, then the forced "the" twice.
+    sampled = [t for t, m in zip(sequence["token_ids"], sequence["sampled_mask"], strict=True) if m]
+    assert sampled == [*sampled_by_call(recorded)[ids[0]], the, the]
+    assert tokenizer.decode(sampled[:-2], skip_special_tokens=False).startswith("<tool_call>")
+    assert recorded["trainable_tokens"] == len(sampled)
     assert recorded["messages"][-1] == {"role": "assistant", "content": "the"}
     assert recorded["tools"] == TOOLS
 

@@ -102,11 +102,16 @@ def test_calls_that_do_not_continue() -> None:
     assert remembered.find("r2", _request([USER, SENT_BACK, RESULT]), ROUTE) is None  # another rollout
 
 
-def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept() -> None:
+def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_the_budget() -> None:
     failed = _record([USER], [], status="upstream_error", http_status=502)
     assert len(_continuations(failed)) == 0
-    remembered = Continuations(capacity=2)
-    for rid in ("a", "b", "c"):
+    one = _continuations(_record([USER], [REPLY])).bytes
+    remembered = Continuations(budget_bytes=2 * one)
+    for rid in ("a", "b", "c", "c"):
         remembered.remember(_record([USER], [REPLY], rollout_id=rid))
+    assert len(remembered) == 2 and remembered.bytes == 2 * one
     assert remembered.find("a", _request([USER, SENT_BACK, RESULT]), ROUTE) is None
     assert remembered.find("c", _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
+    # A message is kept as a digest: a 2 MB history costs the budget what a short one does.
+    big = {"role": "user", "content": "x" * (2 << 20)}
+    assert _continuations(_record([big], [REPLY])).bytes == one
