@@ -257,10 +257,10 @@ class Processes:
 
 def start_gateway(procs: Processes, workdir: Path, upstream: str, continuity: str) -> str:
     port = free_port()
-    data = workdir / f"gw-{continuity}"
+    data = workdir / f"gw-{continuity}-{port}"
     cmd = [ARTGW, "serve", "--upstream", upstream, "--port", str(port), "--data-dir", str(data)]
     cmd += ["--continuity", continuity, "--auth", "off", "--log-level", "warning"]
-    data.mkdir(parents=True)
+    data.mkdir(parents=True, exist_ok=True)
     proc = procs.start(cmd, workdir / f"gw-{continuity}.log")
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/readyz", proc, 120)
@@ -483,7 +483,7 @@ def sequences_part(args: argparse.Namespace, procs: Processes, workdir: Path) ->
     wait_ready(engine.url + "/health", proc, 600)
     urls = {mode: start_gateway(procs, workdir, engine.url, mode) for mode in ("rerender", "splice")}
     for mode, url in urls.items():
-        _ADMIN[url] = (workdir / f"gw-{mode}" / "admin_key").read_text().strip()
+        _ADMIN[url] = (workdir / f"gw-{mode}-{url.rsplit(':', 1)[1]}" / "admin_key").read_text().strip()
     rows = []
     bias = call_logit_bias(model_dir)
     for task in ("tool loop", "demo episodes"):
