@@ -260,14 +260,7 @@ class Splicer:
     async def derender(self, generated: dict[str, Any], splice: Splice) -> dict[str, Any]:
         """`/inference/v1/generate`'s whole answer -> the chat completion the engine would have answered, with
         the prompt ids it was sampled from and each choice's sampled ids (what the recorder keeps)."""
-        body = splice.derender_request(generate_response=generated)
-        async with self.session.post(
-            self.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.timeout
-        ) as answer:
-            reply = await answer.read()
-            if answer.status != 200:
-                raise DerenderFailed(answer.status, reply)
-        completion: dict[str, Any] = _decode(reply)
+        completion = await self.post_derender(splice.derender_request(generate_response=generated))
         completion["id"] = chat_id()
         completion["system_fingerprint"] = self.fingerprint
         completion["prompt_token_ids"] = splice.prompt_ids
@@ -278,6 +271,17 @@ class Splicer:
             called = bool((choice.get("message") or {}).get("tool_calls"))
             choice["finish_reason"] = _finish_reason(choice.get("finish_reason"), called, splice.chat_request)
         return completion
+
+    async def post_derender(self, body: bytes) -> dict[str, Any]:
+        """`/v1/chat/completions/derender`'s answer; DerenderFailed with the engine's error."""
+        async with self.session.post(
+            self.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.timeout
+        ) as answer:
+            reply = await answer.read()
+            if answer.status != 200:
+                raise DerenderFailed(answer.status, reply)
+        derendered: dict[str, Any] = _decode(reply)
+        return derendered
 
     def learn(self, answer: dict[str, Any]) -> None:
         """The engine's `system_fingerprint`, from one of its own chat answers (derender has none)."""
@@ -422,27 +426,15 @@ class DerenderedStream:
 
     async def _derender(self, chunk: dict[str, Any], state: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
         body = self.splice.derender_request(stream=True, generate_chunk=chunk, stream_state=state)
-        async with self.splicer.session.post(
-            self.splicer.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.splicer.timeout
-        ) as answer:
-            reply = await answer.read()
-            if answer.status != 200:
-                raise DerenderFailed(answer.status, reply)
-        derendered = _decode(reply)
+        derendered = await self.splicer.post_derender(body)
         return derendered["chunk"], derendered["stream_state"]
 
     async def _chat_logprobs(self, choice: dict[str, Any]) -> dict[str, Any] | None:
         """Chat's logprobs of a chunk's tokens (the streaming derender leaves them out when a tool parser is on):
         the whole-answer derender of just these tokens resolves them."""
         part = {"choices": [{**choice, "index": 0, "finish_reason": None}], "request_id": "logprobs"}
-        body = self.splice.derender_request(generate_response=part)
-        async with self.splicer.session.post(
-            self.splicer.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.splicer.timeout
-        ) as answer:
-            reply = await answer.read()
-            if answer.status != 200:
-                raise DerenderFailed(answer.status, reply)
-        choices = _decode(reply).get("choices") or [{}]
+        derendered = await self.splicer.post_derender(self.splice.derender_request(generate_response=part))
+        choices = derendered.get("choices") or [{}]
         return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
 
 

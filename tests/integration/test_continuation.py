@@ -359,3 +359,28 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
     finally:
         gateway.stop()
         stop_group(stub)
+
+
+def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> None:
+    """The history the gateway keeps itself (`previous_response_id`, store/responses.py) continues too."""
+    rid = new_id("responses")
+    tools = [{"type": "function", **{k: v for k, v in TOOLS[0]["function"].items()}}]
+
+    def run(seed: int) -> None:
+        client = openai.OpenAI(
+            base_url=engine_gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        fields: dict[str, Any] = dict(model="my-agent", tools=tools, max_output_tokens=48, extra_body={"seed": seed})
+        first = client.responses.create(
+            input=QUESTION[0]["content"], tool_choice={"type": "function", "name": "get_weather"}, **fields
+        )
+        calls = [item for item in first.output if item.type == "function_call"]
+        if not calls or first.status != "completed":
+            raise ValueError(f"no whole function call ({first.status})")
+        json.loads(calls[0].arguments)
+        outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]
+        client.responses.create(previous_response_id=first.id, input=outputs, **fields)
+
+    seed, _ = _first_run(run)
+    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 2)
+    assert {c["api"] for c in recorded["calls"]} == {"responses"}
