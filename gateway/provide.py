@@ -41,6 +41,7 @@ from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
 from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
+from gateway.loop_watch import LoopWatch
 from gateway.metrics import GatewayMetrics
 from gateway.promotion.graders import RulerJudge
 from gateway.promotion.service import PromotionService
@@ -377,6 +378,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             asyncio.create_task(adapters.follow_store(), name="adapters-follow-store"),
             asyncio.create_task(keyring.follow(), name="keys-follow-store"),
             asyncio.create_task(promotions.watch_live_rewards(), name="promotion-live-rewards"),
+            asyncio.create_task(LoopWatch(metrics.registry, profile=settings.loop_profile).run(), name="loop-watch"),
         ]
         try:
             yield services

@@ -233,6 +233,13 @@ class Settings:
         default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
     )
     log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
+    loop_profile: Path | None = field(
+        default=None,
+        metadata={
+            "help": "diagnostics: sample what holds the event loop whenever it runs late, and write each place's "
+            "share of the stalls (and the garbage collector's time) to this file on exit"
+        },
+    )
     judge_agreement_threshold: float = field(
         default=0.5,
         metadata={
