@@ -613,6 +613,9 @@ class WrkResult:
     p50_ms: float
     p99_ms: float
     cpu_pct: float | None = None  # the gateway's CPU use during the run
+    p90_ms: float = 0.0
+    p999_ms: float = 0.0
+    loop_lag_ms: float | None = None  # the gateway's longest event-loop lag in the run's last 10 s (its /metrics)
 
     @property
     def rps(self) -> float:
@@ -641,6 +644,9 @@ def _pooled(runs: list[WrkResult]) -> WrkResult:
         p50_ms=statistics.median(r.p50_ms for r in runs),
         p99_ms=statistics.median(r.p99_ms for r in runs),
         cpu_pct=statistics.fmean(cpus) if cpus else None,
+        p90_ms=statistics.median(r.p90_ms for r in runs),
+        p999_ms=statistics.median(r.p999_ms for r in runs),
+        loop_lag_ms=max((r.loop_lag_ms for r in runs if r.loop_lag_ms is not None), default=None),
     )
 
 
@@ -687,6 +693,8 @@ def run_wrk(
         timeout=r["timeout"],
         p50_ms=r["p50_us"] / 1000,
         p99_ms=r["p99_us"] / 1000,
+        p90_ms=r["p90_us"] / 1000,
+        p999_ms=r["p999_us"] / 1000,
     )
 
 
@@ -913,7 +921,17 @@ def _through(children: Children, gateway: Gateway, connections: int, seconds: in
     rollout = f"bench-{target}-c{connections}"
     result = run_wrk(children, gateway.url, connections, seconds, rollout, target, gateway.api_key)
     result.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / result.seconds
+    result.loop_lag_ms = loop_lag_ms(gateway.url)
     return result
+
+
+def loop_lag_ms(url: str) -> float | None:
+    """The gateway's `artgw_event_loop_lag_max_seconds` (the last 10 s), in ms; None if it has no such gauge."""
+    status, data = http("GET", f"{url}/metrics")
+    for line in data.decode(errors="replace").splitlines() if status == 200 else ():
+        if line.startswith("artgw_event_loop_lag_max_seconds "):
+            return 1000 * float(line.split()[1])
+    return None
 
 
 def _account(
@@ -973,6 +991,25 @@ def _keyed(gateway: Gateway, records: int) -> tuple[bool, str]:
     extra = f"; without a key id: {by_key.get(None, 0):,}" + (f"; other key ids: {others}" if others else "")
     say(f"key ids (calls.key_id): {detail}{extra}")
     return ok, detail
+
+
+def tail_table(pairs: list[tuple[WrkResult, WrkResult]]) -> str:
+    """The added latency at the tail (a gateway's percentile minus the direct run's) and the gateway's longest
+    event-loop lag over the run's last 10 s, per target and concurrency."""
+    headers = ["target", "conc", "added p50 ms", "added p90 ms", "added p99 ms", "added p99.9 ms", "loop lag max ms"]
+    rows = [
+        [
+            g.target,
+            str(d.connections),
+            f"{g.p50_ms - d.p50_ms:+.3f}",
+            f"{g.p90_ms - d.p90_ms:+.3f}",
+            f"{g.p99_ms - d.p99_ms:+.3f}",
+            f"{g.p999_ms - d.p999_ms:+.3f}",
+            f"{g.loop_lag_ms:.1f}" if g.loop_lag_ms is not None else "-",
+        ]
+        for d, g in pairs
+    ]
+    return table(headers, rows)
 
 
 def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comparison) -> str:
@@ -1151,6 +1188,8 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         for d, g in results
     ]
     say(table(headers, rows))
+    say()
+    say(tail_table([(d, g) for d, g in results] + [(d, b) for (d, _), b in zip(results, base_results, strict=False)]))
     say()
     # (direct, old slot, new slot) per concurrency; empty without a comparison.
     compared = [(d, b, g) for (d, g), b in zip(results, base_results, strict=False)]

@@ -23,9 +23,9 @@ done = function(summary, latency, requests)
    io.write(string.format(
       'BENCH_JSON {"duration_us":%d,"requests":%d,"bytes":%d,' ..
       '"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d,' ..
-      '"p50_us":%d,"p90_us":%d,"p99_us":%d,"mean_us":%.1f,"max_us":%d}\n',
+      '"p50_us":%d,"p90_us":%d,"p99_us":%d,"p999_us":%d,"mean_us":%.1f,"max_us":%d}\n',
       summary.duration, summary.requests, summary.bytes,
       e.connect, e.read, e.write, e.status, e.timeout,
-      latency:percentile(50), latency:percentile(90), latency:percentile(99),
+      latency:percentile(50), latency:percentile(90), latency:percentile(99), latency:percentile(99.9),
       latency.mean, latency.max))
 end

@@ -58,6 +58,7 @@ class LoopWatch:
         self._sampler: threading.Thread | None = None
         self.gc_seconds: collections.Counter[int] = collections.Counter()  # by generation, while profiling
         self.gc_longest: collections.Counter[int] = collections.Counter()
+        self.gc_runs: collections.Counter[int] = collections.Counter()
         self._gc_started = 0.0
 
     def max_lag(self) -> float:
@@ -95,6 +96,7 @@ class LoopWatch:
             return
         took = time.perf_counter() - self._gc_started
         self.gc_seconds[info["generation"]] += took
+        self.gc_runs[info["generation"]] += 1
         self.gc_longest[info["generation"]] = max(self.gc_longest[info["generation"]], took)
 
     def _sample(self, loop_thread: int | None) -> None:
@@ -113,9 +115,11 @@ class LoopWatch:
         lines = [f"{self.sampled} samples (1 ms apart) of the loop's thread while the loop was held\n"]
         lines += [f"{100 * n / total:5.1f}%  {n:6d}  {place}\n" for place, n in self.samples.most_common(40)]
         lines += [
-            f"gc generation {g}: {self.gc_seconds[g]:.3f} s in all, longest {1000 * self.gc_longest[g]:.1f} ms\n"
+            f"gc generation {g}: {self.gc_runs[g]} collections, {self.gc_seconds[g]:.3f} s in all, longest "
+            f"{1000 * self.gc_longest[g]:.1f} ms\n"
             for g in sorted(self.gc_seconds)
         ]
+        lines.append(f"objects the collector tracks: {len(gc.get_objects())} ({gc.get_freeze_count()} frozen)\n")
         path.write_text("".join(lines))
 
 

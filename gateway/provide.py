@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -58,6 +59,11 @@ from store.responses import ResponseStore
 from store.tracing import start_tracing
 
 log = logging.getLogger("artgw.gateway")
+# The collector's thresholds while serving: a call makes and drops hundreds of objects, so CPython's default
+# (a young collection every 700 net allocations) collected every few calls and promoted the objects of the calls
+# in flight to older generations; 20,000 cut the collector's share of the loop from ~10% to ~1% and took 256
+# connections from 1,780 to 2,200 calls/s (bench/README.md, issue 30).
+GC_THRESHOLDS = (20_000, 20, 10)
 
 
 class UpstreamEngine:
@@ -373,6 +379,12 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         )
         await recorder.start()
         await scorer.resume()
+        # Everything made so far (modules, litestar, SQLAlchemy, litellm: hundreds of thousands of objects) lives
+        # as long as the process: out of the collector's sight, a full collection no longer walks it on the event
+        # loop (it took ~100 ms, the gateway's p99 at one connection; bench/README.md, issue 30).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         background = [
             asyncio.create_task(services.bring_up_engine(), name="engine-bring-up"),
             asyncio.create_task(adapters.follow_store(), name="adapters-follow-store"),
