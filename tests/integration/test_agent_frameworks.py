@@ -40,6 +40,9 @@ def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engi
         "content": "sunny",
     }
     assert texts(recorded, tokenizer)[-1] == run["final_output"]
+    # One rollout, one sequence (gateway/continuation.py): the answer turn went on from the tokens the model
+    # sampled for its tool call, on the default Responses API.
+    assert recorded["sequences"][-1]["call_ids"][-2:] == [tool_turn["id"], answer_turn["id"]]
 
 
 def test_pydantic_ai_default_openai_model(engine_gateway, tokenizer) -> None:
