@@ -19,7 +19,7 @@ from jsonschema.validators import validator_for
 from gateway.adapters import Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
-from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
+from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -197,5 +197,5 @@ class ChatService:
         route = await self.calls.route(head.model, origin)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)
-        spec = EngineRequest("chat", "/v1/chat/completions", upstream_body, request, route, bool(head.stream), wire)
+        spec = EngineRequest("chat", CHAT_PATH, upstream_body, request, route, bool(head.stream), wire)
         return await self.calls.run(spec, origin, hang_up)

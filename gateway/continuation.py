@@ -69,6 +69,13 @@ def _digest(message: dict[str, Any]) -> bytes:
     return hashlib.blake2b(message_key(message), digest_size=16).digest()
 
 
+def message_digests(request: dict[str, Any]) -> tuple[bytes, ...] | None:
+    """Each message's digest, or None for a request without a messages list. A call's digests serve both to find
+    what it continues and to remember it: computed once a call (gateway/proxy.py)."""
+    messages = request.get("messages")
+    return tuple(_digest(m) for m in messages) if isinstance(messages, list) else None
+
+
 @dataclass(frozen=True, slots=True)
 class LastCall:
     """What a rollout's last answered chat call left: enough to tell whether the next call continues it."""
@@ -116,17 +123,21 @@ class Continuations:
     def bytes(self) -> int:
         return self._bytes
 
-    def remember(self, record: CallRecord) -> None:
-        """A chat call of a rollout was answered: the next call of the rollout may continue it."""
-        messages = record.request.get("messages")
-        if record.status != "ok" or not record.choices or not isinstance(messages, list):
+    def remember(self, record: CallRecord, digests: tuple[bytes, ...] | None = None) -> None:
+        """A chat call of a rollout was answered: the next call of the rollout may continue it. `digests`: its
+        request's `message_digests`, if already known."""
+        if record.status != "ok" or not record.choices:
+            return
+        if digests is None:
+            digests = message_digests(record.request)
+        if digests is None:
             return
         last = LastCall(
             model=record.model,
             step=record.step,
             upstream_model=record.upstream_model,
             render_key=render_key(record.request),
-            message_keys=tuple(_digest(m) for m in messages),
+            message_keys=digests,
             prompt_ids=array("i", record.prompt_token_ids),
             replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
         )
@@ -141,22 +152,26 @@ class Continuations:
             _, oldest = self._last.popitem(last=False)
             self._bytes -= oldest.size
 
-    def find(self, rollout_id: str, request: dict[str, Any], route: Route) -> Continued | None:
-        """How `request` continues the rollout's last call, or None when it does not."""
+    def find(
+        self, rollout_id: str, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
+    ) -> Continued | None:
+        """How `request` continues the rollout's last call, or None when it does not. `digests`: the request's
+        `message_digests`, if already known."""
         last = self._last.get(rollout_id)
-        messages = request.get("messages")
-        if last is None or not isinstance(messages, list) or not last.prompt_ids:
+        if last is None or not last.prompt_ids:
             return None
         if (last.model, last.step, last.upstream_model) != (route.model, route.step, route.upstream_model):
             return None
         if request.get("continue_final_message") or request.get("add_generation_prompt") is False:
             return None
+        if digests is None:
+            digests = message_digests(request)
         then = len(last.message_keys)
-        if len(messages) < then + 2 or render_key(request) != last.render_key:
+        if digests is None or len(digests) < then + 2 or render_key(request) != last.render_key:
             return None  # no new message after the reply, or other tools or template options
-        if any(_digest(m) != key for m, key in zip(messages, last.message_keys, strict=False)):
+        if digests[:then] != last.message_keys:
             return None
-        reply = _digest(messages[then])
+        reply = digests[then]
         for key, sampled in last.replies:
             if key == reply and sampled:
                 return Continued(last.prompt_ids.tolist() + sampled.tolist(), sampled.tolist(), then + 1)
@@ -349,8 +364,7 @@ class DerenderedStream:
         self.content = self
         self.id = chat_id()
         self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
-        self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state
-        self.states_started: set[int] = set()
+        self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state, once it has one
         self.called: set[int] = set()  # choices that streamed a tool call
         self.logprobs_asked = bool(splice.chat_request.get("logprobs"))
 
@@ -395,6 +409,12 @@ class DerenderedStream:
         events = []
         for choice in choices:
             index = choice.get("index", 0)
+            if index not in self.states:  # this choice's first event: its role alone, before it
+                delta = {"role": "assistant", "content": ""}
+                events.append({**head, "choices": [{"index": index, "delta": delta, "logprobs": None}]})
+                events[-1]["choices"][0]["finish_reason"] = None
+                if not self.states:  # the stream's first event carries the prompt ids, as vLLM's chat has it
+                    events[-1]["prompt_token_ids"] = self.splice.prompt_ids
             one = {**chunk, "choices": [choice]}
             if self.logprobs_asked and choice.get("logprobs"):
                 (derendered, state), logprobs = await asyncio.gather(
@@ -403,13 +423,6 @@ class DerenderedStream:
             else:
                 (derendered, state), logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
             self.states[index] = state
-            if index not in self.states_started:
-                self.states_started.add(index)
-                delta = {"role": "assistant", "content": ""}
-                events.append({**head, "choices": [{"index": index, "delta": delta, "logprobs": None}]})
-                events[-1]["choices"][0]["finish_reason"] = None
-                if len(self.states_started) == 1:
-                    events[-1]["prompt_token_ids"] = self.splice.prompt_ids
             out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
             shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
             shaped["delta"] = _delta(out.get("delta") or {})

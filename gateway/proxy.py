@@ -10,6 +10,7 @@ engine's own answer, so every API is recorded token for token the same way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -26,7 +27,15 @@ from opentelemetry.trace import Span
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
-from gateway.continuation import GENERATE_PATH, Continuations, DerenderedStream, DerenderFailed, Splice, Splicer
+from gateway.continuation import (
+    GENERATE_PATH,
+    Continuations,
+    DerenderedStream,
+    DerenderFailed,
+    Splice,
+    Splicer,
+    message_digests,
+)
 from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
@@ -39,6 +48,7 @@ _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 # The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
 # a prefix no client may use.
 EVAL_ROLLOUT_PREFIX = "artgw-eval:"
+CHAT_PATH = "/v1/chat/completions"  # the engine endpoint of chat, Responses and Messages: a call there may continue
 RECORDING_RETRY_SECONDS = 5  # Retry-After of a call refused because the journal cannot take it
 log = logging.getLogger("artgw.gateway")
 
@@ -376,9 +386,9 @@ class EngineCalls:
     async def _splice(self, call: _Call) -> Splice | None:
         """The splice a chat call that continues its rollout is served from; None: served as sent."""
         spec, origin = call.spec, call.origin
-        if spec.path != "/v1/chat/completions" or not origin.explicit:
+        if spec.path != CHAT_PATH or not origin.explicit:
             return None
-        continued = self.continuations.find(origin.rollout_id, spec.request, spec.route)
+        continued = self.continuations.find(origin.rollout_id, spec.request, spec.route, call.digests)
         if continued is None:
             return None
         if self.splicer is None:
@@ -478,6 +488,11 @@ class _Call:
         elif origin.trace_headers:
             self.engine_headers = {**_JSON_HEADERS, **dict(origin.trace_headers)}
 
+    @functools.cached_property
+    def digests(self) -> tuple[bytes, ...] | None:
+        """Its messages' digests: what it continues is found with them, and it is remembered by them."""
+        return message_digests(self.spec.request)
+
     async def finish(
         self,
         status: CallStatus,
@@ -526,8 +541,8 @@ class _Call:
             first = False
             records.append(record)
             self.service.metrics.call_ended(self.label, record)
-            if spec.path == "/v1/chat/completions" and self.origin.explicit:
-                self.service.continuations.remember(record)
+            if spec.path == CHAT_PATH and self.origin.explicit:
+                self.service.continuations.remember(record, self.digests)
             try:
                 await self.service.recorder.submit(record)
             except RecordingUnavailable:

@@ -148,10 +148,10 @@ class RolloutService:
         counts = {r.id: 1 for r in summaries if r.call_count <= 1}
         slots = asyncio.Semaphore(8)
 
-        async def count(rollout_id: str) -> None:
+        async def count(rollout_id: str) -> None:  # only rollouts of the caller's models are counted (below)
             async with slots:
                 trajectory = await self.reader.find(rollout_id)
-            if trajectory is not None and caller.covers(trajectory.model):
+            if trajectory is not None:
                 counts[rollout_id] = len(trajectory.sequences)
 
         await asyncio.gather(*(count(r.id) for r in summaries if r.call_count > 1 and caller.covers(r.model)))

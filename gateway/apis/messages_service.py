@@ -17,7 +17,7 @@ from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
 from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError
-from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
+from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 
 _encode = msgspec.json.encode
 
@@ -77,6 +77,6 @@ class MessagesService:
         route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
         spec = EngineRequest(
-            "messages", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), MessagesWire(request)
+            "messages", CHAT_PATH, upstream_body, chat, route, bool(request.stream), MessagesWire(request)
         )
         return await self.calls.run(spec, origin, hang_up)

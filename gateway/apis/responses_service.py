@@ -28,7 +28,7 @@ from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
 from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
-from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
+from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound
 from store.responses import ResponseStore, StoredResponse, response_not_found
 
@@ -123,9 +123,7 @@ class ResponsesService:
         route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
         wire = ResponsesWire(self, request, origin, history)
-        spec = EngineRequest(
-            "responses", "/v1/chat/completions", upstream_body, chat, route, bool(request.stream), wire
-        )
+        spec = EngineRequest("responses", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
         return await self.calls.run(spec, origin, hang_up)
 
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
