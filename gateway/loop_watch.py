@@ -22,6 +22,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+_ROOT = str(Path(__file__).resolve().parents[1]) + "/"  # the checkout: places are named relative to it
 STALL = 0.005  # a probe this late (or more) means something held the loop: the profile samples it
 _PROJECT = ("gateway/", "store/", "artgw/", "ruler/")
 
@@ -136,7 +137,7 @@ def _place(frame: object) -> str:
 
 
 def _short(filename: str) -> str:
-    for marker in ("site-packages/", "/work/main/", "python3.11/"):
+    for marker in ("site-packages/", _ROOT, "python3.11/"):
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename
