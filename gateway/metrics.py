@@ -255,6 +255,13 @@ class GatewayMetrics:
             ["model", "how"],
             registry=r,
         )
+        self.engine_resends = Counter(
+            "artgw_engine_resends",
+            "Calls sent to the engine again because it cut the connection before answering, by the error seen "
+            "(ServerDisconnectedError, ClientOSError): a few at a burst's start are normal, a steady rate is not.",
+            ["model", "error"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "artgw_store_up",
             "1 if the store answered the last scrape's reads and the recorder's last write, else 0.",
@@ -282,6 +289,9 @@ class GatewayMetrics:
             self.ttft.labels(model).observe(record.first_token_at - record.started_at)
         self.prompt_tokens.labels(model).inc(len(record.prompt_token_ids))
         self.completion_tokens.labels(model).inc(sum(len(c.token_ids) for c in record.choices))
+
+    def engine_resent(self, model: str, error: str) -> None:
+        self.engine_resends.labels(model, error).inc()
 
     def call_continued(self, model: str, how: str) -> None:
         self.continued_calls.labels(model, how).inc()

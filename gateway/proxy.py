@@ -96,6 +96,11 @@ def call_origin(
 
 # What reading a malformed engine answer raises: not JSON, or JSON without the fields vLLM always sends.
 ENGINE_DATA_ERRORS = (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, IndexError)
+# A send the engine's end cut before any answer (a kept-alive connection it closed or reset under the send): nothing
+# reached the client and nothing is recorded yet, so the call is sent again on another connection. A refused
+# connection (ClientConnectorError, a subclass: the engine is down or restarting) is not sent again.
+RESENDABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+ENGINE_SENDS = 3  # a burst can find more than one dropped connection in the pool
 
 
 class Wire(Protocol):
@@ -306,9 +311,7 @@ class EngineCalls:
         try:
             splice = await self._splice(call)
             path, body = (spec.path, spec.body) if splice is None else (GENERATE_PATH, _encode(splice.generate))
-            upstream = await self.session.post(
-                self.upstream_url + path, data=body, headers=call.engine_headers, timeout=self.timeout
-            )
+            upstream = await self._send(call, path, body)
         except BaseException as exc:
             error = self._send_error(exc)
             if error is not None:  # the record says which exception, for a post-mortem
@@ -382,6 +385,24 @@ class EngineCalls:
         except RecordingUnavailable as exc:
             raise unrecorded(exc) from None
         return JSONBody(body, headers)
+
+    async def _send(self, call: _Call, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """The engine's answer (its status and headers) to one call, sent again where the connection was cut
+        before any answer (RESENDABLE)."""
+        send = functools.partial(
+            self.session.post, self.upstream_url + path, data=body, headers=call.engine_headers, timeout=self.timeout
+        )
+        for _ in range(ENGINE_SENDS - 1):
+            try:
+                return await send()
+            except RESENDABLE as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                log.warning(
+                    "the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc
+                )
+                self.metrics.engine_resent(call.label, type(exc).__name__)
+        return await send()
 
     async def _splice(self, call: _Call) -> Splice | None:
         """The splice a chat call that continues its rollout is served from; None: served as sent."""

@@ -7,10 +7,14 @@ vLLM cannot be made to misbehave on cue (hang, 5xx, die mid-stream). The upstrea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import socket
 import sqlite3
+import struct
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import pytest
 from store import create_engine
 from store.calls import rollout_calls
 from store.records import CallRecord
-from tests.conftest import free_port, poll, start_stub, stop_group, wait_http
+from tests.conftest import free_port, metric, poll, start_stub, stop_group, wait_http
 
 
 @pytest.fixture
@@ -52,6 +56,7 @@ def error(response: httpx.Response) -> dict:
 
 
 ROLLOUT = "X-ART-Rollout-Id"
+RESENT = ("ServerDisconnectedError", "ClientOSError")  # gateway/proxy.py RESENDABLE, by name
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -172,6 +177,103 @@ def test_engine_down_is_502_then_readyz_503_and_gateway_lives(gateway_factory) -
     assert error(r)["code"] == "upstream_unreachable"
     assert httpx.get(f"{gateway.url}/readyz").status_code == 503
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
+
+
+class CuttingRelay:
+    """A TCP relay in front of the stand-in engine that resets the connection of the next `cuts` chat requests as
+    soon as their bytes arrive, before any answer: what a kept-alive connection the engine closes under a send, or
+    a burst's reset, looks like to the gateway (seen in CI as 502s at the start of a 300-call burst)."""
+
+    def __init__(self, target: str, cuts: int) -> None:
+        self.target_port = int(target.rsplit(":", 1)[1])
+        self.cuts, self.cut = cuts, 0
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _listen(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        engine_reader, engine_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cutting: bool) -> None:
+            try:
+                while data := await reader.read(65536):
+                    if cutting and b"POST /v1/chat/completions HTTP" in data and self.cut < self.cuts:
+                        self.cut += 1
+                        sock = client_writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # an RST
+                        client_writer.transport.abort()
+                        engine_writer.transport.abort()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+            except OSError:
+                pass
+            finally:
+                writer.close()
+
+        with contextlib.suppress(asyncio.CancelledError):  # the relay closing
+            await asyncio.gather(pipe(client_reader, engine_writer, True), pipe(engine_reader, client_writer, False))
+
+    async def _close(self) -> None:
+        self.server.close()
+        relays = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in relays:
+            task.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connection_cut_before_the_answer_is_sent_again_and_recorded_once(gateway_factory, stub, stream) -> None:
+    relay = CuttingRelay(stub[0], cuts=2)  # two cuts in a row: the third send answers
+    try:
+        gateway = gateway_factory("--upstream", relay.url)
+        headers = {ROLLOUT: f"cut-{stream}"}
+        with httpx.stream(
+            "POST", f"{gateway.base_url}/chat/completions", json={**CHAT, "stream": stream}, headers=headers
+        ) as r:
+            assert r.status_code == 200, r.read()
+            text = r.read().decode()
+        assert relay.cut == 2
+        assert ('"content":"t"' in text and text.rstrip().endswith("[DONE]")) if stream else json.loads(text)["id"], (
+            text
+        )
+        resends = {error: metric(gateway.url, "artgw_engine_resends_total", error=error) for error in RESENT}
+        assert sum(resends.values()) == 2, resends
+        gateway.stop()  # flushes the recorder
+        (call,) = recorded_calls(gateway.db_path, f"cut-{stream}")
+        assert call.status == "ok"
+    finally:
+        relay.close()
+
+
+def test_a_connection_cut_every_time_is_502_recorded_once(gateway_factory, stub) -> None:
+    relay = CuttingRelay(stub[0], cuts=1_000)
+    try:
+        gateway = gateway_factory("--upstream", relay.url)
+        r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={ROLLOUT: "cut-always"})
+        assert r.status_code == 502
+        assert error(r)["code"] == "upstream_unreachable"
+        assert relay.cut == 3  # sent three times, then given up
+        gateway.stop()
+        (call,) = recorded_calls(gateway.db_path, "cut-always")
+        assert call.status == "upstream_error"
+    finally:
+        relay.close()
 
 
 def test_engine_not_yet_up_is_503(gateway_factory) -> None:
