@@ -14,7 +14,7 @@ derender) with `--continuity rerender` (the call sent as is) in one run, side by
    loop (forced tool calls, each result sent back, an answer) and the demo's episodes (artgw/demo_task.py: a
    get_ballots call, then report). Per mode: sequences per rollout, tokens the trainer processes per trajectory
    token (the tokens of all of a rollout's sequences / the tokens of its longest), and the trainer's step time
-   on those sequences (trainer.train.train_step on the tiny model, median of `--reps`).
+   on those sequences (trainer.step.train_step on the tiny model, median of `--reps`).
 
     nice -n 5 .venv/bin/python bench/continuation.py                    # both parts (~4 min)
     .venv/bin/python bench/continuation.py --part overhead --calls 400
@@ -436,7 +436,9 @@ def train_seconds(model_dir: Path, sequences: list[list[dict[str, Any]]], reps: 
 
     from trainer.batch import TrainSequence
     from trainer.config import TrainConfig
-    from trainer.train import StepData, make_optimizer, train_step
+    from trainer.data import StepData
+    from trainer.model import Policy, make_optimizer
+    from trainer.step import train_step
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -459,7 +461,7 @@ def train_seconds(model_dir: Path, sequences: list[list[dict[str, Any]]], reps: 
     times = []
     for _ in range(reps):
         started = time.perf_counter()
-        train_step(model, optimizer, data, config, torch.device("cpu"), 0)
+        train_step(Policy.of(model, config, torch.device("cpu")), optimizer, data, config, torch.device("cpu"), 0)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 

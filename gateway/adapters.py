@@ -53,7 +53,7 @@ from store.promotions import (
     record_promotion,
     running_canaries,
 )
-from store.types import GroupState, PromotionAction, PromotionActor, StepMetrics
+from store.types import AdapterLoad, GroupState, PromotionAction, PromotionActor
 
 log = logging.getLogger("artgw.adapters")
 
@@ -241,28 +241,6 @@ class AdapterRegistry:
 
 
 # ---------------------------------------------------------------- loading adapters into the engine
-
-
-# Bounds of an adapter load: the store keeps `step` in a 32-bit INTEGER column (SQLite and PostgreSQL), and the
-# rest is kept to what a trainer sends, so no admin input can fail only after the engine has loaded it.
-MAX_STEP = 2**31 - 1
-MAX_PATH = 4096  # PATH_MAX on Linux
-MAX_GROUPS_PER_STEP = 10_000
-MAX_ID = 256
-
-
-class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a trainer posts once a step's checkpoint is on disk."""
-
-    step: Annotated[int, msgspec.Meta(le=MAX_STEP)]  # >= 1 is checked by hand: its message explains step 0
-    # directory with adapter_config.json + weights, readable by the engine
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH)]
-    # the groups this step trained: marked trained once the adapter serves
-    group_ids: Annotated[
-        list[Annotated[str, msgspec.Meta(max_length=MAX_ID)]], msgspec.Meta(max_length=MAX_GROUPS_PER_STEP)
-    ] = []
-    lease_owner: Annotated[str, msgspec.Meta(max_length=MAX_ID)] = ""
-    metrics: StepMetrics | None = None
 
 
 class ModelStatus(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ from litestar import Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.adapters import AdapterLoad, AdapterService, ModelStatus, PromoteRequest
+from gateway.adapters import AdapterService, ModelStatus, PromoteRequest
 from gateway.auth import ADMIN as ADMIN_CALLER
 from gateway.auth import Caller
 from gateway.errors import decode_body, invalid_request
@@ -30,7 +30,7 @@ from store.promotions import EvalSetRow
 from store.records import APIS, CALL_STATUSES
 from store.rollouts import MAX_PAGE, RolloutPage
 from store.trajectories import Trajectory
-from store.types import GROUP_STATES
+from store.types import GROUP_STATES, AdapterLoad
 
 # The bodies are read raw and decoded with OpenAI-shaped 400s (decode_body): gateway/openapi.py describes them.
 # Query bounds the store checks (its 400 names the param), documented here only: Litestar parses as before.

@@ -25,6 +25,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 NormalizationName = Literal["grpo", "dr_grpo", "dapo"]
 LossName = Literal["ppo", "cispo", "gspo"]
 Device = Literal["auto", "cpu", "cuda"]
+GradientCheckpointing = Literal["auto", "on", "off"]
 
 
 # Characters W&B refuses in a project name (wandb/sdk/artifacts/_validators.py: INVALID_URL_CHARS).
@@ -97,7 +98,13 @@ class TrainConfig:
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1, in [0, 1)"})
     beta2: float = field(default=0.99, metadata={"help": "AdamW beta2, in [0, 1)"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0: off)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory"})
+    gradient_checkpointing: GradientCheckpointing = field(
+        default="auto",
+        metadata={
+            "help": "recompute the body's activations in the backward pass (memory for ~1/3 more compute); "
+            "auto: on for a base of 1B parameters or more (trainer/model.py)"
+        },
+    )
     # -- GRPO
     scale_rewards: ScaleRewards = field(
         default="group", metadata={"help": "advantages divided by the reward std of the group, the batch, or none"}
@@ -249,6 +256,7 @@ class TrainConfig:
             ("--normalization", self.normalization, get_args(NormalizationName)),
             ("--loss", self.loss_name, get_args(LossName)),
             ("--device", self.device, get_args(Device)),
+            ("--gradient-checkpointing", self.gradient_checkpointing, get_args(GradientCheckpointing)),
         ):
             if value not in choices:
                 raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")

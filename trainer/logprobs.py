@@ -43,6 +43,7 @@ def chunked_token_logprobs(
     chunk_size: int = 1024,
     allowed_index: Tensor | None = None,
     allowed_bitmask: Tensor | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """log softmax(hidden @ weight.T)[token], (N, H), (V, H), (N,) -> (N,), float32 or wider.
 
@@ -52,8 +53,10 @@ def chunked_token_logprobs(
     Grammar: `allowed_index` (N,) long, -1 = unconstrained, else a row of `allowed_bitmask` (M, ceil(V / 32))
     int32 (xgrammar's layout: bit j of word w set = token 32 w + j allowed); a constrained row's log-softmax is
     taken over its allowed tokens only, as vLLM's sampler did.
+    `validate=False` skips the checks that read values (token ids in range, each token allowed by its mask): each
+    is a wait for the device, so the trainer checks its batch once, on the host, instead.
     """
-    _check_inputs(hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask)
+    _check_inputs(hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask, validate)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _ChunkedLogprobs.apply(hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask, need_grad)
 
@@ -69,14 +72,19 @@ def policy_token_logprobs(
     chunk_size: int,
     allowed_index: Tensor | None = None,
     allowed_bitmask: Tensor | None = None,
+    autocast: torch.dtype | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """log p(labels[b, t]) under `model` (a causal LM, or a PEFT model around one) at `positions`, 0 elsewhere.
 
     (b, T) inputs -> (b, T), float32 (wider if the model is); `attention_mask` as the model takes it (packed
     rows: (b, 1, T, T) bool; None: plain causal). `positions` (b, T) bool: the tokens to score (the
-    trained ones); only they go through the output layer. `allowed_index` (b, T) long: -1 = unconstrained, else
-    a row of `allowed_bitmask` (see `chunked_token_logprobs`). Runs the LoRA layers as they are set, so under
-    `model.disable_adapter()` this is the base model.
+    trained ones); only they go through the output layer. Given on the host (the trainer's packed batch), they
+    are turned into indices there, so that nothing waits for the device to learn how many there are.
+    `allowed_index` (b, T) long: -1 = unconstrained, else a row of `allowed_bitmask` (see
+    `chunked_token_logprobs`, and its `validate`). `autocast`: the model's body runs under autocast to this
+    dtype (bf16 on a GPU); the output layer and the log-softmax never do. Runs the LoRA layers as they are set, so
+    under `model.disable_adapter()` this is the base model.
     """
     if positions.shape != labels.shape or positions.dtype != torch.bool:
         raise ValueError(
@@ -88,22 +96,23 @@ def policy_token_logprobs(
             f"allowed_index must be shaped like labels {tuple(labels.shape)}, got {tuple(allowed_index.shape)}"
         )
     causal_lm = _causal_lm(model)
-    out = causal_lm.get_decoder()(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-    )
-    hidden = out.last_hidden_state[positions]  # (n, H): only the trained positions reach the output layer
+    with torch.autocast(input_ids.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = causal_lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        )
+    index = positions.reshape(-1).nonzero()[:, 0].to(input_ids.device, non_blocking=True)  # (n,)
+    hidden = out.last_hidden_state.flatten(0, 1).index_select(0, index)  # (n, H): only these reach the output
     logprobs = chunked_token_logprobs(
         hidden,
         causal_lm.get_output_embeddings().weight,
-        labels[positions],
+        labels.reshape(-1).index_select(0, index),
         chunk_size=chunk_size,
-        allowed_index=None if allowed_index is None else allowed_index[positions],
+        allowed_index=None if allowed_index is None else allowed_index.reshape(-1).index_select(0, index),
         allowed_bitmask=allowed_bitmask,
+        validate=validate,
     )
-    # A fresh zero tensor written through `positions`: differentiable w.r.t. logprobs, 0 (no gradient) elsewhere.
-    result = logprobs.new_zeros(labels.shape)
-    result[positions] = logprobs
-    return result
+    # A fresh zero tensor written through `index`: differentiable w.r.t. logprobs, 0 (no gradient) elsewhere.
+    return logprobs.new_zeros(labels.numel()).index_copy(0, index, logprobs).view(labels.shape)
 
 
 # -----------------------------------------------------------------------------
@@ -202,8 +211,9 @@ def _check_inputs(
     chunk_size: int,
     allowed_index: Tensor | None,
     allowed_bitmask: Tensor | None,
+    validate: bool,
 ) -> None:
-    """ValueError for anything `chunked_token_logprobs` cannot compute exactly."""
+    """ValueError for anything `chunked_token_logprobs` cannot compute exactly (values too, if `validate`)."""
     if hidden.ndim != 2 or not hidden.is_floating_point():
         raise ValueError(f"hidden must be an (N, H) float tensor, got {hidden.dtype} {tuple(hidden.shape)}")
     if weight.ndim != 2 or not weight.is_floating_point() or weight.shape[1] != hidden.shape[1]:
@@ -229,7 +239,7 @@ def _check_inputs(
             f"{token_ids.device}"
         )
     vocab = weight.shape[0]
-    if token_ids.numel() and ((token_ids < 0) | (token_ids >= vocab)).any():
+    if validate and token_ids.numel() and ((token_ids < 0) | (token_ids >= vocab)).any():
         raise ValueError(f"token_ids must be in [0, {vocab}), got {token_ids.min()}..{token_ids.max()}")
     if (allowed_index is None) != (allowed_bitmask is None):
         raise ValueError("allowed_index and allowed_bitmask go together: pass both or neither")
@@ -249,6 +259,8 @@ def _check_inputs(
     if allowed_index.device != hidden.device or allowed_bitmask.device != hidden.device:
         raise ValueError("allowed_index and allowed_bitmask must be on hidden's device")
     masks = allowed_bitmask.shape[0]
+    if not validate:
+        return
     if token_ids.numel() and ((allowed_index < -1) | (allowed_index >= masks)).any():
         raise ValueError(f"allowed_index must be -1 or a row of allowed_bitmask, in [-1, {masks})")
     if token_ids.numel() and masks:

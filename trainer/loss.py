@@ -75,16 +75,40 @@ class LossConfig:
         if self.policy not in get_args(PolicyLoss):
             raise ValueError(f"policy must be one of {get_args(PolicyLoss)}, got {self.policy!r}")
 
+    def check_totals(self, totals: BatchTotals) -> None:
+        """dr_grpo's constant denominator must bound every trajectory's trained tokens (reads the counts: once a
+        batch)."""
+        if self.normalization == "dr_grpo" and self.max_completion_tokens is not None:
+            longest = int(totals.tokens_per_trajectory.max()) if totals.tokens_per_trajectory.numel() else 0
+            if longest > self.max_completion_tokens:
+                raise ValueError(
+                    f"a trajectory has {longest} masked tokens > max_completion_tokens = "
+                    f"{self.max_completion_tokens}; dr_grpo's denominator must bound every trajectory"
+                )
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)  # eq=False: tensors don't compare to a bool
 class LossResult:
-    loss: Tensor  # scalar, differentiable w.r.t. new_logprobs; policy_loss + beta * kl
-    policy_loss: float  # the clipped surrogate part, normalized like the loss
-    kl: float | None  # k3 estimate of KL(pi || ref), normalized like the loss; None without ref_logprobs
-    clip_fraction: float  # fraction of masked tokens where the PPO clip bound was the active term
-    ratio_mean: float  # mean of exp(new - sampled) over masked tokens (1.0 when there are none)
-    num_tokens: int  # masked (trained) tokens
-    num_trajectories: int  # trajectories with at least one masked token
+    """The loss and its figures, each a 0-dim tensor on the loss's device: reading one (`float()`) waits for the
+    device, so a training loop adds them up as tensors and reads them once per step."""
+
+    loss: Tensor  # differentiable w.r.t. new_logprobs; policy_loss + beta * kl
+    policy_loss: Tensor  # the clipped surrogate part, normalized like the loss (detached, as the rest)
+    kl: Tensor | None  # k3 estimate of KL(pi || ref), normalized like the loss; None without ref_logprobs
+    clipped_tokens: Tensor  # masked tokens where the clip bound was the active term
+    ratio_sum: Tensor  # sum of exp(new - sampled) over masked tokens
+    num_tokens: Tensor  # masked (trained) tokens
+    num_trajectories: Tensor  # trajectories with at least one masked token
+
+    @property
+    def clip_fraction(self) -> Tensor:
+        """The fraction of masked tokens where the clip bound was active (0 without any)."""
+        return self.clipped_tokens / self.num_tokens.clamp(min=1)
+
+    @property
+    def ratio_mean(self) -> Tensor:
+        """The mean importance ratio over masked tokens (1 without any)."""
+        return torch.where(self.num_tokens > 0, self.ratio_sum / self.num_tokens.clamp(min=1), 1.0)
 
 
 # -----------------------------------------------------------------------------
@@ -160,7 +184,12 @@ class BatchTotals:
 def batch_totals(
     token_trajectory: Tensor, mask: Tensor, num_trajectories: int, sequence_log_ratio: Tensor | None = None
 ) -> BatchTotals:
-    """The BatchTotals of a batch: token_trajectory and mask (B, T) as for grpo_loss, over *all* its rows."""
+    """The BatchTotals of a batch: token_trajectory and mask (B, T) as for grpo_loss, over *all* its rows.
+
+    Also checks the trajectory index of every masked token (a read of the values: on an accelerator, a wait for
+    the device), once for the batch: grpo_loss given these totals trusts its rows' indices.
+    """
+    _check_trajectory_index(token_trajectory, mask, num_trajectories)
     traj = torch.where(mask, token_trajectory, 0)
     counts = torch.zeros(num_trajectories, dtype=torch.float64, device=mask.device)
     counts = counts.index_add(0, traj.flatten(), mask.flatten().to(torch.float64))
@@ -186,7 +215,9 @@ def grpo_loss(
     mask (B, T) bool: True on sampled completion tokens that are trained.
     ref_logprobs (B, T): reference-policy logprobs; required when config.beta > 0.
     totals: the whole batch's BatchTotals when these rows are a part of it (None: these rows are all of it).
-        The losses of a batch's parts, each with the batch's totals, sum to the loss of the batch.
+        The losses of a batch's parts, each with the batch's totals, sum to the loss of the batch. The checks
+        that read values (trajectory indices, dr_grpo's bound) are made where the totals are counted
+        (batch_totals, LossConfig.check_totals): nothing here waits for the device.
     """
     _check_inputs(new_logprobs, sampled_logprobs, token_trajectory, advantages, mask, ref_logprobs)
     if config.beta > 0 and ref_logprobs is None:
@@ -194,6 +225,8 @@ def grpo_loss(
     n = advantages.shape[0]
     if totals is not None and tuple(totals.tokens_per_trajectory.shape) != (n,):
         raise ValueError(f"totals must count {n} trajectories, got {tuple(totals.tokens_per_trajectory.shape)}")
+    if totals is None:  # the whole batch: its values are checked here, before they index anything
+        _check_trajectory_index(token_trajectory, mask, n)
 
     # Upcast: exp() of a bf16 log-ratio is too coarse for a clip window of +-0.2.
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
@@ -208,14 +241,8 @@ def grpo_loss(
         if config.policy == "gspo":
             sequence_log_ratio = _trajectory_mean(log_ratio.detach(), mask, traj, n)
         totals = batch_totals(token_trajectory, mask, n, sequence_log_ratio)
+        config.check_totals(totals)
     tokens_per_traj = totals.tokens_per_trajectory.to(dtype)  # (N,)
-    if config.normalization == "dr_grpo" and config.max_completion_tokens is not None:
-        longest = int(tokens_per_traj.max())
-        if longest > config.max_completion_tokens:
-            raise ValueError(
-                f"a trajectory has {longest} masked tokens > max_completion_tokens = "
-                f"{config.max_completion_tokens}; dr_grpo's denominator must bound every trajectory"
-            )
 
     token_loss, ratio, clip_active = _surrogate(new, log_ratio, adv, traj, mask, config, totals)
     policy_loss = _normalize(token_loss, mask, traj, tokens_per_traj, config)
@@ -229,23 +256,17 @@ def grpo_loss(
         if config.beta > 0:
             loss = policy_loss + config.beta * kl
 
-    num_tokens = int(mask.sum())
     with torch.no_grad():
-        if num_tokens > 0:
-            clip_fraction = float((clip_active & mask).sum()) / num_tokens
-            ratio_mean = float(torch.where(mask, ratio, 0.0).sum()) / num_tokens
-        else:
-            clip_fraction, ratio_mean = 0.0, 1.0
         here = torch.zeros_like(tokens_per_traj).index_add(0, traj.flatten(), mask.flatten().to(dtype))
-    return LossResult(
-        loss=loss,
-        policy_loss=float(policy_loss.detach()),
-        kl=None if kl is None else float(kl.detach()),
-        clip_fraction=clip_fraction,
-        ratio_mean=ratio_mean,
-        num_tokens=num_tokens,
-        num_trajectories=int((here > 0).sum()),
-    )
+        return LossResult(
+            loss=loss,
+            policy_loss=policy_loss.detach(),
+            kl=None if kl is None else kl.detach(),
+            clipped_tokens=(clip_active & mask).sum(),
+            ratio_sum=torch.where(mask, ratio.detach(), 0.0).sum(),
+            num_tokens=mask.sum(),
+            num_trajectories=(here > 0).sum(),
+        )
 
 
 def _surrogate(
@@ -327,6 +348,15 @@ def _normalize(token_values: Tensor, mask: Tensor, traj: Tensor, tokens_per_traj
     return total / (num_traj * length).clamp(min=1)
 
 
+def _check_trajectory_index(token_trajectory: Tensor, mask: Tensor, n: int) -> None:
+    trained = token_trajectory[mask]
+    if trained.numel() > 0 and (int(trained.min()) < 0 or int(trained.max()) >= n):
+        raise ValueError(
+            f"token_trajectory on masked tokens must be in [0, {n}), "
+            f"got values in [{int(trained.min())}, {int(trained.max())}]"
+        )
+
+
 def _check_inputs(
     new_logprobs: Tensor,
     sampled_logprobs: Tensor,
@@ -359,10 +389,4 @@ def _check_inputs(
     if advantages.ndim != 1 or advantages.numel() == 0 or not advantages.is_floating_point():
         raise ValueError(
             f"advantages must be a non-empty 1-D float tensor, got {advantages.dtype} {tuple(advantages.shape)}"
-        )
-    trained = token_trajectory[mask]
-    if trained.numel() > 0 and (int(trained.min()) < 0 or int(trained.max()) >= advantages.shape[0]):
-        raise ValueError(
-            f"token_trajectory on masked tokens must be in [0, {advantages.shape[0]}), "
-            f"got values in [{int(trained.min())}, {int(trained.max())}]"
         )

@@ -10,9 +10,11 @@ import pytest
 import torch
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from store.adapters import commit_step
+from store.adapters import AdapterRow, commit_step, committed_steps
+from trainer.checkpoints import restore, resume_point
 from trainer.config import TrainConfig
-from trainer.train import console, load_policy, make_optimizer, restore, resume_point
+from trainer.console import console
+from trainer.model import load_policy, make_optimizer
 
 
 @pytest.fixture
@@ -36,6 +38,11 @@ def save_step(config: TrainConfig, root: Path, step: int) -> Path:
     model.save_pretrained(path)
     torch.save(make_optimizer(model, config).state_dict(), path / "optimizer.pt")
     return path
+
+
+async def resume(engine: AsyncEngine) -> tuple[int, AdapterRow | None]:
+    async with engine.connect() as conn:
+        return resume_point("m", await committed_steps(conn, "m"))
 
 
 async def commit(engine: AsyncEngine, step: int, path: Path) -> None:
@@ -62,15 +69,15 @@ async def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
         await commit(engine, step, path)
     damaged(steps[3], how)
     with console.capture() as said:
-        newest, committed = await resume_point(engine, "m")
+        newest, committed = await resume(engine)
     assert newest == 3  # the next step is 4: step 3's number stays taken
     assert committed is not None and committed.step == 2
     (line,) = said.get().strip().splitlines()
     assert line.startswith(f"m: step 3's checkpoint {steps[3]} does not load (")
     # It restores: step 2's weights, as saved.
-    model, _ = restore(config, torch.device("cpu"), committed)
+    policy, _ = restore(config, torch.device("cpu"), committed)
     saved = load_policy(config, torch.device("cpu"), steps[2])
-    for (name, mine), (_, theirs) in zip(model.named_parameters(), saved.named_parameters(), strict=True):
+    for (name, mine), (_, theirs) in zip(policy.model.named_parameters(), saved.named_parameters(), strict=True):
         assert torch.equal(mine, theirs), name
 
 
@@ -79,7 +86,7 @@ async def test_with_no_checkpoint_that_loads_it_resumes_from_the_base(
 ) -> None:
     damaged(await committed_damaged(engine, config, tmp_path), "truncated")
     with console.capture() as said:
-        newest, committed = await resume_point(engine, "m")
+        newest, committed = await resume(engine)
     assert (newest, committed) == (1, None)
     assert said.get().strip().splitlines()[-1] == "m: no committed checkpoint loads; resuming from the base weights"
 
@@ -88,7 +95,7 @@ async def test_a_damaged_optimizer_state_starts_fresh_with_a_warning(
     engine: AsyncEngine, config: TrainConfig, tmp_path: Path
 ) -> None:
     await committed_damaged(engine, config, tmp_path)
-    _, committed = await resume_point(engine, "m")
+    _, committed = await resume(engine)
     assert committed is not None and committed.step == 1  # the adapter loads: it is the resume point
     with console.capture() as said:
         _, optimizer = restore(config, torch.device("cpu"), committed)

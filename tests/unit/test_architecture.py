@@ -1,8 +1,8 @@
 """The rooms of the house: which package may import which, and no import cycles.
 
-store/ (shared, no HTTP) ← gateway/ (HTTP) and trainer/ (torch); ruler/ stands alone; artgw/ (the CLI)
-sits on top. Checked on the source (every import statement, module level or not) and on what a real
-`import trainer.train` loads.
+store/ (shared, no HTTP) ← gateway/ (HTTP), client/ (the typed client of the gateway's /v1/art API) ← trainer/
+(torch); ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module
+level or not) and on what a real `import trainer.train` loads.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("artgw", "gateway", "store", "trainer", "ruler", "migrations")
+PACKAGES = ("artgw", "client", "gateway", "store", "trainer", "ruler", "migrations")
 
 # What each package may import of the others (beside itself).
 ALLOWED = {
     "store": set(),
     "ruler": set(),
-    "trainer": {"store"},
+    "client": {"store"},
+    "trainer": {"store", "client"},
     "gateway": {"store", "ruler"},
     "migrations": {"store"},
-    "artgw": {"gateway", "store", "trainer", "ruler"},
+    "artgw": {"gateway", "store", "trainer", "ruler", "client"},
 }
 
 
@@ -108,6 +109,7 @@ def test_no_import_cycles() -> None:
     ("module", "forbidden"),
     [
         ("trainer.train", {"gateway", "litestar", "artgw"}),
+        ("client", {"gateway", "litestar", "trainer", "torch", "artgw"}),
         ("store.provide", {"gateway", "litestar", "trainer", "torch", "artgw"}),
         ("ruler", {"gateway", "store", "trainer", "litestar"}),
     ],

@@ -146,7 +146,7 @@ def test_environment_is_read_for_every_type() -> None:
 def test_trainer_booleans_choices_and_optionals_read_the_environment() -> None:
     config = train(
         env={
-            "ARTGW_GRADIENT_CHECKPOINTING": "1",
+            "ARTGW_GRADIENT_CHECKPOINTING": "on",
             "ARTGW_MASK_TRUNCATED": "yes",
             "ARTGW_TRAIN_CONSTRAINED": "TRUE",
             "ARTGW_NORMALIZATION": "dapo",
@@ -156,7 +156,7 @@ def test_trainer_booleans_choices_and_optionals_read_the_environment() -> None:
             "ARTGW_CHECKPOINTS": "/ckpt",
         }
     )
-    assert config.gradient_checkpointing and config.mask_truncated and config.train_constrained
+    assert config.gradient_checkpointing == "on" and config.mask_truncated and config.train_constrained
     assert (config.normalization, config.tis_cap, config.max_steps) == ("dapo", None, 3)
     assert math.isclose(config.learning_rate, 3e-5)
     assert config.checkpoints == Path("/ckpt")

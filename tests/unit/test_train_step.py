@@ -17,7 +17,9 @@ import torch
 
 from trainer.batch import TrainSequence
 from trainer.config import TrainConfig
-from trainer.train import StepData, load_policy, make_optimizer, split_micro_batches, train_step
+from trainer.data import StepData
+from trainer.model import Policy, load_policy, make_optimizer
+from trainer.step import split_micro_batches, train_step
 
 DEVICE = torch.device("cpu")
 LAYOUTS = [
@@ -63,7 +65,7 @@ def _run(tiny_model: Path, data: StepData, **options: object):
     torch.manual_seed(0)  # the same fresh LoRA every time
     model = load_policy(config, DEVICE, None).double()
     optimizer = make_optimizer(model, config)
-    metrics = train_step(model, optimizer, data, config, DEVICE, pad_id=0)
+    metrics = train_step(Policy.of(model, config, DEVICE), optimizer, data, config, DEVICE, pad_id=0)
     lora = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return metrics, lora
 
