@@ -11,6 +11,7 @@ step's largest cost at a real vocabulary, is already two plain matmuls per chunk
 from __future__ import annotations
 
 import resource
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -133,14 +134,16 @@ class Policy:
             return cls(model, module)
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(
-            module,
-            device_ids=[device.index if device.index is not None else torch.cuda.current_device()]
-            if device.type == "cuda"
-            else None,
-            broadcast_buffers=False,  # the base's buffers (rotary tables) are the same everywhere and frozen
-            init_sync=False,  # every rank built the same LoRA; distributed.broadcast_parameters sends only it
-        )
+        with warnings.catch_warnings():  # newer torch names it forward_sync_buffers, which older ones lack
+            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+            ddp = DistributedDataParallel(
+                module,
+                device_ids=[device.index if device.index is not None else torch.cuda.current_device()]
+                if device.type == "cuda"
+                else None,
+                broadcast_buffers=False,  # the base's buffers (rotary tables) are the same everywhere and frozen
+                init_sync=False,  # every rank built the same LoRA; distributed.broadcast_parameters sends only it
+            )
         ddp.register_comm_hook(None, _sum_gradients)
         return cls(model, ddp)
 
@@ -151,10 +154,11 @@ class Policy:
         return self.logprobs.no_sync()
 
 
-def _sum_gradients(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def _sum_gradients(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations as objects
     """DDP's communication hook: the gradients' *sum* over processes (DDP's default averages). Each process's loss
-    is its share of the whole batch's (the normalizers are the batch's), so the sum is the batch's gradient."""
-    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()  # type: ignore[union-attr]
+    is its share of the whole batch's (the normalizers are the batch's), so the sum is the batch's gradient.
+    `bucket`: a dist.GradBucket; returns a torch.futures.Future of the summed buffer."""
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return future.then(lambda done: done.value()[0])
 
 

@@ -9,19 +9,18 @@ magnitude, which would amplify rounding in near-zero gradients).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from trainer.batch import TrainSequence
-from trainer.config import TrainConfig
+from tests.conftest import free_port
+from tests.step_ranks import one_step, worker
+from tests.step_ranks import step_data as _step_data
 from trainer.data import StepData
-from trainer.model import Policy, load_policy, make_optimizer
-from trainer.step import split_micro_batches, train_step
+from trainer.step import split_micro_batches
 
-DEVICE = torch.device("cpu")
 LAYOUTS = [
     {"micro_batch_rows": 1, "pack_tokens_per_row": 24},  # a row per micro-batch, narrow rows
     {"micro_batch_rows": 3, "pack_tokens_per_row": 40},
@@ -30,44 +29,17 @@ LAYOUTS = [
 ]
 
 
-def _step_data(vocab: int) -> StepData:
-    """Six trajectories (three groups of two), each of one to three sequences of 6-20 tokens."""
-    rng = random.Random(7)
-    sequences = []
-    for trajectory in range(6):
-        for _ in range(rng.randint(1, 3)):
-            n = rng.randint(6, 20)
-            sampled = [0] * 3 + [rng.random() < 0.8 for _ in range(n - 3)]
-            sequences.append(
-                TrainSequence(
-                    token_ids=[rng.randrange(3, vocab) for _ in range(n)],
-                    sampled_mask=[int(s) for s in sampled],
-                    # Off-policy by up to +-1 nat around a typical tiny-model logprob: some ratios get clipped.
-                    logprobs=[-7.0 + rng.uniform(-1, 1) if s else None for s in sampled],
-                    trajectory=trajectory,
-                )
-            )
-    rewards = [1.0, 0.0, 0.3, 0.9, 0.5, 0.2]
-    return StepData(
-        group_ids=["g0", "g1", "g2"],
-        sequences=sequences,
-        advantages=torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0]),
-        rewards=rewards,
-        zero_signal_groups=0,
-        zero_advantage_trajectories=0,
-        staleness=0,
-    )
-
-
 def _run(tiny_model: Path, data: StepData, **options: object):
-    options = {"learning_rate": 1e-2, **options}
-    config = TrainConfig(base_model=str(tiny_model), db="sqlite+aiosqlite:///unused", **options)
-    torch.manual_seed(0)  # the same fresh LoRA every time
-    model = load_policy(config, DEVICE, None).double()
-    optimizer = make_optimizer(model, config)
-    metrics = train_step(Policy.of(model, config, DEVICE), optimizer, data, config, DEVICE, pad_id=0)
-    lora = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    metrics, lora, _ = one_step(tiny_model, data, {"learning_rate": 1e-2, **options})
     return metrics, lora
+
+
+def _ranks(mode: str, tiny_model: Path, data: StepData, options: dict[str, Any], tmp_path: Path) -> list[dict]:
+    """What each of two gloo processes (tests/step_ranks.py `worker`) saved."""
+    out = str(tmp_path / "rank%d.pt")
+    args = (2, free_port(), mode, str(tiny_model), data, options, out)
+    torch.multiprocessing.spawn(worker, args=args, nprocs=2, join=True)
+    return [torch.load(out % rank) for rank in range(2)]
 
 
 @pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
@@ -112,3 +84,39 @@ def test_micro_batches_hold_at_most_rows_times_width_positions() -> None:
     assert split_micro_batches([], 512, 8, 512) == []
     with pytest.raises(ValueError, match="must be >= 1"):
         split_micro_batches(rows, 512, 0, 512)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+@pytest.mark.parametrize(
+    ("trajectories", "layout"),
+    [
+        (6, {"micro_batch_rows": 1, "pack_tokens_per_row": 24}),  # several micro-batches on each process
+        (1, {"micro_batch_rows": 1, "pack_tokens_per_row": 512}),  # one row: the second process has none
+    ],
+)
+def test_two_processes_take_the_step_one_takes(
+    tiny_model: Path, tmp_path: Path, loss: str, trajectories: int, layout: dict[str, int]
+) -> None:
+    """DistributedDataParallel (its gradient sum) over 2 gloo processes gives the one-process step, on each."""
+    from transformers import AutoConfig
+
+    data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size, trajectories)
+    options = {"learning_rate": 1e-2, "loss_name": loss, **layout}
+    alone, alone_lora, alone_ddp = one_step(tiny_model, data, options)
+    ranks = _ranks("step", tiny_model, data, options, tmp_path)
+    assert not alone_ddp and all(rank["ddp"] for rank in ranks)
+    assert alone.grad_norm > 0
+    for rank in ranks:
+        assert rank["loss"] == pytest.approx(alone.loss, abs=1e-9)
+        assert rank["grad_norm"] == pytest.approx(alone.grad_norm, rel=1e-9)
+        for name, tensor in rank["lora"].items():
+            torch.testing.assert_close(tensor, alone_lora[name], rtol=0, atol=1e-9, msg=name)
+
+
+def test_the_other_ranks_follow_rank_0s_orders(tiny_model: Path, tmp_path: Path) -> None:
+    """Rank 0 orders train, restore, train, stop (trainer/ranks.py); rank 1 follows each and returns."""
+    from transformers import AutoConfig
+
+    data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size)
+    ranks = _ranks("orders", tiny_model, data, {"learning_rate": 1e-2}, tmp_path)
+    assert [rank["steps"] for rank in ranks] == [2, 2]
