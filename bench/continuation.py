@@ -434,9 +434,8 @@ def train_seconds(model_dir: Path, sequences: list[list[dict[str, Any]]], reps: 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import TrainSequence
+    from trainer.batch import StepData, TrainSequence
     from trainer.config import TrainConfig
-    from trainer.data import StepData
     from trainer.model import Policy, make_optimizer
     from trainer.step import train_step
 

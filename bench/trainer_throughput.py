@@ -102,8 +102,22 @@ QUICK = {
     "reps": 1,
     "warmup": 1,
 }
+PROJECT_PACKAGES = ("artgw", "client", "gateway", "store", "trainer", "ruler", "migrations")
+# Tensor methods that read values into Python (count_reads); __getitem__/__setitem__ count boolean-mask indexing.
+READ_METHODS = (
+    "item",
+    "tolist",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__index__",
+    "nonzero",
+    "__getitem__",
+    "__setitem__",
+)
 TARGET_TOKENS = 4096  # the batch the targets below are about
 TARGET_SPEEDUP = 2.0  # ours >= 2x TRL's trainable tokens/s
+BASELINE_MIN_SPEED = 0.95  # --baseline: this tree's tok/s at least this share of the baseline's (median noise)
 TARGET_MEMORY = 0.3  # ours <= 0.3x TRL's peak memory
 
 
@@ -117,7 +131,7 @@ class Batch:
 @dataclass(frozen=True)
 class Case:
     batch: Batch
-    impl: str  # ours | trl
+    impl: str  # ours | baseline (ours at --baseline REV) | trl
     row_width: int  # ours: the trainer's pack_tokens_per_row; trl: 0 (padded batch)
 
 
@@ -145,7 +159,7 @@ def prepare(args: argparse.Namespace, todo: list[Batch]) -> None:
     from transformers import AutoModelForCausalLM
 
     if args.build_model:
-        build_model(args.model, args.model_dir)
+        build_model(args.model, args.model_dir, args.layers)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     for batch in todo:
@@ -156,7 +170,7 @@ def batch_path(args: argparse.Namespace, batch: Batch) -> Path:
     return args.work_dir / f"batch-{batch.lengths}-{batch.completion_len}.pt"
 
 
-def build_model(kind: str, out: Path) -> None:
+def build_model(kind: str, out: Path, layers: int | None = None) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -169,7 +183,7 @@ def build_model(kind: str, out: Path) -> None:
     tokenizer = build_tokenizer(spec)  # its ids are a subset of the vocabulary: enough for TRL's padding
     eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
-        **REAL_VOCAB_SHAPE,
+        **{**REAL_VOCAB_SHAPE, **({"num_hidden_layers": layers} if layers else {})},
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         bos_token_id=pad_id,
@@ -237,11 +251,18 @@ def make_batch(args: argparse.Namespace, batch: Batch, model) -> dict[str, Any]:
 
 
 def ours_step_fn(args: argparse.Namespace, case: Case, model, batch: dict[str, Any], pad_id: int):
+    """A step of `artgw train`'s own: this tree's, or (case.impl "baseline") the --baseline tree's, whose
+    train_step took the PEFT model itself."""
     import torch
 
+    if case.impl == "baseline":
+        from trainer.train import StepData, make_optimizer, train_step  # the baseline tree's (use_baseline_tree)
+    else:
+        from trainer.batch import StepData
+        from trainer.model import Policy, make_optimizer
+        from trainer.step import train_step
     from trainer.batch import TrainSequence
     from trainer.config import TrainConfig
-    from trainer.train import StepData, make_optimizer, train_step
 
     config = TrainConfig(
         models=("bench",),
@@ -271,14 +292,68 @@ def ours_step_fn(args: argparse.Namespace, case: Case, model, batch: dict[str, A
         zero_advantage_trajectories=0,
         staleness=0,
     )
-    device = torch.device("cpu")
+    device = torch.device(args.device)
+    trained = model if case.impl == "baseline" else Policy.of(model, config, device)
 
     def step() -> tuple[float, dict[str, Any]]:
-        metrics = train_step(model, optimizer, data, config, device, pad_id)
+        metrics = train_step(trained, optimizer, data, config, device, pad_id)
         return metrics.loss, {"rows": metrics.rows, "padding": metrics.padding_tokens}
 
     step.sequences = sequences  # type: ignore[attr-defined]
     return step
+
+
+def use_baseline_tree(tree: Path) -> None:
+    """From here on, this process imports the project's packages from `tree` (the --baseline export): those the
+    parent imported before forking are forgotten first."""
+    for name in list(sys.modules):
+        if name.split(".")[0] in PROJECT_PACKAGES:
+            del sys.modules[name]
+    sys.path.insert(0, str(tree))
+
+
+def count_reads(step, device: str) -> dict[str, int]:
+    """Runs `step` once, counting the reads of tensor values into Python (item, float(), int(), bool(), tolist,
+    nonzero and boolean-mask indexing: on a GPU each waits for the device) and, on CUDA, the synchronizing
+    operations torch's sync debug mode reports (the waits themselves, whatever asked for them)."""
+    import torch
+
+    counts = {"reads": 0, "syncs": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in READ_METHODS}
+
+    def counting(original):
+        def read(*args, **kwargs):
+            counts["reads"] += 1
+            return original(*args, **kwargs)
+
+        return read
+
+    def masked(original):
+        def index(tensor, key, *rest):
+            keys = key if isinstance(key, tuple) else (key,)
+            if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+                counts["reads"] += 1  # a boolean mask is turned into indices: its count is read
+            return original(tensor, key, *rest)
+
+        return index
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, masked(original) if name in ("__getitem__", "__setitem__") else counting(original))
+    try:
+        if device != "cuda":
+            step()
+            return counts
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode(0)
+        counts["syncs"] = sum("synchronizing" in str(w.message) for w in caught)
+        return counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 def trl_step_fn(args: argparse.Namespace, model, tokenizer, batch: dict[str, Any], pad_id: int):
@@ -288,7 +363,7 @@ def trl_step_fn(args: argparse.Namespace, model, tokenizer, batch: dict[str, Any
     from trl.trainer.utils import pad
 
     from trainer.config import TrainConfig
-    from trainer.train import make_optimizer
+    from trainer.model import make_optimizer
 
     n = len(batch["prompts"])
     grpo_args = GRPOConfig(
@@ -361,8 +436,11 @@ def _rss_kib(field: str) -> int:
 
 
 def serve_case(args: argparse.Namespace, case: Case, conn) -> None:
-    """Child: set up the case, then run one step per "step" the parent sends; "done" answers the peak memory."""
+    """Child: set up the case, then run one step per "step" the parent sends; "done" answers the peak memory and
+    the reads of one more step (count_reads)."""
     try:
+        import torch
+
         step, mark, finish = setup_case(args, case)
         conn.send({"ready": True})
         while (command := conn.recv()) != "done":
@@ -370,7 +448,9 @@ def serve_case(args: argparse.Namespace, case: Case, conn) -> None:
                 conn.send({"baseline_kib": mark()})
                 continue
             started = time.perf_counter()
-            loss, info = step()
+            loss, info = step()  # ours reads its figures at the step's end: the device's work is done
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             conn.send({"seconds": time.perf_counter() - started, "loss": loss, **info})
         conn.send(finish())
     except BaseException as exc:  # report, don't hang the parent
@@ -382,6 +462,8 @@ def serve_case(args: argparse.Namespace, case: Case, conn) -> None:
 
 
 def setup_case(args: argparse.Namespace, case: Case):
+    if case.impl == "baseline":
+        use_baseline_tree(args.baseline_tree)
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -393,7 +475,10 @@ def setup_case(args: argparse.Namespace, case: Case):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     defaults = TrainConfig(models=("bench",), base_model=str(args.model_dir), db="x")
-    base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    cuda = args.device == "cuda"
+    # As `artgw train` loads it: bf16 on a GPU (trainer/model.py compute_dtype), float32 on CPU.
+    dtype = torch.bfloat16 if cuda else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa")
     batch = torch.load(batch_path(args, case.batch))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -405,8 +490,8 @@ def setup_case(args: argparse.Namespace, case: Case):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, lora)  # the same LoRA as `artgw train` (seeded: same init in every child)
-    if case.impl == "ours":
+    model = get_peft_model(base, lora).to(args.device)  # as `artgw train`'s LoRA (seeded: the same in every child)
+    if case.impl != "trl":
         step = ours_step_fn(args, case, model, batch, pad_id)
     else:
         step = trl_step_fn(args, model, tokenizer, batch, pad_id)
@@ -417,14 +502,20 @@ def setup_case(args: argparse.Namespace, case: Case):
         memory handed back to the OS: the RSS the timed steps' peak is measured from."""
         nonlocal baseline
         gc.collect()
+        if cuda:  # the device's memory: what the step holds beyond the model
+            torch.cuda.synchronize()
+            baseline = torch.cuda.memory_allocated() // 1024
+            torch.cuda.reset_peak_memory_stats()
+            return baseline
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         baseline = _rss_kib("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
         return baseline
 
     def finish() -> dict[str, Any]:
-        info = {"peak_mb": (_rss_kib("VmHWM") - baseline) / 1024}
-        if case.impl == "ours":  # train_step does not report the row length; it widens rows as train_step does
+        peak = torch.cuda.max_memory_allocated() // 1024 if cuda else _rss_kib("VmHWM")
+        info = {"peak_mb": (peak - baseline) / 1024, **count_reads(step, args.device)}
+        if case.impl != "trl":  # train_step does not report the row length; it widens rows as train_step does
             width = max(case.row_width, max(len(s.token_ids) for s in step.sequences))
             packed = pack_sequences(step.sequences, max_tokens_per_row=width, pad_id=pad_id)
             info["layout"] = f"packed {packed.input_ids.shape[0]}x{packed.input_ids.shape[1]}"
@@ -503,6 +594,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=list(PRESETS), help="which model to build (default: tiny)")
     parser.add_argument("--model-dir", type=Path, help="a local base model instead (presets of --model apply)")
     parser.add_argument(
+        "--layers",
+        type=int,
+        help="real-vocab: layers of Qwen2.5-0.5B's 24 to build (default 2: the output layer dominates)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="~1 min for development: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (unless given)",
@@ -530,7 +626,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "OpenMP threads contend with every other process and the medians swing by 3x",
     )
     parser.add_argument("--seed", type=int, default=0, help="batch and LoRA-init seed")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run `artgw train`'s step as it was at this git revision (exported with git archive; or a directory "
+        "holding such an export), side by "
+        "side: a table of this tree's tok/s, peak memory and reads/syncs per step against it, and 'not slower, not "
+        "heavier: PASS/FAIL'",
+    )
+    parser.add_argument("--no-trl", action="store_true", help="leave TRL out (with --baseline: before and after only)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the steps run; cuda: bf16 as `artgw train` loads it, peak = torch's peak allocation, TRL left "
+        "out, and the synchronizing operations counted by torch's sync debug mode",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        args.no_trl = True
     # Options given win; then --quick's values, then the model's preset.
     if args.quick:
         _fill_in(args, QUICK)
@@ -568,17 +682,21 @@ def main(argv: list[str] | None = None) -> int:
     import peft
     import torch
     import transformers
-    import trl
 
-    import trainer.train  # noqa: F401
+    import trainer.step  # noqa: F401
+
+    if not args.no_trl:
+        import trl  # noqa: F401
 
     widths = [int(w) for w in args.row_widths.split(",")]
-    cases = [
-        Case(batch, impl, width)
-        for batch in todo
-        for impl, impl_widths in (("ours", widths), ("trl", [0]))
-        for width in impl_widths
-    ]
+    impls = [("ours", widths)]
+    if args.baseline:  # a revision, or a directory that holds a tree already exported (a machine without git)
+        tree = Path(args.baseline)
+        args.baseline_tree = tree.resolve() if tree.is_dir() else export_tree(args.baseline, args.work_dir / "baseline")
+        impls.append(("baseline", widths))
+    if not args.no_trl:
+        impls.append(("trl", [0]))
+    cases = [Case(batch, impl, width) for batch in todo for impl, impl_widths in impls for width in impl_widths]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()
     try:
@@ -591,13 +709,67 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{started}; {os.cpu_count()} cores ({cpu}); load average before {load[0]:.2f}; Python "
         f"{platform.python_version()}, torch {torch.__version__} ({args.threads or torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}, peft {peft.__version__}, trl {trl.__version__}; model "
+        f"transformers {transformers.__version__}, peft {peft.__version__}; device {device_name(args.device)}; model "
         f"{args.model if args.build_model else args.model_dir}; {args.groups} groups x {args.group_size}; "
         f"{args.warmup} warmup + {args.reps} timed steps per case (round-robin), median.\n"
     )
-    print(print_table(args, todo, cases, results))
+    if not args.no_trl:
+        print(print_table(args, todo, cases, results))
+    if args.baseline:
+        print(baseline_table(args, todo, cases, results))
     tmp.cleanup()
     return 0
+
+
+def export_tree(rev: str, out: Path) -> Path:
+    """The project's files at git revision `rev`, in `out`."""
+    import subprocess
+
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def baseline_table(args: argparse.Namespace, todo: list[Batch], cases: list[Case], results: dict) -> str:
+    """This tree's step against the --baseline's, per batch and row width, and the verdict."""
+    lines = [
+        f"\nthis tree vs --baseline {args.baseline} ({args.device}):\n",
+        "| batch | rows of | tok/s now | tok/s before | now/before | peak MB now | peak MB before | now/before "
+        "| reads/step now | before | syncs/step now | before |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    ok = True
+    for batch in todo:
+        name = f"{batch.lengths} {args.prompt_len}+{batch.completion_len}"
+        for case in [c for c in cases if c.batch == batch and c.impl == "ours"]:
+            now, before = results[case], results[Case(batch, "baseline", case.row_width)]
+            speed = now["tokens_per_s"] / before["tokens_per_s"]
+            memory = now["peak_mb"] / before["peak_mb"] if before["peak_mb"] > 0 else float("nan")
+            # Not slower: within the run-to-run spread of the medians (5 %); not heavier: within 2 % or 1 MB.
+            ok &= speed >= BASELINE_MIN_SPEED and now["peak_mb"] <= max(before["peak_mb"] * 1.02, before["peak_mb"] + 1)
+            syncs = (now["syncs"], before["syncs"]) if args.device == "cuda" else ("-", "-")
+            lines.append(
+                f"| {name} | {case.row_width} | {now['tokens_per_s']:,.0f} | {before['tokens_per_s']:,.0f} "
+                f"| **{speed:.2f}x** | {now['peak_mb']:,.1f} | {before['peak_mb']:,.1f} | **{memory:.2f}x** "
+                f"| {now['reads']} | {before['reads']} | {syncs[0]} | {syncs[1]} |"
+            )
+    lines.append(
+        "\nreads/step: tensor values read into Python during one step (item, float(), int(), bool(), tolist, "
+        "nonzero, boolean-mask indexing), host tensors included; syncs/step (CUDA only): the synchronizing "
+        "operations torch.cuda.set_sync_debug_mode reports.\n"
+        f"not slower, not heavier: {'PASS' if ok else 'FAIL'} (tok/s >= {BASELINE_MIN_SPEED:.0%} of the baseline's, "
+        "peak memory <= the baseline's + 2 %)"
+    )
+    return "\n".join(lines)
 
 
 def print_table(args: argparse.Namespace, todo: list[Batch], cases: list[Case], results: dict) -> str:

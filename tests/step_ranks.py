@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from trainer.batch import TrainSequence
-from trainer.data import StepData
+from trainer.batch import StepData, TrainSequence
 
 
 def step_data(vocab: int, trajectories: int = 6) -> StepData:

@@ -91,6 +91,17 @@ class PackedBatch:
     truncated_sequences: int  # sequences longer than max_tokens_per_row, cut to their prefix
 
 
+@dataclass(frozen=True)
+class StepData:
+    group_ids: list[str]
+    sequences: list[TrainSequence]  # every trainable sequence, trajectory index into `advantages`
+    advantages: torch.Tensor  # (N,) one per trajectory
+    rewards: list[float]
+    zero_signal_groups: int  # groups whose rewards were all equal: no gradient
+    zero_advantage_trajectories: int  # skipped: their advantage is 0
+    staleness: int  # steps between the oldest adapter that sampled a rollout and the one being trained
+
+
 # -----------------------------------------------------------------------------
 # gateway trajectories -> sequences
 

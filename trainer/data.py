@@ -7,7 +7,6 @@ masks, rebuilt from the recorded request (trainer/grammar.py), or are trained as
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,24 +14,13 @@ from torch import Tensor
 from store.errors import NotFound
 from store.groups import GroupRow
 from store.trajectories import Trajectory
-from trainer.batch import TrainSequence, sequences_from_trajectory
+from trainer.batch import StepData, TrainSequence, sequences_from_trajectory
 from trainer.config import TrainConfig
 from trainer.grammar import GrammarMasks
 from trainer.loss import compute_advantages
 from trainer.store_view import TrainerStore
 
 log = logging.getLogger("artgw.trainer")
-
-
-@dataclass(frozen=True)
-class StepData:
-    group_ids: list[str]
-    sequences: list[TrainSequence]  # every trainable sequence, trajectory index into `advantages`
-    advantages: torch.Tensor  # (N,) one per trajectory
-    rewards: list[float]
-    zero_signal_groups: int  # groups whose rewards were all equal: no gradient
-    zero_advantage_trajectories: int  # skipped: their advantage is 0
-    staleness: int  # steps between the oldest adapter that sampled a rollout and the one being trained
 
 
 def load_step_data(

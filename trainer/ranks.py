@@ -15,10 +15,10 @@ import torch
 
 from store.adapters import AdapterRow
 from trainer import distributed
+from trainer.batch import StepData
 from trainer.checkpoints import restore
 from trainer.config import TrainConfig
 from trainer.console import console
-from trainer.data import StepData
 from trainer.lineage import open_lineage
 from trainer.model import pad_token_id, pick_device
 from trainer.step import train_step

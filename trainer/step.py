@@ -24,9 +24,8 @@ from torch import Tensor
 
 from store.types import StepMetrics
 from trainer import distributed
-from trainer.batch import PackedBatch, pack_sequences
+from trainer.batch import PackedBatch, StepData, pack_sequences
 from trainer.config import TrainConfig
-from trainer.data import StepData
 from trainer.loss import batch_totals, grpo_loss, trajectory_log_ratio_sums
 from trainer.model import Policy, peak_memory_mb
 

@@ -18,7 +18,7 @@ import torch
 from tests.conftest import free_port
 from tests.step_ranks import one_step, worker
 from tests.step_ranks import step_data as _step_data
-from trainer.data import StepData
+from trainer.batch import StepData
 from trainer.step import split_micro_batches
 
 LAYOUTS = [
