@@ -143,6 +143,7 @@ class Policy:
                 else None,
                 broadcast_buffers=False,  # the base's buffers (rotary tables) are the same everywhere and frozen
                 init_sync=False,  # every rank built the same LoRA; distributed.broadcast_parameters sends only it
+                gradient_as_bucket_view=True,  # the gradients live in the buckets: no copy in and out
             )
         ddp.register_comm_hook(None, _sum_gradients)
         return cls(model, ddp)

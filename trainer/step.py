@@ -8,7 +8,8 @@ DistributedDataParallel sums the gradients (trainer/model.py) during the last mi
 every process takes the same step.
 
 Nothing here waits for the device before the step's end: the values the checks need are read on the host
-batch, and the figures of each micro-batch add up as tensors.
+batch, the batch goes to the device without waiting (`non_blocking`: a plain `.to()` of host memory waits for
+the work queued before it), and the figures of each micro-batch add up as tensors.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def train_step(
     check_labels(batch, policy.model.get_output_embeddings().weight.shape[0])
     totals = batch_totals(batch.token_trajectory, batch.loss_mask, n)  # (N,) counted and checked on the host
     loss_config.check_totals(totals)
-    totals = dataclasses.replace(totals, tokens_per_trajectory=totals.tokens_per_trajectory.to(device))
-    advantages = data.advantages.to(device)  # (N,)
+    totals = dataclasses.replace(
+        totals, tokens_per_trajectory=totals.tokens_per_trajectory.to(device, non_blocking=True)
+    )
+    advantages = data.advantages.to(device, non_blocking=True)  # (N,)
     own_rows = rows_of_process(batch, distributed.rank(), distributed.world_size())
     micro_batches = split_micro_batches(own_rows, width, config.micro_batch_rows, config.pack_tokens_per_row)
     # A process with no rows (fewer rows than processes) still runs one pass, on a row it does not train
@@ -59,16 +62,16 @@ def train_step(
     idle = not micro_batches
     if idle:
         micro_batches = [[0]]
-    bitmask = batch.allowed_bitmask.to(device) if batch.allowed_bitmask is not None else None
+    bitmask = batch.allowed_bitmask.to(device, non_blocking=True) if batch.allowed_bitmask is not None else None
 
     def inputs(rows: list[int]) -> dict[str, Any]:  # what TokenLogprobs takes, for these rows
         return {
-            "input_ids": batch.input_ids[rows].to(device),  # (b, T)
-            "position_ids": batch.position_ids[rows].to(device),  # (b, T)
-            "attention_mask": batch.attention_mask[rows].to(device),  # (b, 1, T, T)
-            "labels": batch.labels[rows].to(device),  # (b, T)
+            "input_ids": batch.input_ids[rows].to(device, non_blocking=True),  # (b, T)
+            "position_ids": batch.position_ids[rows].to(device, non_blocking=True),  # (b, T)
+            "attention_mask": batch.attention_mask[rows].to(device, non_blocking=True),  # (b, 1, T, T)
+            "labels": batch.labels[rows].to(device, non_blocking=True),  # (b, T)
             "positions": batch.loss_mask[rows] & (not idle),  # (b, T) on the host: the tokens scored
-            "allowed_index": batch.allowed_index[rows].to(device) if bitmask is not None else None,
+            "allowed_index": batch.allowed_index[rows].to(device, non_blocking=True) if bitmask is not None else None,
             "allowed_bitmask": bitmask,
         }
 
@@ -80,9 +83,9 @@ def train_step(
             for rows in micro_batches:
                 log_ratio_sums += trajectory_log_ratio_sums(
                     policy.logprobs(**inputs(rows)),
-                    batch.sampled_logprobs[rows].to(device),
-                    batch.token_trajectory[rows].to(device),
-                    batch.loss_mask[rows].to(device) & (not idle),
+                    batch.sampled_logprobs[rows].to(device, non_blocking=True),
+                    batch.token_trajectory[rows].to(device, non_blocking=True),
+                    batch.loss_mask[rows].to(device, non_blocking=True) & (not idle),
                     n,
                 )
         sum_over_processes(log_ratio_sums)
@@ -92,8 +95,8 @@ def train_step(
     sums = torch.zeros(len(FIGURES), dtype=torch.float64, device=device)
     for i, rows in enumerate(micro_batches):
         x = inputs(rows)
-        mask = x["positions"].to(device)  # (b, T)
-        sampled = batch.sampled_logprobs[rows].to(device)  # (b, T)
+        mask = x["positions"].to(device, non_blocking=True)  # (b, T)
+        sampled = batch.sampled_logprobs[rows].to(device, non_blocking=True)  # (b, T)
         with policy.accumulating(last=i == len(micro_batches) - 1):
             new_logprobs = policy.logprobs(**x)  # (b, T)
             ref_logprobs = None
@@ -103,7 +106,7 @@ def train_step(
             result = grpo_loss(
                 new_logprobs,
                 sampled,
-                batch.token_trajectory[rows].to(device),
+                batch.token_trajectory[rows].to(device, non_blocking=True),
                 advantages,
                 mask,
                 loss_config,
