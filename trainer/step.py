@@ -126,6 +126,8 @@ def train_step(
                     torch.where(constrained, token_ratio, 0.0).sum(),
                 ]
             )
+        # Nothing of this micro-batch outlives it: the next one's inputs and activations take its place.
+        del x, mask, sampled, new_logprobs, ref_logprobs, result, constrained, token_ratio
     sum_over_processes(sums)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
