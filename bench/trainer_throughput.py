@@ -117,7 +117,11 @@ READ_METHODS = (
 )
 TARGET_TOKENS = 4096  # the batch the targets below are about
 TARGET_SPEEDUP = 2.0  # ours >= 2x TRL's trainable tokens/s
-BASELINE_MIN_SPEED = 0.95  # --baseline: this tree's tok/s at least this share of the baseline's (median noise)
+# --baseline: this tree's tok/s against the baseline's. One case's median moves by ~5 % between two runs of the same
+# code on this machine (0.99x and 0.95x for one case, 2026-11-27), so the rule is on the mean over the cases, with a
+# floor for each.
+BASELINE_MIN_SPEED = 0.97
+BASELINE_MIN_CASE_SPEED = 0.90
 TARGET_MEMORY = 0.3  # ours <= 0.3x TRL's peak memory
 
 
@@ -747,27 +751,30 @@ def baseline_table(args: argparse.Namespace, todo: list[Batch], cases: list[Case
         "| reads/step now | before | syncs/step now | before |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    ok = True
+    speeds, heavy = [], False
     for batch in todo:
         name = f"{batch.lengths} {args.prompt_len}+{batch.completion_len}"
         for case in [c for c in cases if c.batch == batch and c.impl == "ours"]:
             now, before = results[case], results[Case(batch, "baseline", case.row_width)]
             speed = now["tokens_per_s"] / before["tokens_per_s"]
             memory = now["peak_mb"] / before["peak_mb"] if before["peak_mb"] > 0 else float("nan")
-            # Not slower: within the run-to-run spread of the medians (5 %); not heavier: within 2 % or 1 MB.
-            ok &= speed >= BASELINE_MIN_SPEED and now["peak_mb"] <= max(before["peak_mb"] * 1.02, before["peak_mb"] + 1)
+            speeds.append(speed)
+            heavy |= now["peak_mb"] > max(before["peak_mb"] * 1.02, before["peak_mb"] + 1)
             syncs = (now["syncs"], before["syncs"]) if args.device == "cuda" else ("-", "-")
             lines.append(
                 f"| {name} | {case.row_width} | {now['tokens_per_s']:,.0f} | {before['tokens_per_s']:,.0f} "
                 f"| **{speed:.2f}x** | {now['peak_mb']:,.1f} | {before['peak_mb']:,.1f} | **{memory:.2f}x** "
                 f"| {now['reads']} | {before['reads']} | {syncs[0]} | {syncs[1]} |"
             )
+    mean_speed = statistics.geometric_mean(speeds)
+    ok = mean_speed >= BASELINE_MIN_SPEED and min(speeds) >= BASELINE_MIN_CASE_SPEED and not heavy
     lines.append(
         "\nreads/step: tensor values read into Python during one step (item, float(), int(), bool(), tolist, "
         "nonzero, boolean-mask indexing), host tensors included; syncs/step (CUDA only): the synchronizing "
         "operations torch.cuda.set_sync_debug_mode reports.\n"
-        f"not slower, not heavier: {'PASS' if ok else 'FAIL'} (tok/s >= {BASELINE_MIN_SPEED:.0%} of the baseline's, "
-        "peak memory <= the baseline's + 2 %)"
+        f"tok/s now/before, geometric mean over the cases: {mean_speed:.3f}x\n"
+        f"not slower, not heavier: {'PASS' if ok else 'FAIL'} (the mean >= {BASELINE_MIN_SPEED:.0%} and every case >= "
+        f"{BASELINE_MIN_CASE_SPEED:.0%} of the baseline's tok/s; every case's peak memory <= the baseline's + 2 %)"
     )
     return "\n".join(lines)
 

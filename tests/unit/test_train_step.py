@@ -120,3 +120,22 @@ def test_the_other_ranks_follow_rank_0s_orders(tiny_model: Path, tmp_path: Path)
     data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size)
     ranks = _ranks("orders", tiny_model, data, {"learning_rate": 1e-2}, tmp_path)
     assert [rank["steps"] for rank in ranks] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("setting", "threshold", "expected"),
+    [("auto", None, False), ("auto", 1, True), ("on", None, True), ("off", 1, False)],
+)
+def test_gradient_checkpointing_is_on_from_the_size_auto_names(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, setting: str, threshold: int | None, expected: bool
+) -> None:
+    """auto: on for a base of GRADIENT_CHECKPOINTING_FROM parameters or more (the tiny model is far below; a
+    threshold of 1 puts it above)."""
+    from trainer import model as model_module
+    from trainer.config import TrainConfig
+
+    if threshold is not None:
+        monkeypatch.setattr(model_module, "GRADIENT_CHECKPOINTING_FROM", threshold)
+    config = TrainConfig(base_model=str(tiny_model), db="x", gradient_checkpointing=setting)
+    policy = model_module.load_policy(config, torch.device("cpu"), None)
+    assert policy.get_base_model().is_gradient_checkpointing is expected
