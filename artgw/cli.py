@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,6 +39,8 @@ from trainer.config import TrainConfig
 if TYPE_CHECKING:  # imported where a command runs: each command loads only what it uses
     from rich.console import Console
 
+    from client import ArtClient
+    from store.api import ModelStatus
     from store.judge_report import JudgedGroup, JudgeReport
 
 T = TypeVar("T")
@@ -362,14 +364,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _base_model_from_gateway(args: argparse.Namespace, model: str) -> str:
     """What the gateway's engine loaded (GET /v1/art/models/NAME: base_model_path): the weights to train on."""
     try:
-        answer = _ask(args, "GET", f"/v1/art/models/{quote(model, safe='')}")
+        with _gateway(args) as gateway:
+            path = gateway.model_status(model).base_model_path
     except CommandError as exc:
         raise CommandError(f"--base-model not given and the gateway cannot tell it: {exc}") from None
-    try:
-        path = answer.json().get("base_model_path")
-    except (ValueError, AttributeError):
-        path = None
-    if not isinstance(path, str) or not path:
+    if not path:
         raise CommandError(
             f"--base-model not given and {gateway_url(args)} does not say what its engine loaded "
             "(is its engine up?); give --base-model or ARTGW_BASE_MODEL"
@@ -418,57 +417,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Step(msgspec.Struct, kw_only=True):
-    """A step as GET /v1/art/models/NAME lists it; only what `artgw status` shows."""
-
-    step: int
-    status: str
-    group_count: int = 0
-    metrics: dict[str, Any] | None = None  # decoded into store.types.StepMetrics where it is shown
-    error: str | None = None
-
-
-class _ModelList(msgspec.Struct):
-    data: list[str]
-
-
-class _ModelStatus(msgspec.Struct, kw_only=True):
-    name: str
-    base_model: str | None = None
-    served_step: int
-    loaded_steps: list[int] = []
-    groups: dict[str, int] = {}
-    steps: list[_Step] = []
-    latest_step: int = 0
-    promotion: str = "always"
-    canary_step: int | None = None
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
-
-    from store.types import StepMetrics
-
-    gateway = gateway_url(args)
     chosen = _build(StatusOptions, args)
-    names = list(chosen.models)
-    try:
-        if not names:
-            names = msgspec.json.decode(_ask(args, "GET", "/v1/art/models").content, type=_ModelList).data
-        statuses, answers = [], []
-        for name in names:
-            answer = _ask(args, "GET", f"/v1/art/models/{quote(name, safe='')}")
-            status = msgspec.json.decode(answer.content, type=_ModelStatus)
-            metrics = [msgspec.convert(row.metrics, StepMetrics) if row.metrics else None for row in status.steps]
-            statuses.append((status, metrics))
-            answers.append(msgspec.json.decode(answer.content))
-    except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
-        raise CommandError(f"{gateway} did not answer like an ART gateway: {exc}") from None
+    with _gateway(args) as gateway:
+        statuses = [gateway.model_status(name) for name in (chosen.models or gateway.models())]
     if chosen.json:
-        print(json.dumps(answers, indent=2))
+        print(json.dumps(msgspec.to_builtins(statuses), indent=2))
         return 0
     console = _stdout_console()
-    for status, metrics in statuses:
-        _print_status(console, status, metrics)
+    for status in statuses:
+        _print_status(console, status)
     return 0
 
 
@@ -479,7 +437,7 @@ def _stdout_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=10_000, soft_wrap=True)
 
 
-def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> None:
+def _print_status(console: Any, status: ModelStatus) -> None:
     from rich.table import Table
 
     console.print(
@@ -491,7 +449,8 @@ def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> Non
         console.print(f"promotion gated: newest step {status.latest_step} ({status.name}@latest){canary}")
     console.print("groups: " + (", ".join(f"{k}={v}" for k, v in sorted(status.groups.items())) or "none"))
     table = Table("step", "status", "groups", "loss", "reward mean", "tokens/s", "seconds", "error")
-    for row, m in zip(status.steps, metrics, strict=True):
+    for row in status.steps:
+        m = row.metrics
         table.add_row(
             str(row.step),
             row.status,
@@ -508,14 +467,9 @@ def _print_status(console: Any, status: _ModelStatus, metrics: list[Any]) -> Non
 def _cmd_judge_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from store.judge_report import JudgeReport
-
     chosen = _build(JudgeReportOptions, args)
-    answer = _ask(args, "GET", f"/v1/art/models/{quote(chosen.model, safe='')}/judge-report")
-    try:
-        report = msgspec.json.decode(answer.content, type=JudgeReport)
-    except msgspec.DecodeError as exc:  # something else listens there (ValidationError is a DecodeError)
-        raise CommandError(f"{gateway_url(args)} did not answer like an ART gateway: {exc}") from None
+    with _gateway(args) as gateway:
+        report = gateway.judge_report(chosen.model)
     console = Console()
     _print_judge_report(console, report)
     if chosen.png is not None:
@@ -644,9 +598,35 @@ def _plot_judged_groups(judged: list[JudgedGroup], report: JudgeReport, png: Pat
         plt.close(figure)
 
 
-def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    """One admin request to the gateway (`status`, `keys`); a CommandError unless it answers 2xx."""
+@contextlib.contextmanager
+def _gateway(args: argparse.Namespace) -> Iterator[ArtClient]:
+    """The typed client of the gateway (`status`, `judge-report`, the trainer's base model), with its errors as
+    one-line CommandErrors."""
     import httpx
+
+    from client import ArtClient, GatewayRefused, NotAnArtGateway
+
+    url, key = gateway_url(args), admin_key(args)
+    try:
+        with ArtClient(url, key, timeout=STATUS_TIMEOUT) as gateway:
+            yield gateway
+    except httpx.TimeoutException:
+        raise CommandError(f"the gateway at {url} did not answer within {STATUS_TIMEOUT:.0f} s") from None
+    except httpx.TransportError:
+        raise CommandError(
+            f"no gateway answers at {url} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
+        ) from None
+    except GatewayRefused as exc:
+        raise CommandError(f"{url} answered {exc.status}: {exc.message}{_no_key_sent(args, exc.status, key)}") from None
+    except NotAnArtGateway as exc:  # something else listens there
+        raise CommandError(f"{url} did not answer like an ART gateway: {exc}") from None
+
+
+def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    """One admin request to the gateway (`keys`, the judge report's groups); a CommandError unless it answers 2xx."""
+    import httpx
+
+    from client import error_message
 
     gateway = gateway_url(args)
     headers = _admin_headers(args)
@@ -659,11 +639,16 @@ def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> 
             f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
         ) from None
     if not answer.is_success:
-        missing = ""
-        if answer.status_code == 401 and not headers:
-            missing = f" (no admin key sent: none in {admin_key_path(args)}; set --data-dir or ARTGW_ADMIN_KEY)"
-        raise CommandError(f"{gateway} answered {answer.status_code}: {_error_message(answer)}{missing}")
+        missing = _no_key_sent(args, answer.status_code, headers.get("Authorization"))
+        raise CommandError(f"{gateway} answered {answer.status_code}: {error_message(answer)}{missing}")
     return answer
+
+
+def _no_key_sent(args: argparse.Namespace, status: int, key: str | None) -> str:
+    """What a 401 needs said when no admin key was found to send."""
+    if status != 401 or key:
+        return ""
+    return f" (no admin key sent: none in {admin_key_path(args)}; set --data-dir or ARTGW_ADMIN_KEY)"
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> int:
@@ -704,14 +689,6 @@ def _cmd_keys_revoke(args: argparse.Namespace) -> int:
     key = _ask(args, "DELETE", f"/v1/art/keys/{quote(args.key_id, safe='')}").json()
     print(f"revoked key {key['id']} ({key['name']})")
     return 0
-
-
-def _error_message(answer: Any) -> str:
-    """The message of an OpenAI-shaped error body, else the start of the body."""
-    try:
-        return str(answer.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return answer.text[:200] or answer.reason_phrase
 
 
 def _cmd_ruler_score(args: argparse.Namespace) -> int:

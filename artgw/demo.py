@@ -276,7 +276,13 @@ class Demo:
             progress.remove_task(task)
 
     def served_step(self) -> int:
-        return int(self._get(f"/v1/art/models/{MODEL_NAME}").json()["served_step"])
+        from client import ArtClient, GatewayRefused, NotAnArtGateway
+
+        try:
+            with ArtClient(self.gateway_url, self.api_key, timeout=10) as gateway:
+                return gateway.model_status(MODEL_NAME).served_step
+        except (GatewayRefused, NotAnArtGateway) as exc:
+            raise DemoError(str(exc)) from None
 
     def _get(self, path: str) -> httpx.Response:
         answer = httpx.get(f"{self.gateway_url}{path}", headers=self.auth, timeout=10)

@@ -4,7 +4,7 @@ Synthetic GRPO batches (groups x trajectories of random token ids, one prompt pe
 initial policy's own logprobs + N(0, 0.1) noise; random rewards, group-relative advantages) go through one
 optimizer step in each of:
 
-- ours: `trainer.train.train_step` on a `StepData`, exactly as `artgw train` runs it: `pack_sequences` into
+- ours: `trainer.step.train_step` on a `StepData`, exactly as `artgw train` runs it: `pack_sequences` into
   rows of `--row-widths` tokens (block-diagonal causal mask, restarting position ids), forward in micro-batches,
   `policy_token_logprobs` (the model's body, then the output layer over the trained positions only, in chunks of
   the trainer's `logprob_chunk_tokens`) + `grpo_loss`, backward, grad clip, AdamW step.
@@ -594,7 +594,7 @@ def run_cases(args: argparse.Namespace, cases: list[Case], ctx) -> dict[Case, di
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="GRPO trainer step throughput and memory: ours (trainer.train.train_step, packed rows) vs TRL's "
+        description="GRPO trainer step throughput and memory: ours (trainer.step.train_step, packed rows) vs TRL's "
         "own GRPOTrainer._compute_loss (padded batch) on the same synthetic batch and the same PEFT LoRA model. "
         "Options left out take the --model's preset: "
         + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in p.items()) for m, p in PRESETS.items()),

@@ -1,8 +1,8 @@
-"""The typed client of the gateway's `/v1/art` API: what the trainer (and, in time, the CLI and the demo) call.
+"""The typed client of the gateway's `/v1/art` API: what the trainer and `artgw status` / `judge-report` call.
 
-It sends and reads the server's own structs (store/types.py), never copies of them, and loads no web server.
+It sends and reads the server's own structs (store/api.py), never copies of them, and loads no web server.
 """
 
-from client.art import ArtClient, GatewayRefused
+from client.art import ArtClient, GatewayRefused, NotAnArtGateway, error_message
 
-__all__ = ["ArtClient", "GatewayRefused"]
+__all__ = ["ArtClient", "GatewayRefused", "NotAnArtGateway", "error_message"]

@@ -28,9 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.settings import MODEL_NAME_RULE, Promotion, valid_model_name
+from gateway.settings import MODEL_NAME_RULE, valid_model_name
 from store.adapters import (
-    AdapterEvent,
     AdapterRow,
     adapter_event_history,
     adapter_history,
@@ -40,12 +39,11 @@ from store.adapters import (
     record_failure,
     set_status,
 )
+from store.api import AdapterLoad, ModelStatus
 from store.groups import LeaseLost, count_by_state
-from store.judge_report import RubricAgreement
 from store.models import active_models, add_models
 from store.models import retire_model as retire_in_store
 from store.promotions import (
-    EvaluationRow,
     PromotionRow,
     evaluations_of,
     promoted_steps,
@@ -53,7 +51,7 @@ from store.promotions import (
     record_promotion,
     running_canaries,
 )
-from store.types import AdapterLoad, GroupState, PromotionAction, PromotionActor
+from store.types import Promotion, PromotionAction, PromotionActor
 
 log = logging.getLogger("artgw.adapters")
 
@@ -241,28 +239,6 @@ class AdapterRegistry:
 
 
 # ---------------------------------------------------------------- loading adapters into the engine
-
-
-class ModelStatus(msgspec.Struct, frozen=True):
-    name: str
-    base_model: str | None  # the name vLLM serves the base weights under
-    base_model_path: str | None  # the weights' path or hub id, as the engine loaded them (what a trainer loads)
-    served_step: int  # what `NAME` serves: the promoted step
-    loaded_steps: list[int]
-    groups: dict[GroupState, int]  # state -> count
-    steps: list[AdapterRow]  # newest first
-    latest_step: int = 0  # what `NAME@latest` serves: the newest committed step
-    promotion: Promotion = "always"
-    canary_step: int | None = None  # the candidate serving a share of `NAME`'s rollouts, while a canary runs
-    canary_share: float = 0.0
-    # step -> the active rollouts pinned to it (their first call's step; called within --pin-hold): kept loaded
-    pinned_rollouts: dict[int, int] = {}
-    promotions: list[PromotionRow] = []  # promotions and rollbacks, newest first
-    evaluations: list[EvaluationRow] = []  # the gate's results, newest step first
-    judge_flags: list[RubricAgreement] = []  # RULER rubrics that disagree with the callers (judge-report)
-    adapter_events: list[AdapterEvent] = []  # loads into the engine, unloads, refused loads: newest first
-    retired: bool = False
-    object: str = "art.model"
 
 
 class PromoteRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

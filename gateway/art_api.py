@@ -10,7 +10,7 @@ from litestar import Request, Response, delete, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.adapters import AdapterService, ModelStatus, PromoteRequest
+from gateway.adapters import AdapterService, PromoteRequest
 from gateway.auth import ADMIN as ADMIN_CALLER
 from gateway.auth import Caller
 from gateway.errors import decode_body, invalid_request
@@ -23,6 +23,7 @@ from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struc
 from gateway.promotion.graders import EvalSetCreate
 from gateway.promotion.service import PromotionService
 from gateway.rollouts import RolloutService
+from store.api import AdapterLoad, ModelList, ModelStatus
 from store.calls import RolloutFilter
 from store.judge_report import JudgeReport
 from store.keys import ApiKey
@@ -30,7 +31,7 @@ from store.promotions import EvalSetRow
 from store.records import APIS, CALL_STATUSES
 from store.rollouts import MAX_PAGE, RolloutPage
 from store.trajectories import Trajectory
-from store.types import GROUP_STATES, AdapterLoad
+from store.types import GROUP_STATES
 
 # The bodies are read raw and decoded with OpenAI-shaped 400s (decode_body): gateway/openapi.py describes them.
 # Query bounds the store checks (its 400 names the param), documented here only: Litestar parses as before.
@@ -47,11 +48,6 @@ class ModelCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`POST /v1/art/models`: a new trainable model on the same base."""
 
     name: str
-
-
-class ModelList(msgspec.Struct, frozen=True):
-    data: list[str]
-    object: str = "list"
 
 
 class RewardIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

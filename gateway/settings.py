@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from store.types import Promotion
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
 AuthMode = Literal["required", "off"]
 Continuity = Literal["splice", "rerender"]  # how a call continuing its rollout reaches the engine (continuation.py)
-Promotion = Literal["always", "gated"]  # what `NAME` serves: every committed step, or those the gate passes
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
 

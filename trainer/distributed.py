@@ -3,9 +3,10 @@
 `launch` runs torch's elastic agent inside the CLI process (what `torchrun` does): it starts nproc_per_node
 workers on this machine, each running trainer/train.py's `main` as one rank of the group (gloo on CPU, NCCL on
 CUDA). Rank 0 alone talks to the store and the gateway; it tells the other ranks what to do with `share`
-(trainer/train.py). When a worker dies, the agent stops the others and starts the whole group again (up to
-MAX_RESTARTS times); the new rank 0 gives back what the dead attempt had claimed (`owner`, `owner_prefix`) and
-resumes from the last committed step, so no group is trained twice.
+(trainer/ranks.py), and DistributedDataParallel sums the gradients (trainer/model.py). When a worker dies, the
+agent stops the others and starts the whole group again (up to MAX_RESTARTS times); the new rank 0 gives back
+what the dead attempt had claimed (`owner`, `owner_prefix`) and resumes from the last committed step, so no group
+is trained twice.
 
 With one process on one machine none of this runs: every helper here is a no-op outside a process group.
 """

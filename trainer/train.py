@@ -31,8 +31,9 @@ from opentelemetry.trace import Tracer
 from rich.table import Table
 
 from client import ArtClient
+from store.api import AdapterLoad
 from store.tracing import traced
-from store.types import AdapterLoad, StepMetrics
+from store.types import StepMetrics
 from trainer import distributed
 from trainer.checkpoints import discard_uncommitted, restore, resume_point, save_checkpoint
 from trainer.config import TrainConfig

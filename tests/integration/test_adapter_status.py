@@ -17,10 +17,10 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.adapters import AdapterRegistry, AdapterService, ModelStatus
+from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.auth import ADMIN
+from store.api import AdapterLoad, ModelStatus
 from store.models import add_models
-from store.types import AdapterLoad
 from tests.conftest import start_stub, stop_group
 
 MODEL = "agent"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -339,53 +340,91 @@ def test_demo_passes_only_what_was_set() -> None:
     assert parse("demo", env={"ARTGW_QUICK": "on"}).quick is True
 
 
-def test_status_decodes_typed_step_metrics(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import httpx
+def _step_row(step: int, status: str, metrics: Any, error: str | None = None) -> dict[str, Any]:
+    return {
+        "model": "my-agent",
+        "step": step,
+        "path": f"/ckpt/{step}",
+        "status": status,
+        "metrics": metrics,
+        "error": error,
+        "group_count": step,
+        "created_at": 1.0,
+        "served_at": None,
+    }
 
+
+@pytest.fixture
+def fake_gateway() -> Any:
+    """A stand-in for the gateway's `GET /v1/art/models[/NAME]` (a plain HTTP server on loopback): it answers
+    `answers[path]` as JSON and notes each request's path and Authorization header in `seen`."""
+    import http.server
+    import threading
+
+    answers: dict[str, Any] = {}
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = json.dumps(answers.get(self.path, {"error": {"message": "no such model"}})).encode()
+            self.send_response(200 if self.path in answers else 404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], answers, seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_status_decodes_typed_step_metrics(
+    fake_gateway: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port, answers, seen = fake_gateway
     body = {
         "name": "my-agent",
         "base_model": "tiny",
+        "base_model_path": "/models/tiny",
         "served_step": 2,
         "loaded_steps": [1, 2],
         "groups": {"trained": 3, "ready": 1},
         "steps": [
-            {"step": 2, "status": "loaded", "group_count": 2, "metrics": {"loss": 0.25, "reward_mean": 0.5}},
-            {"step": 1, "status": "failed", "group_count": 1, "metrics": None, "error": "engine said no"},
+            _step_row(2, "loaded", {"loss": 0.25, "reward_mean": 0.5}),
+            _step_row(1, "failed", None, "engine said no"),
         ],
     }
-    seen: list[tuple[str, str, dict[str, str]]] = []
-
-    def request(method: str, url: str, *, headers: dict[str, str], **_: Any) -> httpx.Response:
-        seen.append((method, url, headers))
-        return httpx.Response(200, json=body, request=httpx.Request(method, url))
-
-    monkeypatch.setattr(httpx, "request", request)
+    answers["/v1/art/models/my-agent"] = body
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table to the terminal otherwise
-    args = parse("status", "--port", "8123", "--model", "my-agent", env={"ARTGW_ADMIN_KEY": "a" * 20})
+    args = parse("status", "--port", str(port), "--model", "my-agent", env={"ARTGW_ADMIN_KEY": "a" * 20})
     assert cli._cmd_status(args) == 0
     out = capsys.readouterr().out
-    assert seen == [("GET", "http://127.0.0.1:8123/v1/art/models/my-agent", {"Authorization": "Bearer " + "a" * 20})]
+    assert seen == [("/v1/art/models/my-agent", "Bearer " + "a" * 20)]
     assert "serves step 2" in out and "ready=1, trained=3" in out
     assert "0.2500" in out and "0.500" in out and "engine said no" in out
 
     # No --model: every model the gateway lists, each in turn.
     seen.clear()
-    original = request
-
-    def listing(method: str, url: str, *, headers: dict[str, str], **rest: Any) -> httpx.Response:
-        if url.endswith("/v1/art/models"):
-            seen.append((method, url, headers))
-            return httpx.Response(200, json={"data": ["my-agent", "b"]}, request=httpx.Request(method, url))
-        return original(method, url, headers=headers, **rest)
-
-    monkeypatch.setattr(httpx, "request", listing)
-    assert cli._cmd_status(parse("status", "--port", "8123")) == 0
-    assert [url.rsplit("/", 1)[1] for _, url, _ in seen] == ["models", "my-agent", "b"]
+    answers["/v1/art/models"] = {"data": ["my-agent", "b"], "object": "list"}
+    answers["/v1/art/models/b"] = {**body, "name": "b"}
+    assert cli._cmd_status(parse("status", "--port", str(port))) == 0
+    assert [path.rsplit("/", 1)[1] for path, _ in seen] == ["models", "my-agent", "b"]
     assert capsys.readouterr().out.count("serves step 2") == 2
 
-    body["steps"] = [{"step": 3, "status": "loaded", "metrics": {"loss": "high"}}]  # not a StepMetrics
+    with pytest.raises(cli.CommandError, match=r"answered 404: no such model"):
+        cli._cmd_status(parse("status", "--port", str(port), "--model", "nope"))
+    body["steps"] = [_step_row(3, "loaded", {"loss": "high"})]  # not a StepMetrics
     with pytest.raises(cli.CommandError, match="did not answer like an ART gateway"):
-        cli._cmd_status(parse("status", "--model", "my-agent"))
+        cli._cmd_status(parse("status", "--port", str(port), "--model", "my-agent"))
+    body["steps"] = [_step_row(3, "sideways", None)]  # not an adapter status: the CLI reads the server's Literal
+    with pytest.raises(cli.CommandError, match="did not answer like an ART gateway"):
+        cli._cmd_status(parse("status", "--port", str(port), "--model", "my-agent"))
 
 
 # -----------------------------------------------------------------------------
