@@ -462,22 +462,23 @@ def test_status_shows_the_models_given_or_every_model() -> None:
     assert {o.name: o.owner for o in parse("status")._artgw_options}["models"] is cli.StatusOptions
 
 
-def test_train_without_base_model_asks_the_gateway_with_the_admin_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    import httpx
-
-    seen: list[tuple[str, str, dict[str, str]]] = []
-    body: dict[str, Any] = {"name": "a", "base_model": "tiny", "base_model_path": "/models/tiny", "served_step": 0}
-
-    def request(method: str, url: str, **kwargs: Any) -> httpx.Response:
-        seen.append((method, url, kwargs["headers"]))
-        return httpx.Response(200, json=body)
-
-    monkeypatch.setattr(httpx, "request", request)
+def test_train_without_base_model_asks_the_gateway_with_the_admin_key(fake_gateway: Any) -> None:
+    port, answers, seen = fake_gateway
+    body: dict[str, Any] = {
+        "name": "a",
+        "base_model": "tiny",
+        "base_model_path": "/models/tiny",
+        "served_step": 0,
+        "loaded_steps": [],
+        "groups": {},
+        "steps": [],
+    }
+    answers["/v1/art/models/a"] = body
     key = "k" * 32
-    args = parse("train", "--model", "a", "--model", "b", "--port", "8123", env={"ARTGW_ADMIN_KEY": key})
+    args = parse("train", "--model", "a", "--model", "b", "--port", str(port), env={"ARTGW_ADMIN_KEY": key})
     config = cli.train_config(args)
     assert config.base_model == "/models/tiny" and config.models == ("a", "b")
-    assert seen == [("GET", "http://127.0.0.1:8123/v1/art/models/a", {"Authorization": f"Bearer {key}"})]
+    assert seen == [("/v1/art/models/a", f"Bearer {key}")]
 
     # Given, the gateway is not asked.
     assert cli.train_config(parse("train", "--base-model", "/w", env={"ARTGW_ADMIN_KEY": key})).base_model == "/w"
