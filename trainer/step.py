@@ -97,12 +97,14 @@ def train_step(
         x = inputs(rows)
         mask = x["positions"].to(device, non_blocking=True)  # (b, T)
         sampled = batch.sampled_logprobs[rows].to(device, non_blocking=True)  # (b, T)
+        constrained = mask & (x["allowed_index"] >= 0) if bitmask is not None else torch.zeros_like(mask)  # (b, T)
         with policy.accumulating(last=i == len(micro_batches) - 1):
             new_logprobs = policy.logprobs(**x)  # (b, T)
             ref_logprobs = None
             if loss_config.beta > 0:
                 with torch.no_grad(), policy.model.disable_adapter():  # the base model is the reference policy
                     ref_logprobs = policy.logprobs(**x)
+            del x  # the inputs (the (b, 1, T, T) mask above all) are not held through the backward pass
             result = grpo_loss(
                 new_logprobs,
                 sampled,
@@ -115,7 +117,6 @@ def train_step(
             )
             result.loss.backward()  # with the whole batch's totals, the parts' losses add up: no weighting
         with torch.no_grad():
-            constrained = mask & (x["allowed_index"] >= 0) if bitmask is not None else torch.zeros_like(mask)
             token_ratio = (new_logprobs.detach().double() - sampled.double()).exp()  # (b, T)
             kl = result.kl if result.kl is not None else result.policy_loss.new_zeros(())
             figures = (result.loss.detach(), result.policy_loss, kl, result.clipped_tokens, result.ratio_sum)
@@ -127,7 +128,7 @@ def train_step(
                 ]
             )
         # Nothing of this micro-batch outlives it: the next one's inputs and activations take its place.
-        del x, mask, sampled, new_logprobs, ref_logprobs, result, constrained, token_ratio
+        del mask, sampled, new_logprobs, ref_logprobs, result, constrained, token_ratio
     sum_over_processes(sums)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip > 0 else math.inf)
