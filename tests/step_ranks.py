@@ -3,7 +3,6 @@ anew there): one training step under DistributedDataParallel, or rank 0 giving o
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -64,11 +63,11 @@ def one_step(model_dir: Path, data: StepData, options: dict[str, Any]) -> tuple[
     return metrics, lora_of(model), isinstance(policy.logprobs, torch.nn.parallel.DistributedDataParallel)
 
 
-def worker(rank: int, world: int, port: int, mode: str, model_dir: str, data: StepData, options: dict, out: str):
+def worker(rank: int, world: int, rendezvous: str, mode: str, model_dir: str, data: StepData, options: dict, out: str):
     """One rank: mode "step" (one_step under DDP) or "orders" (rank 0 trains, restores, trains again and stops;
     the others `follow`)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    # A file to meet at, not a TCP port: no other test can take it between choosing and binding.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         if mode == "step":
             metrics, lora, ddp = one_step(Path(model_dir), data, options)

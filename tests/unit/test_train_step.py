@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import free_port
 from tests.step_ranks import one_step, worker
 from tests.step_ranks import step_data as _step_data
 from trainer.batch import StepData
@@ -37,7 +36,7 @@ def _run(tiny_model: Path, data: StepData, **options: object):
 def _ranks(mode: str, tiny_model: Path, data: StepData, options: dict[str, Any], tmp_path: Path) -> list[dict]:
     """What each of two gloo processes (tests/step_ranks.py `worker`) saved."""
     out = str(tmp_path / "rank%d.pt")
-    args = (2, free_port(), mode, str(tiny_model), data, options, out)
+    args = (2, str(tmp_path / "rendezvous"), mode, str(tiny_model), data, options, out)
     torch.multiprocessing.spawn(worker, args=args, nprocs=2, join=True)
     return [torch.load(out % rank) for rank in range(2)]
 
