@@ -230,11 +230,6 @@ def admin_key(args: argparse.Namespace) -> str | None:
         raise CommandError(f"cannot read the admin key in {path}: run as its owner, or set ARTGW_ADMIN_KEY") from None
 
 
-def _admin_headers(args: argparse.Namespace) -> dict[str, str]:
-    key = admin_key(args)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def gateway_url(args: argparse.Namespace) -> str:
     """--gateway when given, else http://HOST:PORT from the options `serve` listens on."""
     if args.gateway is not None:
@@ -600,8 +595,8 @@ def _plot_judged_groups(judged: list[JudgedGroup], report: JudgeReport, png: Pat
 
 @contextlib.contextmanager
 def _gateway(args: argparse.Namespace) -> Iterator[ArtClient]:
-    """The typed client of the gateway (`status`, `judge-report`, the trainer's base model), with its errors as
-    one-line CommandErrors."""
+    """The typed client of the gateway (every command that asks it something), with its errors as one-line
+    CommandErrors."""
     import httpx
 
     from client import ArtClient, GatewayRefused, NotAnArtGateway
@@ -624,24 +619,8 @@ def _gateway(args: argparse.Namespace) -> Iterator[ArtClient]:
 
 def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
     """One admin request to the gateway (`keys`, the judge report's groups); a CommandError unless it answers 2xx."""
-    import httpx
-
-    from client import error_message
-
-    gateway = gateway_url(args)
-    headers = _admin_headers(args)
-    try:
-        answer = httpx.request(method, gateway + path, json=body, headers=headers, timeout=STATUS_TIMEOUT)
-    except httpx.TimeoutException:
-        raise CommandError(f"the gateway at {gateway} did not answer within {STATUS_TIMEOUT:.0f} s") from None
-    except httpx.TransportError:
-        raise CommandError(
-            f"no gateway answers at {gateway} (set --gateway or ARTGW_GATEWAY, or --port/ARTGW_PORT)"
-        ) from None
-    if not answer.is_success:
-        missing = _no_key_sent(args, answer.status_code, headers.get("Authorization"))
-        raise CommandError(f"{gateway} answered {answer.status_code}: {error_message(answer)}{missing}")
-    return answer
+    with _gateway(args) as gateway:
+        return gateway.request(method, path, body)
 
 
 def _no_key_sent(args: argparse.Namespace, status: int, key: str | None) -> str:

@@ -72,6 +72,14 @@ class ArtClient:
         )
         return self._read(answer, f"{model} step {load.step}", ModelStatus)
 
+    def request(self, method: str, path: str, body: object = None) -> httpx.Response:
+        """Any other `/v1/art` call, untyped (keys, groups: their structs are still the gateway's own); its answer
+        when 2xx, else GatewayRefused."""
+        answer = self.http.request(method, path, json=body)
+        if not answer.is_success:
+            raise GatewayRefused(f"{method} {path}", answer.status_code, error_message(answer))
+        return answer
+
     # -- plumbing
     def _get(self, path: str, type_: type[T]) -> T:
         return self._read(self.http.get(path), f"GET {path}", type_)
