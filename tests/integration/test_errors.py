@@ -188,7 +188,6 @@ class CuttingRelay:
         self.target_port = int(target.rsplit(":", 1)[1])
         self.cuts, self.cut = cuts, 0
         self.loop = asyncio.new_event_loop()
-        self.port = free_port()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
@@ -198,7 +197,10 @@ class CuttingRelay:
         return f"http://127.0.0.1:{self.port}"
 
     async def _listen(self) -> None:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        # Port 0, held from the start: a port chosen free and bound later could be taken meanwhile (or chosen
+        # by another test's engine in between: seen in CI, where a gateway's engine port met this relay).
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
 
     async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         engine_reader, engine_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
