@@ -7,6 +7,7 @@ that packed layout through a per-token trajectory index, so nothing has to be un
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -225,8 +226,10 @@ def grpo_loss(
     n = advantages.shape[0]
     if totals is not None and tuple(totals.tokens_per_trajectory.shape) != (n,):
         raise ValueError(f"totals must count {n} trajectories, got {tuple(totals.tokens_per_trajectory.shape)}")
-    if totals is None:  # the whole batch: its values are checked here, before they index anything
-        _check_trajectory_index(token_trajectory, mask, n)
+    whole = totals is None
+    if whole:  # these rows are the whole batch: counted (and their indices checked) before they index anything
+        totals = batch_totals(token_trajectory, mask, n)
+        config.check_totals(totals)
 
     # Upcast: exp() of a bf16 log-ratio is too coarse for a clip window of +-0.2.
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
@@ -236,12 +239,8 @@ def grpo_loss(
     log_ratio = torch.where(mask, new - sampled_logprobs.detach().to(dtype), 0.0)  # (B, T)
     traj = torch.where(mask, token_trajectory, 0)  # (B, T), any valid index off the mask
     adv = advantages.detach().to(dtype)[traj]  # (B, T)
-    if totals is None:
-        sequence_log_ratio = None
-        if config.policy == "gspo":
-            sequence_log_ratio = _trajectory_mean(log_ratio.detach(), mask, traj, n)
-        totals = batch_totals(token_trajectory, mask, n, sequence_log_ratio)
-        config.check_totals(totals)
+    if whole and config.policy == "gspo":  # the whole batch's sequence ratios, from these rows
+        totals = dataclasses.replace(totals, sequence_log_ratio=_trajectory_mean(log_ratio.detach(), mask, traj, n))
     tokens_per_traj = totals.tokens_per_trajectory.to(dtype)  # (N,)
 
     token_loss, ratio, clip_active = _surrogate(new, log_ratio, adv, traj, mask, config, totals)
