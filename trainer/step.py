@@ -81,13 +81,15 @@ def train_step(
         log_ratio_sums = torch.zeros(n, dtype=torch.float64, device=device)  # (N,)
         with torch.no_grad():
             for rows in micro_batches:
+                x = inputs(rows)
                 log_ratio_sums += trajectory_log_ratio_sums(
-                    policy.logprobs(**inputs(rows)),
+                    policy.logprobs(**x),
                     batch.sampled_logprobs[rows].to(device, non_blocking=True),
                     batch.token_trajectory[rows].to(device, non_blocking=True),
-                    batch.loss_mask[rows].to(device, non_blocking=True) & (not idle),
+                    x["positions"].to(device, non_blocking=True),
                     n,
                 )
+                del x
         sum_over_processes(log_ratio_sums)
         counts = totals.tokens_per_trajectory
         totals = dataclasses.replace(totals, sequence_log_ratio=log_ratio_sums / counts.clamp(min=1))
