@@ -75,10 +75,7 @@ class ArtClient:
     def request(self, method: str, path: str, body: object = None) -> httpx.Response:
         """Any other `/v1/art` call, untyped (keys, groups: their structs are still the gateway's own); its answer
         when 2xx, else GatewayRefused."""
-        answer = self.http.request(method, path, json=body)
-        if not answer.is_success:
-            raise GatewayRefused(f"{method} {path}", answer.status_code, error_message(answer))
-        return answer
+        return _checked(self.http.request(method, path, json=body), f"{method} {path}")
 
     # -- plumbing
     def _get(self, path: str, type_: type[T]) -> T:
@@ -86,12 +83,17 @@ class ArtClient:
 
     @staticmethod
     def _read(answer: httpx.Response, what: str, type_: type[T]) -> T:
-        if not answer.is_success:
-            raise GatewayRefused(what, answer.status_code, error_message(answer))
         try:
-            return msgspec.json.decode(answer.content, type=type_)
+            return msgspec.json.decode(_checked(answer, what).content, type=type_)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise NotAnArtGateway(f"{what}: the answer is not the ART gateway's ({exc})") from None
+
+
+def _checked(answer: httpx.Response, what: str) -> httpx.Response:
+    """`answer` when 2xx, else GatewayRefused."""
+    if not answer.is_success:
+        raise GatewayRefused(what, answer.status_code, error_message(answer))
+    return answer
 
 
 def error_message(answer: httpx.Response) -> str:
