@@ -66,37 +66,46 @@ def one_step(model_dir: Path, data: StepData, options: dict[str, Any]) -> tuple[
 def worker(rank: int, world: int, rendezvous: str, mode: str, model_dir: str, data: StepData, options: dict, out: str):
     """One rank: mode "step" (one_step under DDP) or "orders" (rank 0 trains, restores, trains again and stops;
     the others `follow`)."""
+    from trainer import distributed
+
     # A file to meet at, not a TCP port: no other test can take it between choosing and binding.
     torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    clean = False
     try:
         if mode == "step":
             metrics, lora, ddp = one_step(Path(model_dir), data, options)
             torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lora": lora, "ddp": ddp}, out % rank)
-            return
-        from trainer import distributed
-        from trainer.checkpoints import restore
-        from trainer.config import TrainConfig
-        from trainer.lineage import open_lineage
-        from trainer.ranks import Order, follow, tell
-        from trainer.step import train_step
-
-        config = TrainConfig(base_model=model_dir, db="sqlite+aiosqlite:///unused", **options)
-        device = torch.device("cpu")
-        if rank > 0:  # a follower that missed an order would leave rank 0 waiting in a collective: a hang
-            torch.save({"steps": follow(config)}, out % rank)
-            return
-        torch.manual_seed(config.seed)
-        distributed.share({"m": (0, None)})
-        lineage = open_lineage(config, device, "m", 0, None)
-        for order in ("train", "restore", "train"):
-            if order == "restore":
-                tell(Order("restore", "m", committed=None))
-                lineage.policy, lineage.optimizer = restore(config, device, None)
-                continue
-            tell(Order("train", "m", data))
-            train_step(lineage.policy, lineage.optimizer, data, config, device, pad_id=0)
-            distributed.barrier()
-        tell(Order("stop"))
-        torch.save({"steps": 2}, out % rank)
+        else:
+            follow_orders(rank, model_dir, data, options, out)
+        clean = True
     finally:
-        torch.distributed.destroy_process_group()
+        distributed.destroy(clean)  # as the trainer's own ranks leave (trainer/distributed.py _worker)
+
+
+def follow_orders(rank: int, model_dir: str, data: StepData, options: dict, out: str) -> None:
+    """Rank 0 trains, restores, trains again and stops; the others `follow`."""
+    from trainer import distributed
+    from trainer.checkpoints import restore
+    from trainer.config import TrainConfig
+    from trainer.lineage import open_lineage
+    from trainer.ranks import Order, follow, tell
+    from trainer.step import train_step
+
+    config = TrainConfig(base_model=model_dir, db="sqlite+aiosqlite:///unused", **options)
+    device = torch.device("cpu")
+    if rank > 0:  # a follower that missed an order would leave rank 0 waiting in a collective: a hang
+        torch.save({"steps": follow(config)}, out % rank)
+        return
+    torch.manual_seed(config.seed)
+    distributed.share({"m": (0, None)})
+    lineage = open_lineage(config, device, "m", 0, None)
+    for order in ("train", "restore", "train"):
+        if order == "restore":
+            tell(Order("restore", "m", committed=None))
+            lineage.policy, lineage.optimizer = restore(config, device, None)
+            continue
+        tell(Order("train", "m", data))
+        train_step(lineage.policy, lineage.optimizer, data, config, device, pad_id=0)
+        distributed.barrier()
+    tell(Order("stop"))
+    torch.save({"steps": 2}, out % rank)

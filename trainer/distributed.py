@@ -13,6 +13,7 @@ With one process on one machine none of this runs: every helper here is a no-op 
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -110,18 +111,29 @@ def init(config: TrainConfig) -> None:
     )
 
 
-def destroy() -> None:
-    if active():
-        dist.destroy_process_group()
+def destroy(clean: bool) -> None:
+    """Leave the group. After a clean end (every rank past its last collective) wait for the others first, so
+    no rank closes its connections while a peer still reads the last order. Then collect what still holds the
+    group (DDP modules sit in reference cycles) before destroying it: a process group freed only at interpreter
+    exit can abort the process ("terminate called without an active exception", a gloo thread left joinable)."""
+    if not active():
+        return
+    if clean:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _worker(main: Callable[[TrainConfig], int], config: TrainConfig) -> int:
     """One rank: what the elastic agent runs in each process it starts."""
     init(config)
+    clean = False
     try:
-        return main(config)
+        code = main(config)
+        clean = True
+        return code
     finally:
-        destroy()
+        destroy(clean)
 
 
 def launch(config: TrainConfig, main: Callable[[TrainConfig], int]) -> None:
