@@ -468,7 +468,7 @@ def train_seconds(model_dir: Path, sequences: list[list[dict[str, Any]]], reps: 
 def sequences_part(args: argparse.Namespace, procs: Processes, workdir: Path) -> None:
     from artgw.demo_task import call_logit_bias, run_episodes, scenarios
     from artgw.tiny_model import build_tiny_model
-    from gateway.engine import EngineConfig
+    from engine.supervisor import EngineConfig
 
     model_dir = build_tiny_model(workdir / "tiny")
     port = free_port()

@@ -33,8 +33,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from artgw.tiny_model import build_tiny_model
+from engine.supervisor import EngineConfig
 from gateway.chat import strict_forced_calls
-from gateway.engine import EngineConfig
 from tests.conftest import free_port
 
 SCHEMA = {

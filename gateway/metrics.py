@@ -273,7 +273,7 @@ class GatewayMetrics:
         r.register(_JudgeCollector(lambda: self._judge_reports))
 
     def watch_recorder(self, recorder: Any) -> None:
-        """Export the recorder's journal and refusal figures (gateway/recorder.py)."""
+        """Export the recorder's journal and refusal figures (recording/recorder.py)."""
         self.registry.register(_RecorderCollector(recorder))
 
     # -- live updates

@@ -23,14 +23,7 @@ import httpx
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.adapters import AdapterRegistry, AdapterService
-from gateway.apis.messages_service import MessagesService
-from gateway.apis.responses_service import ResponsesService
-from gateway.auth import KeyRing, load_admin_key
-from gateway.chat import ChatService
-from gateway.completions import CompletionsService
-from gateway.continuation import Splicer
-from gateway.engine import (
+from engine.supervisor import (
     EngineConfig,
     EngineFailed,
     EngineState,
@@ -38,6 +31,13 @@ from gateway.engine import (
     resolve_engine_port,
     wait_until_ready,
 )
+from gateway.adapters import AdapterRegistry, AdapterService
+from gateway.apis.messages_service import MessagesService
+from gateway.apis.responses_service import ResponsesService
+from gateway.auth import KeyRing, load_admin_key
+from gateway.chat import ChatService
+from gateway.completions import CompletionsService
+from gateway.continuation import Splicer
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
 from gateway.judge_report import JudgeReportService
@@ -47,10 +47,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.promotion.graders import RulerJudge
 from gateway.promotion.service import PromotionService
 from gateway.proxy import EngineCalls
-from gateway.recorder import Recorder
 from gateway.rollouts import RolloutOwners, RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.tracing import CallTracer
+from recording.recorder import Recorder
 from store.clock import SYSTEM_CLOCK, Clock
 from store.db import create_sync_sqlite_engine
 from store.models import active_models, add_models
@@ -187,7 +187,7 @@ class Services:
             except Exception as exc:
                 log.info("readiness: the engine's /health failed: %r", exc)
                 ready = False
-        # A journal that cannot take records makes every call a 503 (gateway/recorder.py): not ready until the
+        # A journal that cannot take records makes every call a 503 (recording/recorder.py): not ready until the
         # disk takes writes again (probed here, so that a gateway taken out of its load balancer comes back).
         journal = self.recorder.journal_failure is None or await asyncio.to_thread(self.recorder.journal_writable)
         ready = ready and journal

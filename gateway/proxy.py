@@ -24,6 +24,7 @@ import anyio
 import msgspec
 from opentelemetry.trace import Span
 
+from engine.supervisor import EngineState
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
@@ -36,12 +37,11 @@ from gateway.continuation import (
     Splicer,
     message_digests,
 )
-from gateway.engine import EngineState
 from gateway.errors import OpenAIError, invalid_request
 from gateway.metrics import GatewayMetrics
-from gateway.recorder import Recorder, RecordingUnavailable
 from gateway.rollouts import ROLLOUT_HEADER, RolloutOwners
 from gateway.tracing import CallTracer
+from recording.recorder import Recorder, RecordingUnavailable
 from store.records import Api, CallRecord, CallStatus, ChoiceRecord
 
 _ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -605,7 +605,7 @@ class _Call:
                 out = [event for line in lines if (event := stream.take(line, self))]
                 if stream.done and not recorded:
                     # [DONE] is the client's end of answer: the call is journaled before the client gets it,
-                    # so an answered call survives a crash of the gateway (gateway/journal.py).
+                    # so an answered call survives a crash of the gateway (recording/journal.py).
                     recorded = True
                     with anyio.CancelScope(shield=True):
                         out.append(await self._end_stream(stream))

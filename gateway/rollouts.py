@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.adapters import Pin
 from gateway.auth import Caller
 from gateway.errors import OpenAIError
-from gateway.recorder import Recorder
+from recording.recorder import Recorder
 from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owner
 from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from recording.journal import FsyncPolicy
 from store.types import Promotion
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-JournalFsync = Literal["always", "interval", "never"]  # gateway/journal.py's FsyncPolicy
 AuthMode = Literal["required", "off"]
 Continuity = Literal["splice", "rerender"]  # how a call continuing its rollout reaches the engine (continuation.py)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -157,7 +157,7 @@ class Settings:
         default=64 << 20,
         metadata={"help": "bytes of records (journal size) kept in memory; past it they wait in the journal only"},
     )
-    journal_fsync: JournalFsync = field(
+    journal_fsync: FsyncPolicy = field(
         default="never",
         metadata={
             "help": "when the record journal is fsynced: never (survives a gateway crash, SIGKILL or OOM, not "
@@ -311,9 +311,9 @@ class Settings:
         ):
             if not _positive(seconds):
                 raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
-        if self.journal_fsync not in get_args(JournalFsync):
+        if self.journal_fsync not in get_args(FsyncPolicy):
             raise ValueError(
-                f"--journal-fsync must be one of {', '.join(get_args(JournalFsync))}, got {self.journal_fsync!r}"
+                f"--journal-fsync must be one of {', '.join(get_args(FsyncPolicy))}, got {self.journal_fsync!r}"
             )
         if self.promotion not in get_args(Promotion):
             raise ValueError(f"--promotion must be one of {', '.join(get_args(Promotion))}, got {self.promotion!r}")

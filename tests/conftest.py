@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.engine import EngineConfig
+from engine.supervisor import EngineConfig
 from store.records import CallRecord, CallStatus, ChoiceRecord
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Nothing acknowledged is ever lost: the gateway is SIGKILLed under load, sometimes while the store is
 stalled, and restarted on the same data dir; every call whose client got a complete answer (a whole 200
-JSON body, or a stream ending in `data: [DONE]`) is in the store exactly once (gateway/journal.py).
+JSON body, or a stream ending in `data: [DONE]`) is in the store exactly once (recording/journal.py).
 
 The short form (CI) runs `ARTGW_CRASH_ROUNDS` = 3 kill rounds, the second one during a store stall;
 by hand, e.g. `ARTGW_CRASH_ROUNDS=20 ARTGW_CRASH_CONCURRENCY=128 pytest tests/integration/test_crash.py`.

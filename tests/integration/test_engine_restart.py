@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from artgw.tiny_model import TinyModelSpec, build_tiny_model
-from gateway.engine import ENGINE_TAG_VAR, shared_memory_of
+from engine.supervisor import ENGINE_TAG_VAR, shared_memory_of
 from tests.conftest import GatewayProcess, free_port, metric, poll, wait_http
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""A full disk never costs an answered call (gateway/recorder.py): the data dir on a 16 MB tmpfs, filled up
+"""A full disk never costs an answered call (recording/recorder.py): the data dir on a 16 MB tmpfs, filled up
 under load.
 
 While the journal cannot take records every call is refused, 503 `recording_unavailable` with Retry-After (a

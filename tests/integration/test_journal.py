@@ -1,4 +1,4 @@
-"""The record journal (gateway/journal.py): append, read back, a torn tail skipped, rotation and trim, and
+"""The record journal (recording/journal.py): append, read back, a torn tail skipped, rotation and trim, and
 the recorder's replay of what a crashed run left, exactly once."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.journal import Journal, Position
-from gateway.recorder import Recorder
+from recording.journal import Journal, Position
+from recording.recorder import Recorder
 from store import create_engine, migrate
 from store.calls import write_calls
 from store.db import create_sync_sqlite_engine
@@ -162,7 +162,7 @@ def test_a_failed_append_leaves_no_torn_bytes(tmp_path: Path) -> None:
             return real_write(fd, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with mock.patch("gateway.journal.os.write", half_then_full):
+    with mock.patch("recording.journal.os.write", half_then_full):
         try:
             journal.append(record("lost", size=1000))
         except OSError as exc:

@@ -102,7 +102,7 @@ def test_an_empty_tool_list_means_no_tools(client: openai.OpenAI, tool_choice: s
 def test_a_seeded_call_with_a_long_prompt_does_not_take_the_engine_down(client: openai.OpenAI, engine_gateway) -> None:
     """vLLM 0.32 on CPU crashed its engine on a seeded request whose prompt it prefilled in chunks (smolagents'
     2,000-token system prompt with a seed did it): the engine is started with a step budget that keeps a prompt
-    whole (gateway/engine.py)."""
+    whole (engine/supervisor.py)."""
     long = [{"role": "user", "content": "word " * 1200}]
     for seed in (1, 2):
         r = client.chat.completions.create(model="my-agent", messages=long, max_tokens=2, seed=seed)  # type: ignore[arg-type]

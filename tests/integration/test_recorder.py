@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import sqlalchemy as sa
 
-from gateway.recorder import Recorder, refused
+from recording.recorder import Recorder, refused
 from store import create_engine, migrate
 from store.db import create_sync_sqlite_engine
 from store.records import CallRecord

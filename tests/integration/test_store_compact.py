@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.recorder import Recorder
+from recording.recorder import Recorder
 from store import create_engine, downgrade, migrate
 from store.calls import rollout_calls, write_calls, write_calls_sync
 from store.codec import CallCache, decode_ids

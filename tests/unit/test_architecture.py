@@ -1,7 +1,8 @@
 """The rooms of the house: which package may import which, and no import cycles.
 
-store/ (shared, no HTTP) ← gateway/ (HTTP), client/ (the typed client of the gateway's /v1/art API) ← trainer/
-(torch); ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module
+store/ (shared, no HTTP) ← recording/ (each call to the store exactly once) and engine/ (the vLLM supervisor, on
+its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API) ← trainer/ (torch);
+ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module
 level or not) and on what a real `import trainer.train` loads.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("artgw", "client", "gateway", "store", "trainer", "ruler", "migrations")
+PACKAGES = ("artgw", "client", "engine", "gateway", "recording", "store", "trainer", "ruler", "migrations")
 
 # What each package may import of the others (beside itself).
 ALLOWED = {
@@ -23,9 +24,11 @@ ALLOWED = {
     "ruler": set(),
     "client": {"store"},
     "trainer": {"store", "client"},
-    "gateway": {"store", "ruler"},
+    "recording": {"store"},
+    "engine": set(),
+    "gateway": {"store", "ruler", "recording", "engine"},
     "migrations": {"store"},
-    "artgw": {"gateway", "store", "trainer", "ruler", "client"},
+    "artgw": {"gateway", "store", "trainer", "ruler", "client", "recording", "engine"},
 }
 
 
@@ -111,6 +114,8 @@ def test_no_import_cycles() -> None:
         ("trainer.train", {"gateway", "litestar", "artgw"}),
         ("client", {"gateway", "litestar", "trainer", "torch", "artgw"}),
         ("store.provide", {"gateway", "litestar", "trainer", "torch", "artgw"}),
+        ("recording.recorder", {"gateway", "litestar", "trainer", "torch", "artgw"}),
+        ("engine.supervisor", {"gateway", "litestar", "store", "trainer", "torch", "artgw"}),
         ("ruler", {"gateway", "store", "trainer", "litestar"}),
     ],
 )

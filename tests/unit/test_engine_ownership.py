@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gateway.engine import (
+from engine.supervisor import (
     ENGINE_TAG_VAR,
     EngineConfig,
     EngineConflict,

@@ -2,7 +2,7 @@
 
 Every call's record is appended here before its client gets the end of its answer (gateway/chat.py); the
 recorder then moves journaled records to the store in batches and trims the journal behind them
-(gateway/recorder.py). On the next start whatever is still here is replayed: the store write is idempotent
+(recording/recorder.py). On the next start whatever is still here is replayed: the store write is idempotent
 per call id, so a crash between a store commit and the trim that follows it duplicates nothing.
 
 Layout: `DATA/journal/seg-<seq>.log` segment files, the newest one appended to and rotated at a size.
@@ -12,7 +12,7 @@ not msgpack: a request holds whatever JSON the client sent, integers beyond 64 b
 torn tail a crash mid-write leaves (its call was never acknowledged), and it is skipped.
 
 An append the disk refuses (full, I/O error) raises OSError and leaves no part of its entry behind; the
-recorder then refuses the call (gateway/recorder.py).
+recorder then refuses the call (recording/recorder.py).
 
 Durability: a returned `append` has handed the bytes to the kernel, so the record survives the gateway
 process dying in any way (crash, SIGKILL, OOM kill). Surviving power loss or a kernel crash needs them on

@@ -1,6 +1,6 @@
 """The recorder: gets every call into the store, off the client's critical path, losing none.
 
-A call's record is first appended to the journal (gateway/journal.py), before its client gets the end of
+A call's record is first appended to the journal (recording/journal.py), before its client gets the end of
 its answer: from then on it survives the gateway dying in any way. One writer task moves journaled records
 to the store in batches (one transaction per batch) and trims the journal behind the last committed one.
 
@@ -40,7 +40,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.journal import Entry, FsyncPolicy, Journal, Position
+from recording.journal import Entry, FsyncPolicy, Journal, Position
 from store.calls import write_calls, write_calls_sync
 from store.codec import CallCache
 from store.records import CallRecord
