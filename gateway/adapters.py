@@ -24,10 +24,11 @@ from typing import Annotated, Any
 import anyio
 import httpx
 import msgspec
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.promotion.decision import Committed, Decision, decide
 from gateway.settings import MODEL_NAME_RULE, valid_model_name
 from store.adapters import (
     AdapterRow,
@@ -51,7 +52,7 @@ from store.promotions import (
     record_promotion,
     running_canaries,
 )
-from store.types import Promotion, PromotionAction, PromotionActor
+from store.types import Promotion
 
 log = logging.getLogger("artgw.adapters")
 
@@ -306,6 +307,7 @@ class AdapterService:
                     409, f"Step {spec.step} is not newer than the newest step {model.latest_step}.", param="step"
                 )
             adapter = adapter_name(name, spec.step)
+            decision = decide(Committed(spec.step, self.promotion))
             ok, text = await self._load_into_engine(adapter, spec.path)
             if not ok:
                 async with self.store.begin() as conn:
@@ -327,19 +329,11 @@ class AdapterService:
                             group_ids=spec.group_ids,
                             lease_owner=spec.lease_owner,
                         )
-                        if self.promotion == "always":  # in the same transaction: a committed step is a promoted one
-                            await record_promotion(
-                                conn,
-                                model=name,
-                                step=spec.step,
-                                previous_step=model.served_step,
-                                action="promote",
-                                actor="always",
-                                reason="--promotion always: every committed step",
-                            )
+                        if decision.moves:  # in the same transaction: a committed step is a promoted one
+                            await _record(conn, name, model.served_step, decision)
                     model.loaded_steps.add(spec.step)
-                    model.latest_step = spec.step  # `name@latest` moves; `name` too unless promotion is gated
-                    if self.promotion == "always":
+                    model.latest_step = spec.step  # `name@latest` moves; `name` too if the decision says so
+                    if decision.moves:
                         model.served_step = spec.step
                     model.changed += 1
             except BaseException as exc:
@@ -353,16 +347,15 @@ class AdapterService:
                     raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
                 raise
             await self._unload_old(model)
-        if self.promotion == "gated" and self.on_commit is not None:
+        if decision.kind == "evaluate" and self.on_commit is not None:
             self.on_commit(name, spec.step)
         return await self.status(name, ADMIN)  # the trainer's commit: an admin endpoint
 
-    async def promote(
-        self, name: str, step: int, *, action: PromotionAction, actor: PromotionActor, reason: str
-    ) -> PromotionRow:
-        """Point `name` at `step` (0: the base weights), loading its adapter again if it was unloaded, and record
-        why. 404 for a step that never committed; 409 if the engine refuses it."""
+    async def promote(self, name: str, decision: Decision) -> PromotionRow:
+        """Point `name` at the decision's step (0: the base weights), loading its adapter again if it was
+        unloaded, and record the decision. 404 for a step that never committed; 409 if the engine refuses it."""
         model = self._model(name)
+        step = decision.step
         async with self._lock:
             if step != 0 and step not in model.loaded_steps:
                 if step in model.broken_steps:
@@ -383,19 +376,11 @@ class AdapterService:
                     await set_status(conn, name, [step], "loaded", "loaded again to be promoted")
             async with model.changing:
                 async with self.store.begin() as conn:
-                    promotion = await record_promotion(
-                        conn,
-                        model=name,
-                        step=step,
-                        previous_step=model.served_step,
-                        action=action,
-                        actor=actor,
-                        reason=reason,
-                    )
+                    promotion = await _record(conn, name, model.served_step, decision)
                 model.served_step = step
                 model.changed += 1
             await self._unload_old(model)
-        log.info("%s: %s to step %d by %s (%s)", name, action, step, actor, reason)
+        log.info("%s: %s to step %d by %s (%s)", name, decision.kind, step, decision.actor, decision.reason)
         return promotion
 
     async def rollback_target(self, name: str) -> int:
@@ -593,3 +578,18 @@ class AdapterService:
                 evaluations=evaluations,
                 adapter_events=events,
             )
+
+
+async def _record(conn: AsyncConnection, name: str, served: int, decision: Decision) -> PromotionRow:
+    """The promotion log's row for a decision that moves `name` off the `served` step."""
+    if not decision.moves:
+        raise ValueError(f"a {decision.kind!r} decision moves nothing")
+    return await record_promotion(
+        conn,
+        model=name,
+        step=decision.step,
+        previous_step=served,
+        action="rollback" if decision.kind == "rollback" else "promote",
+        actor=decision.actor,
+        reason=decision.reason,
+    )

@@ -20,6 +20,7 @@ from gateway.guards import admin_only, scoped
 from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyCreate, KeyCreated, KeyList, KeyService
 from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struct_schema
+from gateway.promotion.decision import AdminAsked, decide
 from gateway.promotion.graders import EvalSetCreate
 from gateway.promotion.service import PromotionService
 from gateway.rollouts import RolloutService
@@ -222,7 +223,7 @@ async def promote_step(request: Request, adapters: AdapterService, name: str) ->
     spec = decode_body(await request.body(), PromoteRequest)
     if spec.step is None:
         raise invalid_request("Give the `step` to promote.", param="step")
-    await adapters.promote(name, spec.step, action="promote", actor="admin", reason=spec.reason or "by hand")
+    await adapters.promote(name, decide(AdminAsked("promote", spec.step, spec.reason)))
     return await adapters.status(name, ADMIN_CALLER)
 
 
@@ -238,7 +239,7 @@ async def rollback_step(request: Request, adapters: AdapterService, name: str) -
     body = await request.body()
     spec = decode_body(body, PromoteRequest) if body.strip() else PromoteRequest()
     step = spec.step if spec.step is not None else await adapters.rollback_target(name)
-    await adapters.promote(name, step, action="rollback", actor="admin", reason=spec.reason or "by hand")
+    await adapters.promote(name, decide(AdminAsked("rollback", step, spec.reason)))
     return await adapters.status(name, ADMIN_CALLER)
 
 

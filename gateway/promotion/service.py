@@ -25,6 +25,7 @@ from gateway.asgi import JSONBody
 from gateway.auth import ADMIN, Caller
 from gateway.chat import ChatService
 from gateway.errors import OpenAIError, invalid_request, model_not_found
+from gateway.promotion.decision import CanaryJudged, Evaluated, LiveWatched, decide
 from gateway.promotion.gate import paired_gate, unpaired_gate
 from gateway.promotion.graders import (
     Answer,
@@ -173,28 +174,20 @@ class PromotionService:
         async with self.store.connect() as conn:
             sets = await eval_sets_of(conn, model)
         canary = self.registry.canary_share > 0
-        if not sets and not canary:
-            log.warning("%s: step %d is held: gated promotion and no eval set (POST .../evals)", model, step)
-            return False
-        results = [await self._evaluate_set(model, step, baseline, row) for row in sets]
-        if not all(r.status == "passed" for r in results):
-            held = ", ".join(f"{r.eval_set}: {r.status}" for r in results if r.status != "passed")
-            log.info("%s: step %d held back against step %d (%s)", model, step, baseline, held)
-            return False
-        if self.registry.models[model].served_step != baseline:  # promoted meanwhile (an admin): judge again
-            self.step_committed(model, step)
-            return False
-        if canary:  # live traffic decides now (watch_live_rewards)
-            await self._start_canary(model, step, baseline)
-            return False
-        summary = "; ".join(
-            f"{r.eval_set}: {r.mean:.3f} vs {r.baseline_mean:.3f}, CI [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
-            for r in results
-        )
-        await self.adapters.promote(
-            model, step, action="promote", actor="gate", reason=f"passed the gate against step {baseline}: {summary}"
-        )
-        return True
+        results = tuple([await self._evaluate_set(model, step, baseline, row) for row in sets])
+        served_now = self.registry.models[model].served_step
+        decision = decide(Evaluated(step, baseline, served_now, results, canary))
+        match decision.kind:
+            case "promote":
+                await self.adapters.promote(model, decision)
+                return True
+            case "start_canary":  # live traffic decides now (watch_live_rewards)
+                await self._start_canary(model, step, baseline)
+            case "evaluate":
+                self.step_committed(model, step)
+            case _:
+                log.info("%s: step %d: %s", model, step, decision.reason)
+        return False
 
     async def _evaluate_set(self, model: str, step: int, baseline: int, row: EvalSetRow) -> EvaluationRow:
         spec = msgspec.convert(row.spec, EvalSetCreate)
@@ -338,8 +331,8 @@ class PromotionService:
             row,
             status="passed" if verdict.passed else "failed",
             scores=None,
-            mean=math.fsum(candidate) / len(candidate),
-            baseline_mean=math.fsum(promoted) / len(promoted),
+            mean=_mean(candidate),
+            baseline_mean=_mean(promoted),
             ci_low=verdict.ci_low,
             ci_high=verdict.ci_high,
             finished_at=self.clock.time(),
@@ -350,14 +343,23 @@ class PromotionService:
                     return
             self.registry.models[name].canary_step = None
             self.registry.models[name].changed += 1
-        reason = (
-            f"canary: {len(candidate)} rewarded rollouts {done.mean:.3f} vs {len(promoted)} of step "
-            f"{row.baseline_step} {done.baseline_mean:.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
+        served_now = self.registry.models[name].served_step
+        decision = decide(
+            CanaryJudged(
+                row.step,
+                row.baseline_step,
+                served_now,
+                verdict,
+                len(candidate),
+                _mean(candidate),
+                len(promoted),
+                _mean(promoted),
+            )
         )
-        if verdict.passed and self.registry.models[name].served_step == row.baseline_step:
-            await self.adapters.promote(name, row.step, action="promote", actor="canary", reason=reason)
+        if decision.moves:
+            await self.adapters.promote(name, decision)
         else:
-            log.info("%s: step %d dropped (%s)", name, row.step, reason)
+            log.info("%s: step %d dropped (%s)", name, row.step, decision.reason)
 
     async def _check_rollback(self, name: str) -> None:
         """The promoted step, once it has its rewards, against the step promoted before it."""
@@ -375,12 +377,11 @@ class PromotionService:
         if len(mine) < self.canary_min_rewards or len(theirs) < 2:
             return
         verdict = unpaired_gate(mine, theirs, margin=self.margin, confidence=self.confidence)
-        if verdict.ci_high < -self.margin:
-            reason = (
-                f"live reward fell: {len(mine)} rollouts {math.fsum(mine) / len(mine):.3f} vs step {previous}'s "
-                f"{math.fsum(theirs) / len(theirs):.3f}, CI [{verdict.ci_low:+.3f}, {verdict.ci_high:+.3f}]"
-            )
-            await self.adapters.promote(name, previous, action="rollback", actor="canary", reason=reason)
+        decision = decide(
+            LiveWatched(current, previous, verdict, self.margin, len(mine), _mean(mine), len(theirs), _mean(theirs))
+        )
+        if decision.moves:
+            await self.adapters.promote(name, decision)
 
 
 def _mean(values: Any) -> float:

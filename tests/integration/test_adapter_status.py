@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.auth import ADMIN
+from gateway.promotion.decision import AdminAsked, decide
 from store.api import AdapterLoad, ModelStatus
 from store.models import add_models
 from tests.conftest import start_stub, stop_group
@@ -71,7 +72,7 @@ async def test_status_reads_agree_with_themselves_while_steps_commit_and_promoti
                 await adapters.load(MODEL, AdapterLoad(step=step, path=str(path)))
             for move in range(MOVES):
                 step = move % (STEPS + 1)  # the base weights too
-                await adapters.promote(MODEL, step, action="promote", actor="admin", reason=f"move {move}")
+                await adapters.promote(MODEL, decide(AdminAsked("promote", step, f"move {move}")))
         finally:
             writing = False
             await asyncio.gather(*readers)
