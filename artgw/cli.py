@@ -335,6 +335,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
+    from store.access import EVERYTHING
     from store.calls import RolloutFilter
     from store.provide import open_store
 
@@ -346,7 +347,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         count = 0
         # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
         async with open_store(_store_url(args)) as store:
-            async for trajectory in store.rollouts.export(where):
+            async for trajectory in store.rollouts.export(where, grant=EVERYTHING):  # the store's holder: all
                 sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
                 count += 1
         sys.stdout.flush()

@@ -28,6 +28,7 @@ from pathlib import Path
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import OpenAIError, model_not_found
+from store.access import EVERYTHING, Grant
 from store.clock import SYSTEM_CLOCK, Clock
 from store.keys import SCOPES, ApiKey, Scope, live_keys, revoked_key_hashes, secret_hash
 
@@ -41,7 +42,7 @@ class Caller:
     """Who made a request, and what it may do."""
 
     key_id: str | None  # the client key's id (recorded with each call); None: the admin, or anonymous
-    models: frozenset[str] | None  # the models it may use; None: every model
+    grant: Grant  # the models it may use and whose data it may see (store/access.py)
     scopes: frozenset[Scope]
     admin: bool = False
     keyless: bool = False  # --auth off, no key (or one the gateway never made): a scope it lacks is a 401
@@ -49,12 +50,8 @@ class Caller:
     tpm: int | None = None
 
     def covers(self, model: str | None) -> bool:
-        """May it use (or see the data of) `model`? Base-model calls (`None`) only for every-model callers."""
-        return self.models is None or (model is not None and model in self.models)
-
-    def covers_id(self, model_id: str) -> bool:
-        """`covers` for a model id as clients write it: `NAME` or a pinned step `NAME@K`."""
-        return self.covers(model_id) or ("@" in model_id and self.covers(model_id.rpartition("@")[0]))
+        """May it use (or see the data of) `model`? The store's one rule (store/access.py)."""
+        return self.grant.covers(model)
 
     def check_model(self, model: str, shown: str | None = None) -> None:
         """404 `model_not_found`, worded as for a model that does not exist: a key learns nothing of others'."""
@@ -76,15 +73,15 @@ class Caller:
             )
 
 
-ADMIN = Caller(key_id=None, models=None, scopes=frozenset(SCOPES), admin=True)
+ADMIN = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset(SCOPES), admin=True)
 # --auth off, a request without a key: inference on every model, and nothing recorded to read or change.
-KEYLESS = Caller(key_id=None, models=None, scopes=frozenset({"infer"}), keyless=True)
+KEYLESS = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset({"infer"}), keyless=True)
 
 
 def client_caller(key: ApiKey) -> Caller:
     return Caller(
         key_id=key.id,
-        models=frozenset(key.models) if key.models is not None else None,
+        grant=Grant(frozenset(key.models) if key.models is not None else None),
         scopes=frozenset(key.scopes),
         rpm=key.rpm,
         tpm=key.tpm,

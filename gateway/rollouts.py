@@ -9,7 +9,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -138,9 +137,10 @@ class RolloutService:
         """Wait until no call of these rollouts is still on its way to the store; False on time-out."""
         return await self.recorder.settled(list(rollout_ids), self.settle_seconds if within is None else within)
 
-    async def find(self, rollout_id: str, *, choice: int | None = None) -> Trajectory | None:
+    async def find(self, rollout_id: str, *, choice: int | None = None, caller: Caller) -> Trajectory | None:
+        """The rollout once its answered calls are in the store, if the caller may see it."""
         await self.settle([rollout_id])
-        return await self.reader.find(rollout_id, choice=choice)
+        return await self.reader.find(rollout_id, grant=caller.grant, choice=choice)
 
     async def sequence_counts(self, summaries: Sequence[RolloutRow], *, caller: Caller) -> dict[str, int]:
         """How many sequences each of these rollouts assembles into (one when every call continued its rollout's
@@ -148,13 +148,13 @@ class RolloutService:
         counts = {r.id: 1 for r in summaries if r.call_count <= 1}
         slots = asyncio.Semaphore(8)
 
-        async def count(rollout_id: str) -> None:  # only rollouts of the caller's models are counted (below)
+        async def count(rollout_id: str) -> None:
             async with slots:
-                trajectory = await self.reader.find(rollout_id)
+                trajectory = await self.reader.find(rollout_id, grant=caller.grant)
             if trajectory is not None:
                 counts[rollout_id] = len(trajectory.sequences)
 
-        await asyncio.gather(*(count(r.id) for r in summaries if r.call_count > 1 and caller.covers(r.model)))
+        await asyncio.gather(*(count(r.id) for r in summaries if r.call_count > 1))
         return counts
 
     async def get(self, rollout_id: str, *, choice: int | None = None, caller: Caller) -> Trajectory:
@@ -163,11 +163,9 @@ class RolloutService:
         404 either way when it is not there, but saying which: unknown, or answered and still on its way to
         the store (a slow or locked store), which a client should retry."""
         settled = await self.settle([rollout_id])
-        trajectory = await self.reader.find(rollout_id, choice=choice)
-        if trajectory is not None and caller.covers(trajectory.model):
+        trajectory = await self.reader.find(rollout_id, grant=caller.grant, choice=choice)
+        if trajectory is not None:
             return trajectory
-        if trajectory is not None:  # another key's model: as if it did not exist
-            raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         if not settled or self.recorder.in_flight(rollout_id):
             raise OpenAIError(
                 404,
@@ -187,7 +185,4 @@ class RolloutService:
     ) -> RolloutPage:
         """A page of the rollouts `where` selects, of the caller's models only (`newest_first`: as the UI lists
         them)."""
-        if caller.models is not None:
-            covered = caller.models if where.models is None else where.models & caller.models
-            where = msgspec.structs.replace(where, models=covered)
-        return await self.reader.page(where, limit=limit, cursor=cursor, newest_first=newest_first)
+        return await self.reader.page(where, grant=caller.grant, limit=limit, cursor=cursor, newest_first=newest_first)

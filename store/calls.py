@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.access import Grant
 from store.codec import CallCache, Head, compact, expand
 from store.db import keyset_page
 from store.errors import Invalid
@@ -22,7 +23,6 @@ class RolloutFilter(msgspec.Struct, frozen=True, kw_only=True):
     """Which rollouts a list holds (`/v1/art/rollouts`, the UI's list, an export): each field given narrows it."""
 
     model: str | None = None
-    models: frozenset[str] | None = None  # only rollouts of these models (what an API key covers)
     key_id: str | None = None  # only those made with that API key
     since: float | None = None  # only those whose last call came at or after this time
     status: CallStatus | None = None  # only those with a call that ended so
@@ -220,14 +220,15 @@ async def list_rollouts(
     conn: AsyncConnection,
     where: RolloutFilter = EVERY_ROLLOUT,
     *,
+    grant: Grant,
     limit: int = 100,
     after: tuple[float, str] | None = None,
     newest_first: bool = False,
 ) -> list[RolloutRow]:
-    """The rollouts `where` selects by (last_call_at, id), oldest first (`newest_first`: the other way); `after`
-    is the keyset cursor of the previous page."""
+    """The rollouts `where` selects of the models `grant` covers, by (last_call_at, id), oldest first
+    (`newest_first`: the other way); `after` is the keyset cursor of the previous page."""
     key = (rollouts.c.last_call_at, rollouts.c.id)
-    query = keyset_page(sa.select(rollouts), key, after, limit, newest_first)
+    query = keyset_page(sa.select(rollouts), key, after, limit, newest_first).where(grant.where(rollouts.c.model))
     if where.status is not None or where.api is not None:  # one call must match both
         matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
         if where.status is not None:
@@ -240,8 +241,6 @@ async def list_rollouts(
         query = query.where(rollouts.c.id.in_(members))
     if where.model is not None:
         query = query.where(rollouts.c.model == where.model)
-    if where.models is not None:
-        query = query.where(rollouts.c.model.in_(sorted(where.models)))
     if where.key_id is not None:
         query = query.where(rollouts.c.key_id == where.key_id)
     if where.since is not None:

@@ -16,13 +16,14 @@ and the lease owner where a trainer holds it), so a group is trained at most onc
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.access import Grant
 from store.db import keyset_page
 from store.errors import Conflict
 from store.tables import group_members, groups
@@ -112,11 +113,13 @@ async def insert_group(conn: AsyncConnection, group: NewGroup) -> None:
     await conn.execute(sa.insert(group_members), [{**m, "group_id": group.id} for m in members])
 
 
-async def load_groups(conn: AsyncConnection, group_ids: Sequence[str]) -> list[GroupRow]:
-    """Groups with their members, in the order of `group_ids` (unknown ids are left out)."""
+async def load_groups(conn: AsyncConnection, group_ids: Sequence[str], *, grant: Grant) -> list[GroupRow]:
+    """Groups of the models `grant` covers with their members, in the order of `group_ids` (unknown ids, and
+    groups of other models, are left out)."""
     if not group_ids:
         return []
-    rows = {r.id: _plain(r) for r in await conn.execute(sa.select(groups).where(groups.c.id.in_(group_ids)))}
+    query = sa.select(groups).where(groups.c.id.in_(group_ids), grant.where(groups.c.model))
+    rows = {r.id: _plain(r) for r in await conn.execute(query)}
     members: dict[str, list[MemberRow]] = {gid: [] for gid in rows}
     query = (
         sa.select(group_members)
@@ -144,17 +147,15 @@ async def list_group_ids(
     state: GroupState | None,
     limit: int,
     after: tuple[float, str] | None,
-    models: Collection[str] | None = None,
+    grant: Grant,
     newest_first: bool = False,
 ) -> list[tuple[float, str]]:
-    """(created_at, id) of a page of groups, oldest first (`newest_first`: the other way); `after`: the last
-    key of the previous page; `models`: only groups of these (what an API key covers)."""
+    """(created_at, id) of a page of groups of the models `grant` covers, oldest first (`newest_first`: the
+    other way); `after`: the last key of the previous page."""
     key = (groups.c.created_at, groups.c.id)
-    query = keyset_page(sa.select(*key), key, after, limit, newest_first)
+    query = keyset_page(sa.select(*key), key, after, limit, newest_first).where(grant.where(groups.c.model))
     if model is not None:
         query = query.where(groups.c.model == model)
-    if models is not None:
-        query = query.where(groups.c.model.in_(list(models)))
     if state is not None:
         query = query.where(groups.c.state == state)
     return [(row.created_at, row.id) for row in await conn.execute(query)]

@@ -12,6 +12,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.access import Grant
 from store.errors import NotFound
 from store.tables import responses
 
@@ -38,10 +39,11 @@ class ResponseStore:
         async with self.engine.begin() as conn:
             await conn.execute(sa.insert(responses).values(**msgspec.structs.asdict(stored)))
 
-    async def get(self, response_id: str) -> StoredResponse:
+    async def get(self, response_id: str, *, grant: Grant) -> StoredResponse:
+        """The stored response; not found when it is of a model `grant` does not cover, as if it did not exist."""
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).one_or_none()
-        if row is None:
+        if row is None or not grant.covers_id(row.model):
             raise response_not_found(response_id)
         return msgspec.convert({str(k): v for k, v in row._asdict().items()}, StoredResponse)
 

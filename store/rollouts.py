@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.access import Grant
 from store.calls import RolloutFilter, RolloutRow, list_rollouts, rollout_calls
 from store.errors import Invalid, NotFound
 from store.trajectories import Trajectory, assemble
@@ -47,40 +48,42 @@ class RolloutReader:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def find(self, rollout_id: str, *, choice: int | None = None) -> Trajectory | None:
-        """The assembled rollout (`choice`: that choice of its n > 1 calls), or None if never recorded."""
+    async def find(self, rollout_id: str, *, grant: Grant, choice: int | None = None) -> Trajectory | None:
+        """The assembled rollout (`choice`: that choice of its n > 1 calls), or None if never recorded or of a
+        model `grant` does not cover."""
         async with self.engine.connect() as conn:
             calls = await rollout_calls(conn, rollout_id)
         if calls is None:
             return None
         # One choice of an n > 1 call is a rollout of its own, named as groups name it.
-        return assemble(rollout_id if choice is None else f"{rollout_id}/{choice}", calls, choice)
+        trajectory = assemble(rollout_id if choice is None else f"{rollout_id}/{choice}", calls, choice)
+        return trajectory if grant.covers(trajectory.model) else None
 
-    async def get(self, rollout_id: str, *, choice: int | None = None) -> Trajectory:
-        trajectory = await self.find(rollout_id, choice=choice)
+    async def get(self, rollout_id: str, *, grant: Grant, choice: int | None = None) -> Trajectory:
+        trajectory = await self.find(rollout_id, grant=grant, choice=choice)
         if trajectory is None:
             raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         return trajectory
 
     async def page(
-        self, where: RolloutFilter, *, limit: int, cursor: str | None, newest_first: bool = False
+        self, where: RolloutFilter, *, grant: Grant, limit: int, cursor: str | None, newest_first: bool = False
     ) -> RolloutPage:
-        """A page of the rollouts `where` selects, oldest first (`newest_first`: as the UI lists them); `cursor`:
-        the previous page's `next_cursor`."""
+        """A page of the rollouts `where` selects of the models `grant` covers, oldest first (`newest_first`: as
+        the UI lists them); `cursor`: the previous page's `next_cursor`."""
         check_limit(limit)
         after = decode_cursor_pair(cursor) if cursor else None
         async with self.engine.connect() as conn:
-            rows = await list_rollouts(conn, where, limit=limit, after=after, newest_first=newest_first)
+            rows = await list_rollouts(conn, where, grant=grant, limit=limit, after=after, newest_first=newest_first)
         last = rows[-1] if len(rows) == limit else None
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 
-    async def export(self, where: RolloutFilter) -> AsyncIterator[Trajectory]:
-        """Every rollout `where` selects, assembled, page by page."""
+    async def export(self, where: RolloutFilter, *, grant: Grant) -> AsyncIterator[Trajectory]:
+        """Every rollout `where` selects of the models `grant` covers, assembled, page by page."""
         cursor = None
         while True:
-            page = await self.page(where, limit=200, cursor=cursor)
+            page = await self.page(where, grant=grant, limit=200, cursor=cursor)
             for row in page.data:
-                yield await self.get(row.id)
+                yield await self.get(row.id, grant=grant)
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.access import EVERYTHING
 from store.adapters import AdapterRow, committed_steps, last_committed_step
 from store.groups import (
     GroupRow,
@@ -94,14 +95,14 @@ class TrainerStore:
         self._write(finish_without_update, group_ids, owner, step)
 
     def groups(self, group_ids: Sequence[str]) -> list[GroupRow]:
-        return self._read(load_groups, group_ids)
+        return self._read(load_groups, group_ids, grant=EVERYTHING)  # the trainer trains every model
 
     def trajectories(self, members: Sequence[MemberRow]) -> list[Trajectory]:
         """Each member's trajectory (its choice of its rollout), in order; NotFound for one that is gone."""
         reader = RolloutReader(self.engine)
 
         async def read() -> list[Trajectory]:
-            return [await reader.get(m.rollout_id, choice=m.choice) for m in members]
+            return [await reader.get(m.rollout_id, grant=EVERYTHING, choice=m.choice) for m in members]
 
         return self.portal.call(read)
 

@@ -30,7 +30,7 @@ from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound
-from store.responses import ResponseStore, StoredResponse, response_not_found
+from store.responses import ResponseStore, StoredResponse
 
 log = logging.getLogger("artgw.gateway")
 _encode = msgspec.json.encode
@@ -128,10 +128,7 @@ class ResponsesService:
 
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
         """The stored response, if the caller's key covers its model; else not found, as if it did not exist."""
-        stored = await self.store.get(response_id)
-        if not caller.covers_id(stored.model):
-            raise response_not_found(response_id)
-        return stored
+        return await self.store.get(response_id, grant=caller.grant)
 
     async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
         return (await self._stored(response_id, caller)).response

@@ -20,6 +20,7 @@ import ruler
 from gateway.groups.schemas import RulerIn
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import scoring_ended, scoring_span
+from store.access import EVERYTHING
 from store.groups import GroupRow, load_groups, scored, scoring_failed, scoring_group_ids
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
@@ -59,7 +60,7 @@ class Scorer:
     async def resume(self) -> int:
         """Judge again the groups a previous run left `scoring`."""
         async with self.engine.connect() as conn:
-            pending = await load_groups(conn, await scoring_group_ids(conn))
+            pending = await load_groups(conn, await scoring_group_ids(conn), grant=EVERYTHING)  # every model's
         for row in pending:
             if row.ruler is not None:
                 self.start(row.id, msgspec.convert(row.ruler, RulerIn))
@@ -67,7 +68,7 @@ class Scorer:
 
     async def _score(self, group_id: str, spec: RulerIn) -> None:
         async with self.engine.connect() as conn:
-            rows = await load_groups(conn, [group_id])
+            rows = await load_groups(conn, [group_id], grant=EVERYTHING)
         if not rows:
             return
         with scoring_span(self.tracer, group_id, rows[0].model, spec.judge_model):
@@ -78,7 +79,7 @@ class Scorer:
         try:
             trajectories = []
             for member in row.members:
-                t = await self.reader.get(member.rollout_id, choice=member.choice)
+                t = await self.reader.get(member.rollout_id, grant=EVERYTHING, choice=member.choice)
                 trajectories.append(ruler.Trajectory(messages=t.messages, tools=t.tools))
             async with self.judge_slots:
                 started = time.monotonic()

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.adapters import AdapterRegistry
-from gateway.auth import Caller
+from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
@@ -102,7 +102,7 @@ class GroupService:
         if not _GROUP_ID.match(group_id):
             raise invalid_request("Invalid group_id: 1 to 128 characters from letters, digits and `._:-`.", "group_id")
         digest = request_hash(spec)
-        existing = await self._row(group_id)
+        existing = await self._row(group_id, ADMIN)  # ids are one namespace: a taken id is taken (see _replay)
         if existing is not None:
             return self._replay(existing, digest), False
 
@@ -137,7 +137,7 @@ class GroupService:
                 await insert_group(conn, group)
         except IntegrityError:
             # A concurrent request took the id or one of the rollouts first.
-            existing = await self._row(group_id)
+            existing = await self._row(group_id, ADMIN)
             if existing is not None:
                 return self._replay(existing, digest), False
             raise OpenAIError(
@@ -215,8 +215,8 @@ class GroupService:
             )
         for i, ref in enumerate(refs):
             rollout_id, choice = split_ref(ref)
-            trajectory = await self.rollouts.reader.find(rollout_id, choice=choice)
-            if trajectory is None or not caller.covers(trajectory.model):  # another key's model: unknown here
+            trajectory = await self.rollouts.reader.find(rollout_id, grant=caller.grant, choice=choice)
+            if trajectory is None:  # never recorded, or of another key's model: unknown here
                 raise invalid_request(
                     f"Unknown rollout `{rollout_id}`: no call with this rollout id has been recorded.",
                     param=f"rollouts[{i}].rollout_id",
@@ -269,14 +269,14 @@ class GroupService:
 
     # ------------------------------------------------------------ read
 
-    async def _row(self, group_id: str) -> GroupRow | None:
+    async def _row(self, group_id: str, caller: Caller) -> GroupRow | None:
         async with self.engine.connect() as conn:
-            rows = await load_groups(conn, [group_id])
+            rows = await load_groups(conn, [group_id], grant=caller.grant)
         return rows[0] if rows else None
 
     async def get(self, group_id: str, caller: Caller) -> GroupOut:
-        row = await self._row(group_id)
-        if row is None or not caller.covers(row.model):
+        row = await self._row(group_id, caller)
+        if row is None:
             raise OpenAIError(404, f"No group `{group_id}`.", code="group_not_found")
         return group_out(row)
 
@@ -303,9 +303,9 @@ class GroupService:
                 state=group_state,
                 limit=limit,
                 after=after,
-                models=caller.models,
+                grant=caller.grant,
                 newest_first=newest_first,
             )
-            rows = await load_groups(conn, [gid for _, gid in keys])
+            rows = await load_groups(conn, [gid for _, gid in keys], grant=caller.grant)
         next_cursor = encode_cursor_pair(*keys[-1]) if len(keys) == limit else None
         return GroupPage([group_out(r) for r in rows], next_cursor)

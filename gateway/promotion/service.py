@@ -290,8 +290,8 @@ class PromotionService:
         if rollout_id.startswith(EVAL_ROLLOUT_PREFIX):
             raise invalid_request(f"`{rollout_id}` is an eval rollout of the promotion gate.", param="rollout_id")
         await self.rollouts.settle([rollout_id], 5.0)  # a reward may arrive before its calls are stored
-        trajectory = await self.rollouts.find(rollout_id)
-        if trajectory is None or trajectory.model is None or not caller.covers(trajectory.model):
+        trajectory = await self.rollouts.find(rollout_id, caller=caller)
+        if trajectory is None or trajectory.model is None:
             # As GET /v1/art/rollouts/{id} says it: another key's rollout does not exist for this one.
             raise OpenAIError(404, f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         async with self.store.begin() as conn:

@@ -183,7 +183,7 @@ async def group_detail(groups: GroupService, rollouts: RolloutService, caller: C
                 member.ruler_score,
                 member.ruler_explanation,
                 advantage,
-                await rollouts.find(rollout_id, choice=choice),
+                await rollouts.find(rollout_id, choice=choice, caller=caller),
             )
         )
     return {"g": group, "attempts": attempts}

@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import MAX_JSON_DEPTH
+from store.access import EVERYTHING
 from store.calls import write_calls
 from store.rollouts import RolloutReader
 from tests.conftest import ARTGW, make_call, start_gateway, start_stub, stop_group
@@ -262,6 +263,6 @@ async def test_a_record_at_the_depth_limit_round_trips_through_the_store(engine:
     record = make_call("c1", 1.0, body["messages"], rollout_id="deep", extra={"extra": body["extra"]})
     async with engine.begin() as conn:
         await write_calls(conn, [record])
-    trajectory = await RolloutReader(engine).get("deep")
+    trajectory = await RolloutReader(engine).get("deep", grant=EVERYTHING)
     assert trajectory.messages[0] == body["messages"][0]
     assert depth(record.request) == MAX_JSON_DEPTH

@@ -20,13 +20,15 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store import create_engine, downgrade, migrate
+from store.access import EVERYTHING, NOTHING, Grant
 from store.adapters import adapter_event_history, commit_step, record_failure, set_status
 from store.calls import RolloutFilter, count_calls, list_rollouts, rollout_calls, write_calls
 from store.codec import CallCache
 from store.db import alembic_config
-from store.errors import Invalid
-from store.groups import claim_groups, list_group_ids, renew_lease
+from store.errors import Invalid, NotFound
+from store.groups import claim_groups, list_group_ids, load_groups, renew_lease
 from store.records import CallRecord, ChoiceRecord
+from store.responses import ResponseStore, StoredResponse
 from store.rollouts import RolloutReader
 from store.tables import calls, group_members, groups, metadata, rollouts
 from tests.conftest import make_call
@@ -316,7 +318,9 @@ async def _all_pages(
     where = RolloutFilter(model=model, since=since)
     async with engine.connect() as conn:
         while True:
-            page = await list_rollouts(conn, where, limit=limit, after=after, newest_first=newest_first)
+            page = await list_rollouts(
+                conn, where, grant=EVERYTHING, limit=limit, after=after, newest_first=newest_first
+            )
             if not page:
                 return pages
             assert len(page) <= limit
@@ -361,7 +365,7 @@ async def test_list_rollouts_keyset_pagination(engine: AsyncEngine) -> None:
             assert [rid for page in newest for rid in page] == want[::-1], (model, since, limit)  # the UI's order
 
     async with engine.connect() as conn:
-        first = (await list_rollouts(conn, limit=1))[0]
+        first = (await list_rollouts(conn, grant=EVERYTHING, limit=1))[0]
     assert (first.last_call_at, first.call_count, first.first_call_at) == (1000.0, 2, 997.0)
 
 
@@ -398,7 +402,8 @@ async def test_list_rollouts_by_call_status_api_and_group(engine: AsyncEngine) -
     reader = RolloutReader(engine)
 
     async def ids(**filters: Any) -> list[str]:
-        return [r.id for r in (await reader.page(RolloutFilter(**filters), limit=100, cursor=None)).data]
+        page = await reader.page(RolloutFilter(**filters), grant=EVERYTHING, limit=100, cursor=None)
+        return [r.id for r in page.data]
 
     assert await ids() == ["r-ok", "r-mixed", "r-cancelled"]
     assert await ids(status="ok") == ["r-ok", "r-mixed"]
@@ -416,6 +421,69 @@ async def test_list_rollouts_by_call_status_api_and_group(engine: AsyncEngine) -
         await ids(api="grpc")
 
 
+async def test_every_read_of_recorded_data_sees_only_what_its_grant_covers(engine: AsyncEngine) -> None:
+    """Deny by default (store/access.py): rollouts, their pages and exports, groups and stored responses of a
+    model the grant does not cover read as if they did not exist; without a grant (`NOTHING`) nothing of any
+    model is there, base-model calls included."""
+    await write(
+        engine, [call("a1", "r-a", 1.0), call("b1", "r-b", 2.0, model="other"), call("c1", "r-c", 3.0, model=None)]
+    )
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.insert(groups),
+            [
+                {"id": g, "model": m, "state": "ready", "request_hash": "h", "created_at": at, "updated_at": at}
+                for g, m, at in (("g-a", "agent", 1.0), ("g-b", "other", 2.0))
+            ],
+        )
+    responses = ResponseStore(engine)
+    for rid, model in (("resp-a", "agent@3"), ("resp-b", "other")):
+        await responses.save(StoredResponse(rid, "r-a", model, {"id": rid}, [], [], 1.0))
+    reader = RolloutReader(engine)
+
+    async def seen(grant: Grant) -> dict[str, list[str]]:
+        async with engine.connect() as conn:
+            listed = [r.id for r in await list_rollouts(conn, grant=grant)]
+            keys = await list_group_ids(conn, model=None, state=None, limit=10, after=None, grant=grant)
+            loaded = [g.id for g in await load_groups(conn, ["g-a", "g-b"], grant=grant)]
+        found = [r for r in ("r-a", "r-b", "r-c") if await reader.find(r, grant=grant) is not None]
+        paged = [r.id for r in (await reader.page(RolloutFilter(), grant=grant, limit=10, cursor=None)).data]
+        exported = [t.rollout_id async for t in reader.export(RolloutFilter(), grant=grant)]
+        stored = []
+        for rid in ("resp-a", "resp-b"):
+            try:
+                stored.append((await responses.get(rid, grant=grant)).id)
+            except NotFound:
+                pass
+        return {
+            "rollouts": listed,
+            "found": found,
+            "paged": paged,
+            "exported": exported,
+            "groups": [gid for _, gid in keys],
+            "loaded": loaded,
+            "responses": stored,
+        }
+
+    nothing = await seen(NOTHING)
+    assert list(nothing) == ["rollouts", "found", "paged", "exported", "groups", "loaded", "responses"]
+    assert all(seen_ == [] for seen_ in nothing.values())
+    assert await seen(Grant(frozenset({"agent"}))) == {
+        "rollouts": ["r-a"],
+        "found": ["r-a"],
+        "paged": ["r-a"],
+        "exported": ["r-a"],
+        "groups": ["g-a"],
+        "loaded": ["g-a"],
+        "responses": ["resp-a"],  # a pinned step's response (`agent@3`) is the model's
+    }
+    everything = await seen(EVERYTHING)
+    assert everything["found"] == ["r-a", "r-b", "r-c"] and everything["responses"] == ["resp-a", "resp-b"]
+    assert everything["groups"] == ["g-a", "g-b"] and sorted(everything["exported"]) == ["r-a", "r-b", "r-c"]
+    with pytest.raises(NotFound):
+        await reader.get("r-b", grant=Grant(frozenset({"agent"})))
+
+
 async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:
     """Keyset pages of groups, oldest first and newest first (the UI's list): every group once, ties in time
     broken by id, the filters kept from page to page."""
@@ -430,11 +498,11 @@ async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:
             ],
         )
 
-    async def pages(size: int, **filters: Any) -> list[list[str]]:
+    async def pages(size: int, grant: Grant = EVERYTHING, **filters: Any) -> list[list[str]]:
         found, after = [], None
         while True:
             async with engine.connect() as conn:
-                keys = await list_group_ids(conn, state=None, limit=size, after=after, **filters)
+                keys = await list_group_ids(conn, state=None, limit=size, after=after, grant=grant, **filters)
             if not keys:
                 return found
             found.append([group_id for _, group_id in keys])
@@ -443,7 +511,7 @@ async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:
     assert await pages(2, model="agent") == [["g-a", "g-b"], ["g-c", "g-e"], ["g-f"]]
     assert await pages(2, model="agent", newest_first=True) == [["g-f", "g-e"], ["g-c", "g-b"], ["g-a"]]
     assert await pages(4, model=None, newest_first=True) == [["g-f", "g-e", "g-d", "g-c"], ["g-b", "g-a"]]
-    assert await pages(1, model=None, models={"other"}, newest_first=True) == [["g-d"]]
+    assert await pages(1, model=None, grant=Grant(frozenset({"other"})), newest_first=True) == [["g-d"]]
 
 
 async def test_a_lease_holds_until_it_expires_on_the_claimers_clock(engine: AsyncEngine) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.auth import ADMIN, KEYLESS, Caller, RateLimits, bearer, load_admin_key, read_admin_key
 from gateway.errors import OpenAIError
+from store.access import Grant
 from store.clock import SystemClock
 
 
@@ -28,9 +29,8 @@ def clock() -> Clock:
 
 
 def key(*, rpm: int | None = None, tpm: int | None = None, models: set[str] | None = None) -> Caller:
-    return Caller(
-        key_id="key_1", models=frozenset(models) if models else None, scopes=frozenset({"infer"}), rpm=rpm, tpm=tpm
-    )
+    grant = Grant(frozenset(models) if models else None)
+    return Caller(key_id="key_1", grant=grant, scopes=frozenset({"infer"}), rpm=rpm, tpm=tpm)
 
 
 def retry_after(limits: RateLimits, caller: Caller) -> int:
@@ -44,7 +44,7 @@ def retry_after(limits: RateLimits, caller: Caller) -> int:
 def test_a_key_covers_its_models_and_their_pinned_steps_only() -> None:
     caller = key(models={"a"})
     assert caller.covers("a") and not caller.covers("b") and not caller.covers(None)
-    assert caller.covers_id("a@3") and not caller.covers_id("b@3")
+    assert caller.grant.covers_id("a@3") and not caller.grant.covers_id("b@3")
     assert ADMIN.covers(None) and KEYLESS.covers("anything") and KEYLESS.scopes == {"infer"}
     with pytest.raises(OpenAIError) as caught:
         caller.check_model("b")

@@ -1,0 +1,37 @@
+"""Who may see which recorded data: the one visibility rule.
+
+A reader's `Grant` names the models whose data it may see. Every store read of recorded data (rollouts, their
+calls and exports, groups, stored Responses) takes the grant as a required argument and filters by it here,
+in SQL where the read is a query; what a grant does not cover reads as if it did not exist. Deny by default:
+`NOTHING` sees nothing, and every-model access (`EVERYTHING`) is granted explicitly (the admin key, the local
+CLI that holds the store itself).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import sqlalchemy as sa
+
+
+class Grant(msgspec.Struct, frozen=True):
+    """The models whose data a reader may see; `models=None` is every model, base-model calls included."""
+
+    models: frozenset[str] | None
+
+    def covers(self, model: str | None) -> bool:
+        """May it see (or use) `model`? Base-model data (`None`) only with every model."""
+        return self.models is None or (model is not None and model in self.models)
+
+    def covers_id(self, model_id: str) -> bool:
+        """`covers` for a model id as clients write it: `NAME` or a pinned step `NAME@K`."""
+        return self.covers(model_id) or ("@" in model_id and self.covers(model_id.rpartition("@")[0]))
+
+    def where(self, model: sa.ColumnElement[str | None]) -> sa.ColumnElement[bool]:
+        """The SQL condition on a table's model column: rows of covered models only."""
+        if self.models is None:
+            return sa.true()
+        return model.in_(sorted(self.models))
+
+
+NOTHING = Grant(frozenset())
+EVERYTHING = Grant(None)
