@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 import os
 import shlex
@@ -286,6 +287,14 @@ def options_of(
     return options
 
 
+def _section(cls: type, name: str) -> type | None:
+    """The dataclass base of `cls` that declares field `name`, when `cls` is made of such sections."""
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base) and name in inspect.get_annotations(base):
+            return base
+    return None
+
+
 def add_options(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -297,17 +306,26 @@ def add_options(
 ) -> list[Option]:
     """Add a dataclass's options to `parser` (see `options_of`) and register them for `resolve`."""
     options = options_of(cls, only=only, skip=skip, help=help, computed=computed)
+    groups: dict[type, argparse._ArgumentGroup] = {}
     for option in options:
+        # A settings type made of sections (gateway/settings.py) shows each section's options under its title.
+        section = _section(cls, option.name)
+        target: argparse.ArgumentParser | argparse._ArgumentGroup = parser
+        if section is not None:
+            if section not in groups:
+                title = section.__name__.removesuffix("Settings").lower() + " options"
+                groups[section] = parser.add_argument_group(title, (section.__doc__ or "").split("\n\n")[0])
+            target = groups[section]
         # SUPPRESS: the attribute exists only when the flag was given, so `resolve` can tell
         # "given on the command line" from "take the environment or the default".
         common: dict[str, Any] = {"dest": option.name, "default": argparse.SUPPRESS, "help": option.help_text()}
         if option.is_bool:
-            parser.add_argument(*option.flags, action=argparse.BooleanOptionalAction, **common)
+            target.add_argument(*option.flags, action=argparse.BooleanOptionalAction, **common)
         elif option.repeat:
-            parser.add_argument(*option.flags, action="append", type=option.parse, metavar="NAME", **common)
+            target.add_argument(*option.flags, action="append", type=option.parse, metavar="NAME", **common)
         else:
             metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.name.upper()
-            parser.add_argument(*option.flags, type=option.parse, metavar=metavar, **common)
+            target.add_argument(*option.flags, type=option.parse, metavar=metavar, **common)
     parser.set_defaults(**{_REGISTRY: [*(parser.get_default(_REGISTRY) or []), *options]})
     return options
 

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from recording.journal import FsyncPolicy
 from store.types import Promotion
@@ -43,8 +43,28 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0  # written so NaN fails too
 
 
+def _at_least(low: int, *counts: tuple[str, int]) -> None:
+    for flag, count in counts:
+        if count < low:
+            raise ValueError(f"{flag} must be >= {low}, got {count}")
+
+
+def _seconds(*durations: tuple[str, float]) -> None:
+    for flag, seconds in durations:
+        if not _positive(seconds):
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
+
+
+def _one_of(flag: str, value: str, choices: Any) -> None:
+    if value not in get_args(choices):
+        raise ValueError(f"{flag} must be one of {', '.join(get_args(choices))}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class Settings:
+class ModelSettings:
+    """What is served and trained: the trainable models, the base weights (or a running vLLM), and how a
+    rollout's calls continue it."""
+
     model_names: tuple[str, ...] = field(
         default=("my-agent",),
         metadata={
@@ -60,6 +80,58 @@ class Settings:
     upstream: str | None = field(
         default=None, metadata={"help": "URL of a vLLM OpenAI server already running (instead of --base-model)"}
     )
+    continuity: Continuity = field(
+        default="splice",
+        metadata={
+            "help": "how a call that continues its rollout (the history it sent back means what the model produced) "
+            "reaches the engine: splice: as token ids, the model's own sampled tokens then the new messages, so the "
+            "rollout is one sequence and the model sees what training uses (needs vLLM's --enable-scale-out; "
+            "without it the gateway says so and renders anew); rerender: the history rendered again by the template"
+        },
+    )
+    rollout_pin_seconds: float = field(
+        default=900.0,
+        metadata={
+            "help": "a rollout's calls to NAME go to the step that served its first call while that step is "
+            "loaded; a rollout that called within these seconds keeps its step loaded"
+        },
+    )
+    continuation_cache_bytes: int = field(
+        default=64 << 20,
+        metadata={
+            "help": "bytes of memory (all rollouts together) for each rollout's last call, from whose tokens the "
+            "rollout's next call goes on (--continuity splice); a rollout pushed out is rendered anew"
+        },
+    )
+
+    def check_models(self) -> None:
+        if (self.base_model is None) == (self.upstream is None):
+            raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
+        if self.base_model is not None and self.base_model.startswith(("/", ".", "~")):  # a directory, not an id
+            weights = Path(self.base_model).expanduser()
+            if not (weights / "config.json").is_file():
+                what = "has no config.json" if weights.is_dir() else "does not exist"
+                raise ValueError(
+                    f"--base-model {self.base_model}: the directory {what} (give a model directory as "
+                    "save_pretrained writes one, or a model id of the hub)"
+                )
+        if not self.model_names:
+            raise ValueError("give at least one --model-name")
+        for name in self.model_names:
+            if not valid_model_name(name):
+                raise ValueError(f"invalid --model-name {name!r}: {MODEL_NAME_RULE}")
+        if len(set(self.model_names)) != len(self.model_names):
+            raise ValueError(f"--model-name given twice: {', '.join(self.model_names)}")
+        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"--upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        _at_least(1, ("--continuation-cache-bytes", self.continuation_cache_bytes))
+        _seconds(("--rollout-pin-seconds", self.rollout_pin_seconds))
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTP server and where its data lives: address, store, limits on what a request may send, logs."""
+
     host: str = field(
         default="127.0.0.1",
         metadata={"help": "address the gateway listens on; `status` and `train` reach it there unless --gateway"},
@@ -83,28 +155,58 @@ class Settings:
         default=True,
         metadata={"help": "run the store's Alembic migrations on start", "inverse_env": "ARTGW_NO_MIGRATE"},
     )
-    admin_key: str | None = field(
+    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
+    # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
+    keep_alive_timeout: float = field(
+        default=5.0,
+        metadata={"help": "seconds a connection may sit idle (before its first request or between requests)"},
+    )
+    header_timeout: float = field(
+        default=10.0, metadata={"help": "seconds from a request's first byte to the end of its head (then 408)"}
+    )
+    max_header_bytes: int = field(
+        default=64 << 10,
+        metadata={"help": "largest request head accepted, request line and headers (bytes; then 431)"},
+    )
+    body_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds to receive a whole request body once its head is in (a total; then 408)"},
+    )
+    log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
+    loop_profile: Path | None = field(
         default=None,
         metadata={
-            "help": "the admin key (all endpoints, admin ones included); better in the environment than on the "
-            "command line (none: the one in --admin-key-file, made on first start)"
+            "help": "diagnostics: sample what holds the event loop whenever it runs late, and write each place's "
+            "share of the stalls (and the garbage collector's time) to this file on exit"
         },
     )
-    admin_key_file: Path | None = field(
-        default=None,
-        metadata={"help": f"file holding the admin key, mode 0600 (none: DATA_DIR/{ADMIN_KEY_FILE})"},
-    )
-    auth: AuthMode | None = field(
-        default=None,
-        metadata={
-            "help": "required: every call needs a key (POST /v1/art/keys); off: only admin endpoints do, allowed "
-            "only when listening on loopback (none: off on loopback, required otherwise)"
-        },
-    )
-    metrics_key: str | None = field(
-        default=None,
-        metadata={"help": "bearer key /metrics asks for (the admin key works too; none: /metrics is open)"},
-    )
+    # Set by code (tests give the supervised engine extra variables), never by a user.
+    extra_env: dict[str, str] = field(default_factory=dict, metadata={"option": False})
+
+    def check_server(self) -> None:
+        if not self.host:
+            raise ValueError("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be a port number (0-65535), got {self.port}")
+        if self.db is not None:
+            from store.db import check_url  # here: --help reads this module without SQLAlchemy
+
+            check_url(self.db)
+        _at_least(1, ("--max-body-bytes", self.max_body_bytes))
+        _at_least(1024, ("--max-header-bytes", self.max_header_bytes))
+        _seconds(
+            ("--keep-alive-timeout", self.keep_alive_timeout),
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+        )
+        _one_of("--log-level", self.log_level, LogLevel)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The vLLM engine the gateway supervises (or calls): its port, its arguments, its restarts, how long a
+    call may take."""
+
     engine_port: int = field(
         default=0, metadata={"help": "port of the supervised vLLM server (0: a free port chosen at start)"}
     )
@@ -132,23 +234,61 @@ class Settings:
         default=600.0, metadata={"help": "seconds over which --engine-max-restarts counts the engine's restarts"}
     )
     request_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the engine's answer"})
-    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
-    # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
-    keep_alive_timeout: float = field(
-        default=5.0,
-        metadata={"help": "seconds a connection may sit idle (before its first request or between requests)"},
+
+    def check_engine(self) -> None:
+        if not 0 <= self.engine_port <= 65535:
+            raise ValueError(f"--engine-port must be a port number (0-65535), got {self.engine_port}")
+        _at_least(
+            1,
+            ("--max-lora-rank", self.max_lora_rank),
+            ("--max-loras", self.max_loras + 1),  # 0 (auto) is fine
+            ("--max-model-len", self.max_model_len),
+        )
+        _at_least(0, ("--engine-max-restarts", self.engine_max_restarts))
+        _seconds(
+            ("--engine-startup-timeout", self.engine_startup_timeout),
+            ("--engine-restart-window", self.engine_restart_window),
+            ("--request-timeout", self.request_timeout),
+        )
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """Who may call: the admin key, client keys required or not, the metrics key."""
+
+    admin_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "the admin key (all endpoints, admin ones included); better in the environment than on the "
+            "command line (none: the one in --admin-key-file, made on first start)"
+        },
     )
-    header_timeout: float = field(
-        default=10.0, metadata={"help": "seconds from a request's first byte to the end of its head (then 408)"}
+    admin_key_file: Path | None = field(
+        default=None,
+        metadata={"help": f"file holding the admin key, mode 0600 (none: DATA_DIR/{ADMIN_KEY_FILE})"},
     )
-    max_header_bytes: int = field(
-        default=64 << 10,
-        metadata={"help": "largest request head accepted, request line and headers (bytes; then 431)"},
+    auth: AuthMode | None = field(
+        default=None,
+        metadata={
+            "help": "required: every call needs a key (POST /v1/art/keys); off: only admin endpoints do, allowed "
+            "only when listening on loopback (none: off on loopback, required otherwise)"
+        },
     )
-    body_timeout: float = field(
-        default=60.0,
-        metadata={"help": "seconds to receive a whole request body once its head is in (a total; then 408)"},
+    metrics_key: str | None = field(
+        default=None,
+        metadata={"help": "bearer key /metrics asks for (the admin key works too; none: /metrics is open)"},
     )
+
+    def check_auth(self) -> None:
+        for flag, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
+            if key is not None and len(key) < 16:
+                raise ValueError(f"{flag} must be at least 16 characters")
+
+
+@dataclass(frozen=True)
+class RecordingSettings:
+    """Recording each answered call exactly once (recording/): the queue, the journal, the store batches."""
+
     recorder_queue_size: int = field(
         default=10_000,
         metadata={"help": "records kept in memory for the store writer; past it they wait in the journal only"},
@@ -179,13 +319,25 @@ class Settings:
             "call is stored compactly"
         },
     )
-    continuation_cache_bytes: int = field(
-        default=64 << 20,
-        metadata={
-            "help": "bytes of memory (all rollouts together) for each rollout's last call, from whose tokens the "
-            "rollout's next call goes on (--continuity splice); a rollout pushed out is rendered anew"
-        },
-    )
+
+    def check_recording(self) -> None:
+        _at_least(
+            1,
+            ("--recorder-queue-size", self.recorder_queue_size),
+            ("--recorder-queue-bytes", self.recorder_queue_bytes),
+            ("--recorder-batch-size", self.recorder_batch_size),
+            ("--recorder-cache-bytes", self.recorder_cache_bytes),
+            ("--journal-segment-bytes", self.journal_segment_bytes),
+        )
+        _seconds(("--journal-fsync-interval", self.journal_fsync_interval))
+        _one_of("--journal-fsync", self.journal_fsync, FsyncPolicy)
+
+
+@dataclass(frozen=True)
+class PromotionSettings:
+    """Which committed step `NAME` serves (gateway/promotion/): the policy, the gate, the canary, and the judge
+    report's bar."""
+
     promotion: Promotion = field(
         default="always",
         metadata={
@@ -214,32 +366,8 @@ class Settings:
     canary_min_rewards: int = field(
         default=50, metadata={"help": "rewarded rollouts each canary arm needs before the canary is decided"}
     )
-    rollout_pin_seconds: float = field(
-        default=900.0,
-        metadata={
-            "help": "a rollout's calls to NAME go to the step that served its first call while that step is "
-            "loaded; a rollout that called within these seconds keeps its step loaded"
-        },
-    )
-    continuity: Continuity = field(
-        default="splice",
-        metadata={
-            "help": "how a call that continues its rollout (the history it sent back means what the model produced) "
-            "reaches the engine: splice: as token ids, the model's own sampled tokens then the new messages, so the "
-            "rollout is one sequence and the model sees what training uses (needs vLLM's --enable-scale-out; "
-            "without it the gateway says so and renders anew); rerender: the history rendered again by the template"
-        },
-    )
     eval_concurrency: int = field(
         default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
-    )
-    log_level: LogLevel = field(default="info", metadata={"help": "the gateway's log level"})
-    loop_profile: Path | None = field(
-        default=None,
-        metadata={
-            "help": "diagnostics: sample what holds the event loop whenever it runs late, and write each place's "
-            "share of the stalls (and the garbage collector's time) to this file on exit"
-        },
     )
     judge_agreement_threshold: float = field(
         default=0.5,
@@ -248,75 +376,9 @@ class Settings:
             "rewards is below this is flagged (GET /v1/art/models/NAME/judge-report, -1 to 1)"
         },
     )
-    # Set by code (tests give the supervised engine extra variables), never by a user.
-    extra_env: dict[str, str] = field(default_factory=dict, metadata={"option": False})
 
-    def __post_init__(self) -> None:
-        if (self.base_model is None) == (self.upstream is None):
-            raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
-        if self.base_model is not None and self.base_model.startswith(("/", ".", "~")):  # a directory, not an id
-            weights = Path(self.base_model).expanduser()
-            if not (weights / "config.json").is_file():
-                what = "has no config.json" if weights.is_dir() else "does not exist"
-                raise ValueError(
-                    f"--base-model {self.base_model}: the directory {what} (give a model directory as "
-                    "save_pretrained writes one, or a model id of the hub)"
-                )
-        if not self.model_names:
-            raise ValueError("give at least one --model-name")
-        if self.db is not None:
-            from store.db import check_url  # here: --help reads this module without SQLAlchemy
-
-            check_url(self.db)
-        for name in self.model_names:
-            if not valid_model_name(name):
-                raise ValueError(f"invalid --model-name {name!r}: {MODEL_NAME_RULE}")
-        if len(set(self.model_names)) != len(self.model_names):
-            raise ValueError(f"--model-name given twice: {', '.join(self.model_names)}")
-        if self.auth == "off" and self.host not in LOOPBACK_HOSTS:
-            raise ValueError(
-                f"--auth off is for a gateway on loopback only; it listens on {self.host!r} (use --auth required)"
-            )
-        for flag, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
-            if key is not None and len(key) < 16:
-                raise ValueError(f"{flag} must be at least 16 characters")
-        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
-            raise ValueError(f"--upstream must be an http:// or https:// URL, got {self.upstream!r}")
-        if not self.host:
-            raise ValueError("--host must not be empty")
-        for flag, port in (("--port", self.port), ("--engine-port", self.engine_port)):
-            if not 0 <= port <= 65535:
-                raise ValueError(f"{flag} must be a port number (0-65535), got {port}")
-        for flag, count in (
-            ("--max-lora-rank", self.max_lora_rank),
-            ("--max-loras", self.max_loras + 1),  # 0 (auto) is fine
-            ("--max-model-len", self.max_model_len),
-            ("--max-body-bytes", self.max_body_bytes),
-            ("--recorder-queue-size", self.recorder_queue_size),
-            ("--recorder-batch-size", self.recorder_batch_size),
-            ("--recorder-cache-bytes", self.recorder_cache_bytes),
-            ("--continuation-cache-bytes", self.continuation_cache_bytes),
-            ("--recorder-queue-bytes", self.recorder_queue_bytes),
-            ("--journal-segment-bytes", self.journal_segment_bytes),
-        ):
-            if count < 1:
-                raise ValueError(f"{flag} must be >= 1, got {count}")
-        for flag, seconds in (
-            ("--engine-startup-timeout", self.engine_startup_timeout),
-            ("--request-timeout", self.request_timeout),
-            ("--journal-fsync-interval", self.journal_fsync_interval),
-            ("--keep-alive-timeout", self.keep_alive_timeout),
-            ("--header-timeout", self.header_timeout),
-            ("--body-timeout", self.body_timeout),
-        ):
-            if not _positive(seconds):
-                raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
-        if self.journal_fsync not in get_args(FsyncPolicy):
-            raise ValueError(
-                f"--journal-fsync must be one of {', '.join(get_args(FsyncPolicy))}, got {self.journal_fsync!r}"
-            )
-        if self.promotion not in get_args(Promotion):
-            raise ValueError(f"--promotion must be one of {', '.join(get_args(Promotion))}, got {self.promotion!r}")
+    def check_promotion(self) -> None:
+        _one_of("--promotion", self.promotion, Promotion)
         if not (math.isfinite(self.gate_margin) and 0 <= self.gate_margin <= 1):
             raise ValueError(f"--gate-margin must be between 0 and 1, got {self.gate_margin}")
         if not 0.5 <= self.gate_confidence < 1:
@@ -325,25 +387,31 @@ class Settings:
             raise ValueError(f"--canary must be a share at least 0 and below 1, got {self.canary}")
         if self.canary > 0 and self.promotion != "gated":
             raise ValueError("--canary needs --promotion gated: with `always` every step is promoted at once")
-        if not _positive(self.rollout_pin_seconds):
-            raise ValueError(f"--rollout-pin-seconds must be a number of seconds > 0, got {self.rollout_pin_seconds}")
-        if self.canary_min_rewards < 2:
-            raise ValueError(f"--canary-min-rewards must be >= 2, got {self.canary_min_rewards}")
-        if self.engine_max_restarts < 0:
-            raise ValueError(f"--engine-max-restarts must be >= 0, got {self.engine_max_restarts}")
-        if not _positive(self.engine_restart_window):
-            window = self.engine_restart_window
-            raise ValueError(f"--engine-restart-window must be a number of seconds > 0, got {window}")
-        if self.max_header_bytes < 1024:
-            raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
-        if self.eval_concurrency < 1:
-            raise ValueError(f"--eval-concurrency must be >= 1, got {self.eval_concurrency}")
+        _at_least(2, ("--canary-min-rewards", self.canary_min_rewards))
+        _at_least(1, ("--eval-concurrency", self.eval_concurrency))
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too
             raise ValueError(
                 f"--judge-agreement-threshold must be a correlation (-1 to 1), got {self.judge_agreement_threshold}"
             )
-        if self.log_level not in get_args(LogLevel):
-            raise ValueError(f"--log-level must be one of {', '.join(get_args(LogLevel))}, got {self.log_level!r}")
+
+
+# The sections' fields in this order: the models first, promotion last (a dataclass collects its bases' fields
+# from the last base to the first).
+@dataclass(frozen=True)
+class Settings(PromotionSettings, RecordingSettings, AuthSettings, EngineSettings, ServerSettings, ModelSettings):
+    """Everything `artgw serve` is told, in sections; each option declared once, on its section."""
+
+    def __post_init__(self) -> None:
+        self.check_models()
+        self.check_server()
+        self.check_engine()
+        self.check_auth()
+        self.check_recording()
+        self.check_promotion()
+        if self.auth == "off" and self.host not in LOOPBACK_HOSTS:
+            raise ValueError(
+                f"--auth off is for a gateway on loopback only; it listens on {self.host!r} (use --auth required)"
+            )
 
     @property
     def auth_required(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -104,6 +105,25 @@ def test_help_of_every_command_works_and_names_its_variables(capsys: pytest.Capt
         for option in args_parser.get_default("_artgw_options") or []:
             assert option.env in text, (path, option.env)
             assert option.flag in text, (path, option.flag)
+
+
+def test_serve_settings_come_in_sections_each_option_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Settings is made of sections (server, engine, recording, auth, promotion, models): each field is declared
+    on exactly one of them, and `serve --help` shows each section's options under its title."""
+    sections = [base for base in Settings.__mro__[1:] if dataclasses.is_dataclass(base)]
+    assert {s.__name__ for s in sections} >= {"ServerSettings", "EngineSettings", "RecordingSettings"}
+    declared = [name for section in sections for name in inspect.get_annotations(section)]
+    assert sorted(declared) == sorted(f.name for f in dataclasses.fields(Settings))  # each once, none outside
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for section in sections:
+        title = section.__name__.removesuffix("Settings").lower() + " options:"
+        block = text.split(title, 1)[1].split(" options:", 1)[0]  # up to the next section's title
+        for name in inspect.get_annotations(section):
+            flag = Settings.__dataclass_fields__[name].metadata.get("flag") or "--" + name.replace("_", "-")
+            if Settings.__dataclass_fields__[name].metadata.get("option", True):
+                assert flag in block, (section.__name__, flag)
 
 
 def test_shared_options_are_the_same_declaration() -> None:
