@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from ruler._types import RulerError, Score, Trajectory
+from ruler._types import Criterion, RulerError, Score, Trajectory
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves its goal always scores much higher than one that does not.
@@ -45,12 +45,22 @@ Answer with JSON only: {{"scores": {{"1": {{"explanation": "...", "score": 0.0}}
 trajectory id as its key; write the explanation (one or two sentences) before deciding \
 the score."""
 
+_CRITERIA_TEMPLATE = """
+
+Score every trajectory on each of these criteria separately, each from 0 to 1:
+{criteria}
+
+Answer with JSON only: {{"scores": {{"1": {{"explanation": "...", "criteria": {example}}}, ...}}}}, an object \
+with exactly one entry per trajectory id as its key, each with a score for every criterion; write the \
+explanation (one or two sentences) before deciding the scores."""
+
 _EMPTY_REMAINDER = "(no messages after the shared context)"
 
 
 class _AnswerScore(msgspec.Struct):
     explanation: str
-    score: float
+    score: float | None = None  # without criteria
+    criteria: dict[str, float] | None = None  # with criteria: one score per criterion
 
 
 class _LegacyAnswerScore(msgspec.Struct):
@@ -107,10 +117,44 @@ def _tool_lines(tools: Sequence[dict[str, Any]]) -> str:
     return "\n".join(msgspec.json.encode(t).decode() for t in tools)
 
 
+def _system_text(rubric: str, criteria: Sequence[Criterion]) -> str:
+    text = _SYSTEM_TEMPLATE.format(rubric=rubric.strip())
+    if not criteria:
+        return text
+    # The criteria replace the single score: the answer format asked for at the end changes with them.
+    listed = "\n".join(f"- {c.name}: {c.description.strip()}" for c in criteria)
+    example = "{" + ", ".join(f'"{c.name}": 0.0' for c in criteria) + "}"
+    return text.rsplit("\n\nAnswer with JSON only:", 1)[0] + _CRITERIA_TEMPLATE.format(criteria=listed, example=example)
+
+
+def check_criteria(criteria: Sequence[Criterion]) -> None:
+    """ValueError unless the criteria have distinct, non-empty names and finite weights >= 0 (one > 0)."""
+    names = [c.name for c in criteria]
+    if any(not name.strip() for name in names):
+        raise ValueError("every criterion needs a name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"criterion names must differ: {', '.join(names)}")
+    if any(not (math.isfinite(c.weight) and c.weight >= 0) for c in criteria):
+        raise ValueError("criterion weights must be finite numbers >= 0")
+    if criteria and not any(c.weight > 0 for c in criteria):
+        raise ValueError("at least one criterion needs a weight > 0")
+
+
+def weighted_score(values: dict[str, float], criteria: Sequence[Criterion]) -> float:
+    """The weighted mean of a trajectory's criterion scores: its score."""
+    total = math.fsum(c.weight for c in criteria)
+    return math.fsum(c.weight * values[c.name] for c in criteria) / total
+
+
 def build_judge_messages(
-    trajectories: Sequence[Trajectory], rubric: str, *, share_prefix: bool = True
+    trajectories: Sequence[Trajectory],
+    rubric: str,
+    *,
+    share_prefix: bool = True,
+    criteria: Sequence[Criterion] = (),
 ) -> list[dict[str, str]]:
-    """The judge's chat messages (system + user) for scoring ``trajectories`` with ids 1..n.
+    """The judge's chat messages (system + user) for scoring ``trajectories`` with ids 1..n (with
+    ``criteria``: a score per criterion each).
 
     ``share_prefix=False`` sends every trajectory whole (tools included): the baseline the
     prefix dedup is measured against (bench/ruler_dedup.py).
@@ -142,18 +186,22 @@ def build_judge_messages(
         body.append(_message_lines(remainder) if remainder else _EMPTY_REMAINDER)
         parts.append(f'<trajectory id="{i}">\n' + "\n".join(body) + "\n</trajectory>")
     ids = ", ".join(f'"{i}"' for i in range(1, n + 1))
+    if criteria:
+        each = ", ".join(f'"{c.name}": <number from 0 to 1>' for c in criteria)
+        shape = '{"scores": {"1": {"explanation": "...", "criteria": {' + each + "}}, ...}}"
+    else:
+        shape = '{"scores": {"1": {"explanation": "...", "score": <number from 0 to 1>}, ...}}'
     parts.append(
         f'Score each of the {n} trajectories (ids {ids}). Answer with JSON whose "scores" object has '
-        f"exactly the keys {ids}: "
-        '{"scores": {"1": {"explanation": "...", "score": <number from 0 to 1>}, ...}}'
+        f"exactly the keys {ids}: " + shape
     )
     return [
-        {"role": "system", "content": _SYSTEM_TEMPLATE.format(rubric=rubric.strip())},
+        {"role": "system", "content": _system_text(rubric, criteria)},
         {"role": "user", "content": "\n\n".join(parts)},
     ]
 
 
-def response_format(n: int) -> dict[str, Any]:
+def response_format(n: int, criteria: Sequence[Criterion] = ()) -> dict[str, Any]:
     """litellm/OpenAI ``response_format`` asking for one score per trajectory id 1..n.
 
     ``scores`` is an object whose keys are exactly "1".."n", all required, so a
@@ -163,7 +211,24 @@ def response_format(n: int) -> dict[str, Any]:
     """
     ids = [str(i) for i in range(1, n + 1)]
 
+    def number() -> dict[str, Any]:
+        return {"type": "number", "minimum": 0, "maximum": 1}
+
     def score() -> dict[str, Any]:  # a fresh dict per id: nothing downstream sees shared objects
+        if criteria:
+            names = [c.name for c in criteria]
+            by_criterion = {
+                "type": "object",
+                "properties": {name: number() for name in names},
+                "required": names,
+                "additionalProperties": False,
+            }
+            return {
+                "type": "object",
+                "properties": {"explanation": {"type": "string"}, "criteria": by_criterion},
+                "required": ["explanation", "criteria"],
+                "additionalProperties": False,
+            }
         return {
             "type": "object",
             "properties": {
@@ -214,7 +279,24 @@ def _score_keys(text: str, decoded: dict[str, Any]) -> list[str]:
     return keys if set(keys) == decoded.keys() else list(decoded)
 
 
-def parse_judge_answer(text: str, n: int) -> list[Score]:
+def _value(entry: _AnswerScore, tid: str, criteria: Sequence[Criterion]) -> tuple[float, dict[str, float] | None]:
+    """(score, criterion scores) of one entry, each checked to be in [0, 1]."""
+    if not criteria:
+        if entry.score is None:
+            raise RulerError(f'judge answer is not the expected JSON (trajectory {tid!r} has no "score")')
+        return entry.score, None
+    given = entry.criteria or {}
+    missing = [c.name for c in criteria if c.name not in given]
+    if missing:
+        raise RulerError(f"judge answer is not the expected JSON (trajectory {tid!r} lacks {', '.join(missing)})")
+    values = {c.name: given[c.name] for c in criteria}
+    for name, value in values.items():
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise RulerError(f"judge score for trajectory {tid!r} on {name!r} is {value!r}, not in [0, 1]")
+    return weighted_score(values, criteria), values
+
+
+def parse_judge_answer(text: str, n: int, criteria: Sequence[Criterion] = ()) -> list[Score]:
     """The judge's scores for trajectory ids 1..n, in id order.
 
     Raises ``RulerError`` naming the problem unless the answer is JSON with exactly one
@@ -236,36 +318,43 @@ def parse_judge_answer(text: str, n: int) -> list[Score]:
 
     if isinstance(answer.scores, dict):
         found = answer.scores
-        entries = [(key, found[key].explanation, found[key].score) for key in _score_keys(stripped, found)]
+        entries = [(key, found[key]) for key in _score_keys(stripped, found)]
     else:
-        entries = [(str(entry.trajectory_id), entry.explanation, entry.score) for entry in answer.scores]
+        entries = [(str(e.trajectory_id), _AnswerScore(e.explanation, e.score)) for e in answer.scores]
 
     by_id: dict[str, Score] = {}
-    for key, explanation, value in entries:
+    for key, entry in entries:
         raw = key.strip()
         if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= n:
             raise RulerError(f"judge answer has unknown trajectory id {raw!r}; expected ids 1..{n}")
         tid = str(int(raw))
         if tid in by_id:
             raise RulerError(f"judge answer scores trajectory {tid!r} more than once")
+        value, by_criterion = _value(entry, tid, criteria)
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise RulerError(f"judge score for trajectory {tid!r} is {value!r}, not in [0, 1]")
-        by_id[tid] = Score(score=value, explanation=explanation)
+        by_id[tid] = Score(score=value, explanation=entry.explanation, criteria=by_criterion)
     missing = [str(i) for i in range(1, n + 1) if str(i) not in by_id]
     if missing:
         raise RulerError(f"judge answer has {len(by_id)} scores for {n} trajectories; missing ids {', '.join(missing)}")
     return [by_id[str(i)] for i in range(1, n + 1)]
 
 
-def cache_key(judge_model: str, rubric: str, trajectories: Sequence[Trajectory]) -> str:
-    """sha256 (hex) of the canonical JSON of everything that decides the judge's answer.
+def cache_key(
+    judge_model: str, rubric: str, trajectories: Sequence[Trajectory], criteria: Sequence[Criterion] = ()
+) -> str:
+    """sha256 (hex) of the canonical JSON of everything that decides the judge's answer (the trajectories in
+    the order shown).
 
-    ``litellm_params`` (api_base, temperature, ...) are deliberately not part of the key.
+    ``litellm_params`` (api_base, temperature, ...) are deliberately not part of the key; nor is a sample's
+    index: two samples showing the same order are the same prompt, and share one answer.
     """
-    payload = {
+    payload: dict[str, Any] = {
         "version": _PROMPT_VERSION,
         "judge_model": judge_model,
         "rubric": rubric,
         "trajectories": list(trajectories),
     }
+    if criteria:  # without criteria the key is what it always was: older cached answers still count
+        payload["criteria"] = list(criteria)
     return hashlib.sha256(canonical_json(payload)).hexdigest()

@@ -17,10 +17,11 @@ from ruler._prompt import (
     build_judge_messages,
     cache_key,
     canonical_json,
+    check_criteria,
     parse_judge_answer,
     response_format,
 )
-from ruler._types import JudgeCache, JudgeUsage, RulerError, Score, ScoreResult, Trajectory
+from ruler._types import Criterion, JudgeCache, JudgeUsage, RulerError, Score, ScoreResult, Trajectory
 
 logger = logging.getLogger("ruler")
 
@@ -76,6 +77,7 @@ async def score_group(
     *,
     judge_model: str,
     rubric: str = DEFAULT_RUBRIC,
+    criteria: Sequence[Criterion] = (),
     litellm_params: Mapping[str, Any] | None = None,
     cache: JudgeCache | None = None,
     max_retries: int = 3,
@@ -88,7 +90,8 @@ async def score_group(
     two distinct trajectories gets ``NEUTRAL_SCORE`` for all without a judge call. With a
     ``cache``, a validated answer for the same judge model, rubric and distinct
     trajectories is reused. ``litellm_params`` (api_base, api_key, temperature, ...) go to
-    ``litellm.acompletion`` as given and are never logged.
+    ``litellm.acompletion`` as given and are never logged. With ``criteria`` the judge scores each criterion
+    (one schema-enforced answer) and a trajectory's score is their weighted mean.
 
     Transient judge errors (connection, timeout, rate limit, 5xx) and invalid answers are
     retried up to ``max_retries`` times after the first attempt, waiting
@@ -102,6 +105,7 @@ async def score_group(
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
     if backoff_seconds < 0:
         raise ValueError(f"backoff_seconds must be >= 0, got {backoff_seconds}")
+    check_criteria(criteria)
     params = dict(litellm_params or {})
     reserved = sorted(_RESERVED_PARAMS & params.keys())
     if reserved:
@@ -122,15 +126,16 @@ async def score_group(
         neutral = Score(
             score=NEUTRAL_SCORE,
             explanation=f"Not judged: {reason}, so relative scoring has nothing to compare.",
+            criteria={c.name: NEUTRAL_SCORE for c in criteria} if criteria else None,
         )
         return ScoreResult(scores=[neutral] * len(trajectories), usage=_no_call_usage(cache_hits=0))
 
-    key = cache_key(judge_model, rubric, distinct)
+    key = cache_key(judge_model, rubric, distinct, criteria)
     if cache is not None:
         cached = await cache.get(key)
         if cached is not None:
             try:
-                scores = parse_judge_answer(cached, len(distinct))
+                scores = parse_judge_answer(cached, len(distinct), criteria)
             except RulerError as exc:
                 logger.warning("ruler: ignoring unusable cached judge answer %s: %s", key[:12], exc)
             else:
@@ -140,6 +145,7 @@ async def score_group(
         distinct,
         judge_model=judge_model,
         rubric=rubric,
+        criteria=criteria,
         params=params,
         max_retries=max_retries,
         backoff_seconds=backoff_seconds,
@@ -155,6 +161,7 @@ async def _judge(
     *,
     judge_model: str,
     rubric: str,
+    criteria: Sequence[Criterion],
     params: dict[str, Any],
     max_retries: int,
     backoff_seconds: float,
@@ -163,8 +170,8 @@ async def _judge(
     """(raw validated answer, scores in id order, usage) from the judge, with retries."""
     litellm = _litellm()
     n = len(trajectories)
-    messages = build_judge_messages(trajectories, rubric)
-    fmt = response_format(n)
+    messages = build_judge_messages(trajectories, rubric, criteria=criteria)
+    fmt = response_format(n, criteria)
     attempts = max_retries + 1
     prompt_tokens = completion_tokens = calls = 0
     cost: float | None = 0.0
@@ -194,7 +201,7 @@ async def _judge(
 
         try:
             answer = _content(response)
-            scores = parse_judge_answer(answer, n)
+            scores = parse_judge_answer(answer, n, criteria)
         except RulerError as exc:
             problem = str(exc)
             logger.warning("ruler: judge %r attempt %d/%d: invalid answer: %s", judge_model, calls, attempts, problem)

@@ -18,11 +18,22 @@ class Trajectory(msgspec.Struct, frozen=True):
     tools: list[dict[str, Any]] | None = None
 
 
+class Criterion(msgspec.Struct, frozen=True):
+    """One part of the task the judge scores separately; a trajectory's score is the weighted mean of its
+    criteria's scores (weights need not add up to 1)."""
+
+    name: str
+    description: str
+    weight: float = 1.0
+
+
 class Score(msgspec.Struct, frozen=True):
-    """The judge's score for one trajectory: ``score`` in [0, 1], higher is better."""
+    """The judge's score for one trajectory: ``score`` in [0, 1], higher is better; with criteria, each
+    criterion's score too (``score`` is then their weighted mean)."""
 
     score: float
     explanation: str
+    criteria: dict[str, float] | None = None
 
 
 class JudgeUsage(msgspec.Struct, frozen=True):

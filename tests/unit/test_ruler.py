@@ -141,21 +141,30 @@ def transient() -> Exception:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(ruler.__all__) == [
+        "Criterion",
         "DEFAULT_RUBRIC",
+        "Judge",
         "JudgeCache",
         "JudgeUsage",
+        "Judgement",
         "MemoryJudgeCache",
         "NEUTRAL_SCORE",
+        "PanelResult",
         "RulerError",
         "Score",
         "ScoreResult",
         "Trajectory",
+        "agreement",
         "build_judge_messages",
         "cache_key",
         "check_judge_model",
         "common_prefix_length",
+        "judge_group",
+        "judges_of",
+        "orders",
         "parse_judge_answer",
         "score_group",
+        "spearman",
     ]
 
 
