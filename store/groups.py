@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import sqlalchemy as sa
@@ -45,6 +45,16 @@ class LeaseLost(Conflict):
     code = "lease_lost"
 
 
+class CheckOutcome(msgspec.Struct, frozen=True):
+    """One rule check of a RULER group on one rollout: did it pass, and what failing it did to the reward."""
+
+    check: str  # the grader's type: exact, regex, json_schema, tool_call, webhook
+    passed: bool
+    on_fail: Literal["zero", "subtract"]
+    weight: float  # what a failed `subtract` check takes off
+    error: str | None = None  # a check that could not run (a webhook down) counts as failed, and says why
+
+
 class MemberRow(msgspec.Struct, frozen=True):
     position: int
     rollout_ref: str  # "rid" or "rid/<choice>"
@@ -55,6 +65,22 @@ class MemberRow(msgspec.Struct, frozen=True):
     ruler_score: float | None
     ruler_explanation: str | None
     metrics: dict[str, float] | None
+    ruler_criteria: dict[str, float] | None = None  # criterion -> score (the judges' aggregate)
+    ruler_spread: float | None = None  # how much the judgements disagree on it
+    checks: list[CheckOutcome] | None = None  # the group's rule checks on it
+
+
+class MemberScore(msgspec.Struct, frozen=True):
+    """What scoring gives one member: the reward GRPO uses (the judges' score after the checks) and how it came
+    to be."""
+
+    position: int
+    reward: float
+    ruler_score: float
+    explanation: str
+    criteria: dict[str, float] | None = None
+    spread: float | None = None
+    checks: list[CheckOutcome] | None = None
 
 
 class GroupRow(msgspec.Struct, frozen=True):
@@ -72,6 +98,8 @@ class GroupRow(msgspec.Struct, frozen=True):
     lease_owner: str | None
     lease_expires_at: float | None
     trained_step: int | None
+    judge_spread: float | None = None  # RULER panels: the judgements' mean disagreement over the group
+    judge_agreement: float | None = None  # ... and their mean pairwise Spearman correlation
     members: list[MemberRow] = []
 
 
@@ -205,18 +233,37 @@ async def _move(
 async def scored(
     conn: AsyncConnection,
     group_id: str,
-    scores: Sequence[tuple[int, float, str]],
+    scores: Sequence[MemberScore],
     judge_usage: dict[str, Any],
     no_signal: bool,
+    *,
+    judge_spread: float | None = None,
+    judge_agreement: float | None = None,
 ) -> None:
-    """scoring → ready: RULER's scores (position, score, explanation) become the rewards."""
-    for position, score, explanation in scores:
+    """scoring → ready: RULER's scores become the rewards."""
+    for score in scores:
         await conn.execute(
             sa.update(group_members)
-            .where(group_members.c.group_id == group_id, group_members.c.position == position)
-            .values(reward=score, ruler_score=score, ruler_explanation=explanation)
+            .where(group_members.c.group_id == group_id, group_members.c.position == score.position)
+            .values(
+                reward=score.reward,
+                ruler_score=score.ruler_score,
+                ruler_explanation=score.explanation,
+                ruler_criteria=score.criteria,
+                ruler_spread=score.spread,
+                checks=msgspec.to_builtins(score.checks) if score.checks is not None else None,
+            )
         )
-    await _move(conn, [group_id], "ready", source=("scoring",), judge_usage=judge_usage, no_signal=no_signal)
+    await _move(
+        conn,
+        [group_id],
+        "ready",
+        source=("scoring",),
+        judge_usage=judge_usage,
+        no_signal=no_signal,
+        judge_spread=judge_spread,
+        judge_agreement=judge_agreement,
+    )
 
 
 async def scoring_failed(conn: AsyncConnection, group_id: str, reason: str, judge_usage: dict[str, Any] | None) -> None:

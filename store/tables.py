@@ -79,6 +79,8 @@ groups = sa.Table(
     sa.Column("ruler", sa.JSON, nullable=True),  # judge model, rubric, non-secret litellm params
     sa.Column("judge_usage", sa.JSON, nullable=True),
     sa.Column("no_signal", sa.Boolean, nullable=True),  # every reward equal: nothing for GRPO to learn
+    sa.Column("judge_spread", sa.Float, nullable=True),  # RULER panels: the judgements' mean disagreement
+    sa.Column("judge_agreement", sa.Float, nullable=True),  # ... and their mean pairwise Spearman
     sa.Column("created_at", sa.Float, nullable=False, index=True),
     sa.Column("updated_at", sa.Float, nullable=False),
     # The trainer's claim: a lease that returns the group to `ready` if the trainer dies.
@@ -100,6 +102,9 @@ group_members = sa.Table(
     sa.Column("caller_reward", sa.Float, nullable=True),
     sa.Column("ruler_score", sa.Float, nullable=True),
     sa.Column("ruler_explanation", sa.Text, nullable=True),
+    sa.Column("ruler_criteria", sa.JSON, nullable=True),  # criterion -> score, with criteria
+    sa.Column("ruler_spread", sa.Float, nullable=True),  # how much the judgements disagree on this rollout
+    sa.Column("checks", sa.JSON, nullable=True),  # each rule check's outcome
     sa.Column("metrics", sa.JSON, nullable=True),
 )
 

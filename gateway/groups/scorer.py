@@ -21,7 +21,7 @@ from gateway.groups.schemas import RulerIn
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import scoring_ended, scoring_span
 from store.access import EVERYTHING
-from store.groups import GroupRow, load_groups, scored, scoring_failed, scoring_group_ids
+from store.groups import GroupRow, MemberScore, load_groups, scored, scoring_failed, scoring_group_ids
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
 
@@ -100,9 +100,12 @@ class Scorer:
             )
             usage = msgspec.to_builtins(result.usage)
             scoring_ended(len(row.members), usage, None)
-            scores = [(m.position, s.score, s.explanation) for m, s in zip(row.members, result.scores, strict=True)]
+            scores = [
+                MemberScore(m.position, s.score, s.score, s.explanation)
+                for m, s in zip(row.members, result.scores, strict=True)
+            ]
             async with self.engine.begin() as conn:
-                await scored(conn, group_id, scores, usage, no_signal([s for _, s, _ in scores]))
+                await scored(conn, group_id, scores, usage, no_signal([s.reward for s in scores]))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # whatever the judge or litellm raised: the group fails with the reason

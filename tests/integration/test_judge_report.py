@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from store import create_engine
-from store.groups import NewGroup, NewMember, insert_group, scored
+from store.groups import MemberScore, NewGroup, NewMember, insert_group, scored
 from tests.conftest import ARTGW, GatewayProcess, metric, start_gateway, start_stub, stop_group
 from tests.rank_stats import reference_kendall_tau_b, reference_spearman
 
@@ -62,7 +62,7 @@ async def write_groups(db_path: Path) -> None:
                 ]
                 ruler = {"judge_model": judge, "rubric": rubric, "litellm_params": {}}
                 await insert_group(conn, NewGroup(group_id, model, "scoring", "h", None, ruler, None, members))
-                scores = [(i, score, "because") for i, score in enumerate(judged)]
+                scores = [MemberScore(i, score, score, "because") for i, score in enumerate(judged)]
                 await scored(conn, group_id, scores, judge_usage={}, no_signal=False)
             # Caller rewards alone (no judge): nothing to calibrate against.
             plain = [NewMember(i, f"plain-r{i}", f"plain-r{i}", None, r, r, None) for i, r in enumerate([1.0, 0.0])]
