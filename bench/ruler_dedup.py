@@ -1,7 +1,8 @@
 """How much RULER's prefix dedup saves: judge prompt tokens for groups of multi-turn, tool-using
-trajectories that share a long system prompt and history, with and without the dedup.
+trajectories that share a long system prompt and history, with and without the dedup; and what k judgements
+per group (judges x samples, each sample in its own order: ruler/_panel.py) cost against k naive prompts.
 
-    .venv/bin/python bench/ruler_dedup.py [--groups 5] [--size 8] [--history-turns 6]
+    .venv/bin/python bench/ruler_dedup.py [--groups 5] [--size 8] [--history-turns 6] [--judgements 1,2,4]
 
 Tokens are counted with the tiny model's byte-level BPE tokenizer (built locally: no hub, no network);
 the ratio, not the absolute count, is the figure that carries over to a real judge's tokenizer.
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from artgw.tiny_model import build_tiny_model
-from ruler import DEFAULT_RUBRIC, Trajectory, build_judge_messages
+from ruler import DEFAULT_RUBRIC, Trajectory, build_judge_messages, orders
 
 SYSTEM = (
     "You are a travel assistant for a large agency. Follow the booking policy strictly: confirm dates, "
@@ -83,7 +84,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8, help="trajectories per group (default 8)")
     parser.add_argument("--history-turns", type=int, default=6, help="shared turns before they diverge (default 6)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--judgements", default="1,2,4", help="judgements per group to price, comma-separated (default 1,2,4)"
+    )
     args = parser.parse_args()
+    counts = [int(k) for k in args.judgements.split(",")]
 
     from transformers import AutoTokenizer
 
@@ -95,9 +100,17 @@ def main() -> None:
         return sum(len(tokenizer.encode(m["content"])) for m in messages)
 
     table = Table("group", "trajectories", "naive tokens", "dedup tokens", "ratio", title="RULER judge prompt tokens")
+    panel = Table(
+        "judgements k",
+        "naive tokens (k prompts)",
+        "panel tokens (k orders)",
+        "naive / panel",
+        "panel / (k x one dedup prompt)",
+        title=f"k judgements per group, {args.groups} groups",
+    )
     total_naive = total_dedup = 0
-    for g in range(args.groups):
-        group = make_group(rng, args.size, args.history_turns)
+    groups = [make_group(rng, args.size, args.history_turns) for _ in range(args.groups)]
+    for g, group in enumerate(groups):
         naive = tokens(build_judge_messages(group, DEFAULT_RUBRIC, share_prefix=False))
         dedup = tokens(build_judge_messages(group, DEFAULT_RUBRIC))
         total_naive += naive
@@ -106,7 +119,20 @@ def main() -> None:
     table.add_row(
         "all", str(args.groups * args.size), f"{total_naive:,}", f"{total_dedup:,}", f"{total_naive / total_dedup:.2f}x"
     )
-    Console().print(table)
+    for k in counts:
+        # Each judgement shows the group in its own order (distinct prompts; the same order twice is asked once).
+        shown = [
+            [group[i] for i in order]
+            for g, group in enumerate(groups)
+            for order in {tuple(o): o for o in orders(len(group), k, f"g-{g}")}.values()
+        ]
+        spent = sum(tokens(build_judge_messages(trajectories, DEFAULT_RUBRIC)) for trajectories in shown)
+        naive_k = k * total_naive
+        share = spent / (k * total_dedup)
+        panel.add_row(str(k), f"{naive_k:,}", f"{spent:,}", f"{naive_k / spent:.2f}x", f"{share:.3f}")
+    console = Console()
+    console.print(table)
+    console.print(panel)
 
 
 if __name__ == "__main__":
