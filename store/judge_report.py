@@ -7,6 +7,11 @@ group is reported beside it (it also compares members of different groups, which
 whose mean per-group Spearman falls below a threshold is flagged: its judge ranks the attempts unlike the
 outcomes the caller measures, and training on its scores would teach the model to please the judge.
 
+A group judged by a panel (several judges or samples, #29) reports under its panel's label, with the
+agreement between its judgements (the groups' mean pairwise Spearman, as scored) beside the agreement with the
+caller; a group scored on criteria reports each criterion's agreement with the caller too, so a criterion the
+judge scores unlike the outcome shows by name.
+
 `judged_groups` reads the store; everything else here is pure and works on what it returns.
 """
 
@@ -37,6 +42,16 @@ class JudgedGroup(msgspec.Struct, frozen=True):
     rubric: str
     caller_rewards: tuple[float, ...]
     judge_scores: tuple[float, ...]
+    criteria: dict[str, tuple[float, ...]] = {}  # criterion -> each member's score, with criteria
+    judge_agreement: float | None = None  # the panel's judgements among themselves (mean pairwise Spearman)
+
+
+class CriterionAgreement(msgspec.Struct, frozen=True):
+    """One criterion's scores against the caller's rewards, as the whole score is."""
+
+    name: str
+    ranked_groups: int
+    spearman_mean: float | None
 
 
 class Correlation(msgspec.Struct, frozen=True):
@@ -66,6 +81,8 @@ class RubricAgreement(msgspec.Struct, frozen=True):
     pooled_kendall: float | None
     state: AgreementState
     worst_groups: list[GroupAgreement]  # lowest per-group Spearman first, at most WORST_GROUPS
+    judges_agreement: float | None = None  # a panel's judgements among themselves, mean over its groups
+    criteria: list[CriterionAgreement] = []  # by name
 
 
 class JudgeReport(msgspec.Struct, frozen=True):
@@ -86,7 +103,14 @@ async def judged_groups(conn: AsyncConnection, model: str) -> list[JudgedGroup]:
     """The groups of `model` that RULER scored and whose caller sent rewards too (any state: a group the
     trainer later dropped was still judged), with the members both scored; oldest group first."""
     query = (
-        sa.select(groups.c.id, groups.c.ruler, group_members.c.caller_reward, group_members.c.ruler_score)
+        sa.select(
+            groups.c.id,
+            groups.c.ruler,
+            groups.c.judge_agreement,
+            group_members.c.caller_reward,
+            group_members.c.ruler_score,
+            group_members.c.ruler_criteria,
+        )
         .join(group_members, group_members.c.group_id == groups.c.id)
         .where(
             groups.c.model == model,
@@ -96,15 +120,34 @@ async def judged_groups(conn: AsyncConnection, model: str) -> list[JudgedGroup]:
         )
         .order_by(groups.c.created_at, groups.c.id, group_members.c.position)
     )
-    found: dict[str, tuple[dict[str, Any], list[float], list[float]]] = {}
-    for group_id, ruler, caller_reward, ruler_score in await conn.execute(query):
-        _, callers, judges = found.setdefault(group_id, (ruler, [], []))
+    found: dict[str, tuple[dict[str, Any], float | None, list[float], list[float], dict[str, list[float]]]] = {}
+    for group_id, ruler, agreement, caller_reward, ruler_score, criteria in await conn.execute(query):
+        _, _, callers, judges, by_criterion = found.setdefault(group_id, (ruler, agreement, [], [], {}))
         callers.append(caller_reward)
         judges.append(ruler_score)
+        for name, value in (criteria or {}).items():
+            by_criterion.setdefault(name, []).append(value)
     return [
-        JudgedGroup(group_id, ruler["judge_model"], ruler["rubric"], tuple(callers), tuple(judges))
-        for group_id, (ruler, callers, judges) in found.items()
+        JudgedGroup(
+            group_id,
+            panel_label(ruler),
+            ruler.get("rubric") or "",
+            tuple(callers),
+            tuple(judges),
+            {name: tuple(values) for name, values in by_criterion.items() if len(values) == len(callers)},
+            agreement,
+        )
+        for group_id, (ruler, agreement, callers, judges, by_criterion) in found.items()
     ]
+
+
+def panel_label(ruler: dict[str, Any]) -> str:
+    """Who judged a group, as the report names it: the judge model, or a panel's models and samples
+    (`a + b x2`: two judges, two samples each)."""
+    judges = ruler.get("judges") or [{"judge_model": ruler.get("judge_model")}]
+    label = " + ".join(str(j.get("judge_model")) for j in judges)
+    samples = int(ruler.get("samples") or 1)
+    return f"{label} x{samples}" if samples > 1 else label
 
 
 # ---------------------------------------------------------------- statistics (pure)
@@ -137,6 +180,7 @@ def _rubric_agreement(judged: Sequence[JudgedGroup], threshold: float) -> Rubric
         [r for g in judged for r in g.caller_rewards], [s for g in judged for s in g.judge_scores]
     )
     spearman_mean = statistics.fmean(g.spearman for g in ranked) if ranked else None
+    panel = [g.judge_agreement for g in judged if g.judge_agreement is not None]
     state: AgreementState
     if spearman_mean is None:
         state = "no_ranked_groups"
@@ -155,7 +199,18 @@ def _rubric_agreement(judged: Sequence[JudgedGroup], threshold: float) -> Rubric
         pooled_kendall=pooled.kendall if pooled else None,
         state=state,
         worst_groups=sorted(ranked, key=lambda g: (g.spearman, g.kendall, g.group_id))[:WORST_GROUPS],
+        judges_agreement=statistics.fmean(panel) if panel else None,
+        criteria=[_criterion_agreement(name, judged) for name in sorted({n for g in judged for n in g.criteria})],
     )
+
+
+def _criterion_agreement(name: str, judged: Sequence[JudgedGroup]) -> CriterionAgreement:
+    rhos = [
+        correlation.spearman
+        for g in judged
+        if name in g.criteria and (correlation := rank_correlation(g.caller_rewards, g.criteria[name])) is not None
+    ]
+    return CriterionAgreement(name, len(rhos), statistics.fmean(rhos) if rhos else None)
 
 
 def by_judge(judged: Sequence[JudgedGroup]) -> dict[tuple[str, str], list[JudgedGroup]]:
