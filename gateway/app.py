@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis import routes as inference
-from gateway.apis.responses_service import ResponsesService
+from gateway.apis.responses.service import ResponsesService
 from gateway.auth import Caller
 from gateway.errors import exception_handlers
 from gateway.groups.service import GroupService

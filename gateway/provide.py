@@ -32,11 +32,11 @@ from engine.supervisor import (
     wait_until_ready,
 )
 from gateway.adapters import AdapterRegistry, AdapterService
-from gateway.apis.messages_service import MessagesService
-from gateway.apis.responses_service import ResponsesService
+from gateway.apis.chat.schema import ChatService
+from gateway.apis.completions.schema import CompletionsService
+from gateway.apis.messages.service import MessagesService
+from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
-from gateway.chat import ChatService
-from gateway.completions import CompletionsService
 from gateway.continuation import Splicer
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService

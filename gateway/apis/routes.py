@@ -17,13 +17,13 @@ from litestar.exceptions import HTTPException
 from litestar.params import Parameter
 from litestar.types import ASGIApp
 
-from gateway.apis.messages import AnthropicError, from_openai_error
-from gateway.apis.messages_service import MessagesService
-from gateway.apis.responses_service import MAX_ITEMS_PAGE, ResponsesService
+from gateway.apis.chat.schema import ChatService
+from gateway.apis.completions.schema import CompletionsService
+from gateway.apis.messages.service import MessagesService
+from gateway.apis.messages.translate import AnthropicError, from_openai_error
+from gateway.apis.responses.service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
 from gateway.auth import Caller, KeyRing
-from gateway.chat import ChatService
-from gateway.completions import CompletionsService
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
 from gateway.guards import scoped
 from gateway.openapi import (

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API over chat completions: gateway/apis/messages.py, the pure translation.
+"""Anthropic's Messages API over chat completions: gateway/apis/messages/translate.py, the pure translation.
 
 Requests and answers are checked against hand-written expectations, and against Anthropic's own SDK: its
 `Message` type, and its client (`messages.create`, `messages.stream`) talking to a mock transport that answers
@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from anthropic.types import Message
 
-from gateway.apis.messages import (
+from gateway.apis.messages.translate import (
     AnthropicError,
     MessagesRequest,
     MessagesStream,

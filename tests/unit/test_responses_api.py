@@ -1,4 +1,4 @@
-"""The Responses API translation (gateway/apis/responses.py): requests to chat requests, chat answers back.
+"""The Responses API translation (gateway/apis/responses/translate.py): requests to chat requests, chat answers back.
 
 Expected values are written out by hand; every response object and stream event is also validated with the
 OpenAI SDK's own types, and the SDK itself (its `responses.create` and its stream helper) is run over what the
@@ -18,7 +18,8 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
-from gateway.apis.responses import (
+from gateway.apis.chat.schema import parse_chat_request
+from gateway.apis.responses.translate import (
     ResponsesRequest,
     ResponsesStream,
     input_items,
@@ -28,7 +29,6 @@ from gateway.apis.responses import (
     to_chat,
     to_response,
 )
-from gateway.chat import parse_chat_request
 from gateway.errors import OpenAIError
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.chat import schema_problem
+from gateway.apis.chat.schema import schema_problem
 from gateway.errors import OpenAIError, decode_body, invalid_request
 
 _encode = msgspec.json.encode

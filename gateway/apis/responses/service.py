@@ -1,8 +1,8 @@
 """`/v1/responses`: OpenAI's Responses API, served through the engine's chat completions.
 
 Why through chat: vLLM's own Responses endpoint returns no token ids, and the gateway records the tokens the
-model really sampled, never a re-tokenization of text. Translated to chat (gateway/apis/responses.py), the call
-is recorded exactly like a chat call, and assembles with chat calls of its rollout by token prefix.
+model really sampled, never a re-tokenization of text. Translated to chat (gateway/apis/responses/translate.py),
+the call is recorded exactly like a chat call, and assembles with chat calls of its rollout by token prefix.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.responses import (
+from gateway.apis.chat.schema import strict_forced_calls, upstream_request
+from gateway.apis.responses.translate import (
     ResponsesRequest,
     ResponsesStream,
     input_items,
@@ -26,7 +27,6 @@ from gateway.apis.responses import (
 )
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
-from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
-from gateway.chat import schema_problem
+from gateway.apis.chat.schema import schema_problem
 from gateway.errors import OpenAIError, decode_body
 
 _encode = msgspec.json.encode
@@ -479,7 +479,7 @@ def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
 
 def to_message(chat: dict[str, Any], request: MessagesRequest, message_id: str) -> dict[str, Any]:
     """The engine's chat.completion (its first choice) as Anthropic's message. A malformed answer raises what
-    reading it raises (KeyError, IndexError, TypeError, ...: gateway.chat.ENGINE_DATA_ERRORS)."""
+    reading it raises (KeyError, IndexError, TypeError, ...: gateway.apis.chat.schema.ENGINE_DATA_ERRORS)."""
     choice = chat["choices"][0]
     reply = choice["message"]
     content: list[dict[str, Any]] = []

@@ -11,8 +11,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from gateway.apis.chat.schema import MAX_N, MAX_TOP_LOGPROBS
 from gateway.asgi import EventStream, HangUp, JSONBody
-from gateway.chat import MAX_N, MAX_TOP_LOGPROBS
 from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
 from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
 

@@ -1,7 +1,7 @@
 """`/v1/messages`: Anthropic's Messages API, served through the engine's chat completions.
 
 Why through chat: vLLM's own Messages endpoint returns no token ids; translated to chat
-(gateway/apis/messages.py), the call is recorded exactly like a chat call, token for token.
+(gateway/apis/messages/translate.py), the call is recorded exactly like a chat call, token for token.
 Errors on this route are in Anthropic's shape (`{"type": "error", "error": {...}}`).
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
+from gateway.apis.chat.schema import strict_forced_calls, upstream_request
+from gateway.apis.messages.translate import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
-from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 
