@@ -32,8 +32,8 @@ from engine.supervisor import (
     wait_until_ready,
 )
 from gateway.adapters import AdapterRegistry, AdapterService
-from gateway.apis.chat.schema import ChatService
-from gateway.apis.completions.schema import CompletionsService
+from gateway.apis.chat.service import ChatService
+from gateway.apis.completions.service import CompletionsService
 from gateway.apis.messages.service import MessagesService
 from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key

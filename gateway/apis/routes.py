@@ -17,10 +17,10 @@ from litestar.exceptions import HTTPException
 from litestar.params import Parameter
 from litestar.types import ASGIApp
 
-from gateway.apis.chat.schema import ChatService
-from gateway.apis.completions.schema import CompletionsService
+from gateway.apis.chat.service import ChatService
+from gateway.apis.completions.service import CompletionsService
+from gateway.apis.messages.schema import AnthropicError, from_openai_error
 from gateway.apis.messages.service import MessagesService
-from gateway.apis.messages.translate import AnthropicError, from_openai_error
 from gateway.apis.responses.service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
 from gateway.auth import Caller, KeyRing

@@ -21,7 +21,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterService, adapter_name
-from gateway.apis.chat.schema import ChatService
+from gateway.apis.chat.service import ChatService
 from gateway.asgi import JSONBody
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found

@@ -1,4 +1,5 @@
-"""Anthropic's Messages API over chat completions: gateway/apis/messages/translate.py, the pure translation.
+"""Anthropic's Messages API over chat completions: gateway/apis/messages/ (schema.py, translate.py), the pure
+translation.
 
 Requests and answers are checked against hand-written expectations, and against Anthropic's own SDK: its
 `Message` type, and its client (`messages.create`, `messages.stream`) talking to a mock transport that answers
@@ -17,15 +18,8 @@ import msgspec
 import pytest
 from anthropic.types import Message
 
-from gateway.apis.messages.translate import (
-    AnthropicError,
-    MessagesRequest,
-    MessagesStream,
-    from_openai_error,
-    parse_request,
-    to_chat,
-    to_message,
-)
+from gateway.apis.messages.schema import AnthropicError, MessagesRequest, from_openai_error, parse_request
+from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.errors import OpenAIError, model_not_found
 
 MODEL = "tiny"

@@ -1,4 +1,5 @@
-"""The Responses API translation (gateway/apis/responses/translate.py): requests to chat requests, chat answers back.
+"""The Responses API translation (gateway/apis/responses/: schema.py, translate.py): requests to chat requests,
+chat answers back.
 
 Expected values are written out by hand; every response object and stream event is also validated with the
 OpenAI SDK's own types, and the SDK itself (its `responses.create` and its stream helper) is run over what the
@@ -19,13 +20,12 @@ import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
 from gateway.apis.chat.schema import parse_chat_request
+from gateway.apis.responses.schema import ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
-    ResponsesRequest,
     ResponsesStream,
     input_items,
     input_messages,
     output_messages,
-    parse_request,
     to_chat,
     to_response,
 )

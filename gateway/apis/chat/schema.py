@@ -1,28 +1,19 @@
-"""Chat completions: validate, route to vLLM, give the client what it asked for (gateway/proxy.py records it).
-
-The gateway always asks vLLM for the sampled token ids, the prompt token ids
-and the sampling logprobs (the recorder needs them), then hands the client a
-response shaped exactly as if it had called vLLM with its own request: the
-fields it did not ask for are set back to null, as vLLM does.
+"""Chat completions' request, as the gateway reads it: the typed head it relies on or bounds, the whole body
+as sent, and the tool-schema check every API shares. The rest of the request is vLLM's to validate.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
-from gateway.adapters import Route
-from gateway.asgi import EventStream, HangUp, JSONBody
-from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
-from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
+from gateway.errors import decode_body, decode_json, invalid_request
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.encode
 
 # OpenAI's roles; vLLM would render any other into the prompt as text.
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
@@ -101,101 +92,3 @@ def schema_problem(raw: bytes) -> str | None:
         where = "/".join(str(p) for p in exc.absolute_path)
         return f"{exc.message}" + (f" (at '{where}')." if where else ".")
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class Asked:
-    """What the client asked for among the fields the gateway always requests."""
-
-    logprobs: bool
-    token_ids: bool
-
-
-def strict_forced_calls(request: dict[str, Any]) -> dict[str, Any]:
-    """The request with the tools a named or `required` tool_choice forces made `strict`: their arguments are
-    then sampled under the tool's schema. Without it vLLM 0.32 constrains only the `<tool_call>` envelope and the
-    arguments may be any JSON (a model still learning writes a number), which most clients send by default.
-    The request is recorded as changed (the trainer rebuilds the grammar the engine sampled under from it)."""
-    tools = request.get("tools")
-    choice = request.get("tool_choice")
-    if not tools or not (choice == "required" or isinstance(choice, dict)):
-        return request
-    forced = None if choice == "required" else (choice.get("function") or {}).get("name")
-    strict = []
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and forced in (None, function.get("name")) and function.get("strict") is not True:
-            tool = {**tool, "function": {**function, "strict": True}}
-        strict.append(tool)
-    return {**request, "tools": strict}
-
-
-def upstream_request(request: dict[str, Any], route: Route, **extra: Any) -> tuple[bytes, Asked]:
-    """The engine's request: the client's, for the routed model, asking for what the recorder needs."""
-    asked = Asked(bool(request.get("logprobs")), bool(request.get("return_token_ids")))
-    upstream = dict(request)
-    if upstream.get("tools") == []:  # no tools (strands' and fast-agent's default): vLLM refuses an empty list
-        del upstream["tools"]
-        if upstream.get("tool_choice") in ("auto", "none"):  # what no tools means anyway; refused without tools
-            del upstream["tool_choice"]
-    upstream["model"] = route.upstream_model
-    upstream["logprobs"] = True
-    upstream["return_token_ids"] = True
-    upstream.update(extra)
-    return _encode(upstream), asked
-
-
-def hide_unasked(payload: dict[str, Any], asked: Asked, model: str) -> None:
-    """Undo what the gateway added, in place: null, as vLLM sends fields nobody asked for."""
-    payload["model"] = model
-    if not asked.token_ids:
-        if "prompt_token_ids" in payload:
-            payload["prompt_token_ids"] = None
-        for choice in payload.get("choices") or ():
-            if "token_ids" in choice:
-                choice["token_ids"] = None
-    if not asked.logprobs:
-        for choice in payload.get("choices") or ():
-            choice["logprobs"] = None
-
-
-class ChatWire:
-    """Chat's own format, minus what the client did not ask for."""
-
-    __slots__ = ("asked", "model")
-
-    def __init__(self, asked: Asked, model: str) -> None:
-        self.asked = asked
-        self.model = model
-
-    async def answer(self, payload: dict[str, Any]) -> bytes:
-        hide_unasked(payload, self.asked, self.model)
-        return _encode(payload)
-
-    def event(self, event: dict[str, Any]) -> bytes:
-        hide_unasked(event, self.asked, self.model)
-        return b"data: " + _encode(event) + b"\n\n"
-
-    async def done(self) -> bytes:
-        return b"data: [DONE]\n\n"
-
-    def broken(self, error: OpenAIError) -> bytes:
-        """OpenAI's error body as the last event (code `upstream_error` when the engine is at fault)."""
-        return b"data: " + _encode(error.body()) + b"\n\n"
-
-
-class ChatService:
-    """Chat completions: parse, route, and hand the call to the engine (gateway/proxy.py)."""
-
-    def __init__(self, calls: EngineCalls) -> None:
-        self.calls = calls
-        self.registry = calls.registry
-
-    async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
-        head, request = parse_chat_request(body)
-        request = strict_forced_calls(request)
-        route = await self.calls.route(head.model, origin)
-        upstream_body, asked = upstream_request(request, route)
-        wire = ChatWire(asked, head.model)
-        spec = EngineRequest("chat", CHAT_PATH, upstream_body, request, route, bool(head.stream), wire)
-        return await self.calls.run(spec, origin, hang_up)

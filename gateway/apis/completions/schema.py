@@ -1,8 +1,5 @@
-"""Legacy completions (`POST /v1/completions`): text or token-id prompts, sent to vLLM's completions endpoint.
-
-vLLM answers completions with the prompt token ids and the sampled token ids (`return_token_ids`), so unlike
-Responses and Messages no translation is needed: the call goes to the engine as the client sent it, plus what
-the recorder needs, and the answer comes back minus what the client did not ask for.
+"""Legacy completions' request, as the gateway reads it: the typed head it relies on or bounds (text or
+token-id prompts, and how many generations they make), and the whole body as sent.
 """
 
 from __future__ import annotations
@@ -12,11 +9,7 @@ from typing import Annotated, Any
 import msgspec
 
 from gateway.apis.chat.schema import MAX_N, MAX_TOP_LOGPROBS
-from gateway.asgi import EventStream, HangUp, JSONBody
-from gateway.errors import OpenAIError, decode_body, decode_json, invalid_request
-from gateway.proxy import CallOrigin, EngineCalls, EngineRequest
-
-_encode = msgspec.json.encode
+from gateway.errors import decode_body, decode_json, invalid_request
 
 # A string, a list of strings, a list of token ids, or a list of such lists (checked by `_check_prompt`:
 # msgspec takes one list type in a union).
@@ -75,65 +68,3 @@ def parse_completion_request(body: bytes) -> tuple[CompletionRequestHead, dict[s
             code="invalid_value",
         )
     return head, request
-
-
-class CompletionsWire:
-    """Completions' own format, minus what the client did not ask for (set back to null, as vLLM does)."""
-
-    __slots__ = ("logprobs", "model", "token_ids")
-
-    def __init__(self, request: dict[str, Any], model: str) -> None:
-        self.logprobs = request.get("logprobs") is not None  # 0 asks for the sampled tokens' own
-        self.token_ids = bool(request.get("return_token_ids"))
-        self.model = model
-
-    def _hide(self, payload: dict[str, Any]) -> None:
-        payload["model"] = self.model
-        for choice in payload.get("choices") or ():
-            if not self.token_ids:
-                if "token_ids" in choice:
-                    choice["token_ids"] = None
-                if "prompt_token_ids" in choice:
-                    choice["prompt_token_ids"] = None
-            if not self.logprobs:
-                choice["logprobs"] = None
-
-    async def answer(self, payload: dict[str, Any]) -> bytes:
-        self._hide(payload)
-        return _encode(payload)
-
-    def event(self, event: dict[str, Any]) -> bytes:
-        self._hide(event)
-        return b"data: " + _encode(event) + b"\n\n"
-
-    async def done(self) -> bytes:
-        return b"data: [DONE]\n\n"
-
-    def broken(self, error: OpenAIError) -> bytes:
-        return b"data: " + _encode(error.body()) + b"\n\n"
-
-
-class CompletionsService:
-    def __init__(self, calls: EngineCalls) -> None:
-        self.calls = calls
-
-    async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
-        head, request = parse_completion_request(body)
-        route = await self.calls.route(head.model, origin)
-        upstream = dict(request)
-        upstream["model"] = route.upstream_model
-        upstream["return_token_ids"] = True
-        if head.logprobs is None:
-            upstream["logprobs"] = 0  # the sampled tokens' own logprobs, nothing more
-        several = prompt_count(head.prompt) > 1
-        spec = EngineRequest(
-            "completions",
-            "/v1/completions",
-            _encode(upstream),
-            request,
-            route,
-            bool(head.stream),
-            CompletionsWire(request, head.model),
-            choices_per_prompt=(head.n or 1) if several else 0,
-        )
-        return await self.calls.run(spec, origin, hang_up)

@@ -12,8 +12,9 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.chat.schema import strict_forced_calls, upstream_request
-from gateway.apis.messages.translate import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
+from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.messages.schema import MessagesRequest, parse_request
+from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
 from gateway.errors import OpenAIError

@@ -14,14 +14,13 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.chat.schema import strict_forced_calls, upstream_request
+from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.responses.schema import ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
-    ResponsesRequest,
     ResponsesStream,
     input_items,
     input_messages,
     output_messages,
-    parse_request,
     to_chat,
     to_response,
 )
