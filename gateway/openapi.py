@@ -25,6 +25,7 @@ from litestar.openapi.spec import (
 
 from gateway.apis.chat.schema import MAX_N, MAX_TOP_LOGPROBS, ROLES
 from gateway.proxy import ROLLOUT_HEADER
+from store.types import ID_PATTERN
 
 
 class OpenAIErrorDetail(msgspec.Struct, frozen=True):
@@ -203,8 +204,8 @@ ROLLOUT_HEADER_PARAMETER = Parameter(
     name=ROLLOUT_HEADER,
     param_in="header",
     required=False,
-    # gateway/apis/chat/schema.py's _ROLLOUT_ID; ignored on /rollouts/{rollout_id}/v1/..., where the path gives it.
-    schema=cast(Schema, {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:\\-]{0,127}$"}),
+    # Ignored on /rollouts/{rollout_id}/v1/..., where the path gives it.
+    schema=cast(Schema, {"type": "string", "pattern": ID_PATTERN}),
     description="The rollout this call belongs to (none: a one-call rollout with an id made up).",
 )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import sqlalchemy as sa
+from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
 from engine.supervisor import (
@@ -222,6 +223,11 @@ class Services:
         models = ",".join(self.registry.models)
         auth = "required" if s.auth_required else "off"
         print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
+
+
+def services_of(state: State) -> Services:
+    """The app's services, as its lifespan left them in its state (gateway/app.py::create_app)."""
+    return state.services  # type: ignore[no-any-return]
 
 
 def keep_private(data_dir: Path, database: Path) -> None:
