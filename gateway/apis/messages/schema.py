@@ -281,3 +281,38 @@ def _check_tools(request: MessagesRequest) -> None:
             raise _invalid("tool_choice.name: Field required")
         if choice.name not in names:
             raise _invalid(f"tool_choice.name: no tool named '{choice.name}' among `tools`.")
+
+
+# -----------------------------------------------------------------------------
+# the answer: Anthropic's message, built by the translation (translate.py), sent as msgspec encodes it. Its
+# blocks are the request's own (`TextBlock`, `ThinkingBlock`, `ToolUseBlock`: the same shape both ways). The unit
+# tests check every struct here against the SDK's type of the same name (anthropic.types).
+
+OutputBlock = TextBlock | ThinkingBlock | ToolUseBlock
+
+
+class Usage(msgspec.Struct, frozen=True):
+    input_tokens: int
+    output_tokens: int
+    # No prompt caching in Anthropic's sense (billed cache writes and reads): both are 0.
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """Anthropic's message (`anthropic.types.Message`); the fields in the order Anthropic sends them."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[OutputBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class MessageTokensCount(msgspec.Struct, frozen=True):
+    """The answer of `/v1/messages/count_tokens` (`anthropic.types.MessageTokensCount`)."""
+
+    input_tokens: int

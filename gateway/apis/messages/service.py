@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from gateway.apis.chat.translate import strict_forced_calls, upstream_request
-from gateway.apis.messages.schema import MessagesRequest, parse_request
+from gateway.apis.messages.schema import MessagesRequest, MessageTokensCount, parse_request
 from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
@@ -58,7 +58,7 @@ class MessagesService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
 
-    async def count_tokens(self, body: bytes, caller: Caller) -> dict[str, int]:
+    async def count_tokens(self, body: bytes, caller: Caller) -> MessageTokensCount:
         """`POST /v1/messages/count_tokens`: the prompt's tokens as the engine counts them, through the same
         translation as `/v1/messages` (its chat template and tokenizer; the tools included). Nothing is
         recorded: no call is made."""
@@ -69,7 +69,7 @@ class MessagesService:
         tokenize.update(model=route.upstream_model, continue_final_message=chat.get("continue_final_message", False))
         tokenize.setdefault("add_generation_prompt", True)
         payload = await self.calls.engine_json("/tokenize", tokenize)
-        return {"input_tokens": int(payload["count"])}
+        return MessageTokensCount(int(payload["count"]))
 
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""

@@ -33,12 +33,16 @@ from gateway.apis.messages.schema import (
     Base64Source,
     ContentBlock,
     ImageBlock,
+    Message,
     MessagesRequest,
+    OutputBlock,
     TextBlock,
+    ThinkingBlock,
     Tool,
     ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
+    Usage,
 )
 
 _encode = msgspec.json.encode
@@ -209,50 +213,33 @@ def _stop(finish_reason: str | None, matched: Any, request: MessagesRequest, too
     return "end_turn", None
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    # No prompt caching in Anthropic's sense (billed cache writes and reads): both are 0.
-    return {
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
-
-
-def to_message(chat: dict[str, Any], request: MessagesRequest, message_id: str) -> dict[str, Any]:
+def to_message(chat: dict[str, Any], request: MessagesRequest, message_id: str) -> Message:
     """The engine's chat.completion (its first choice) as Anthropic's message. A malformed answer raises what
     reading it raises (KeyError, IndexError, TypeError, ...: gateway.proxy.ENGINE_DATA_ERRORS)."""
     choice = chat["choices"][0]
     reply = choice["message"]
-    content: list[dict[str, Any]] = []
+    content: list[OutputBlock] = []
     reasoning = reply.get("reasoning") or reply.get("reasoning_content")
     if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        content.append(ThinkingBlock(reasoning))
     if reply.get("content"):
-        content.append({"type": "text", "text": reply["content"]})
+        content.append(TextBlock(reply["content"]))
     for call in reply.get("tool_calls") or ():
         function = call["function"]
         content.append(
-            {
-                "type": "tool_use",
-                "id": call.get("id") or _tool_id(),
-                "name": function["name"],
-                "input": _tool_input(function.get("arguments")),
-            }
+            ToolUseBlock(call.get("id") or _tool_id(), function["name"], _tool_input(function.get("arguments")))
         )
-    tool_use = any(block["type"] == "tool_use" for block in content)
+    tool_use = any(isinstance(block, ToolUseBlock) for block in content)
     stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"), request, tool_use)
     usage = chat.get("usage") or {}
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": request.model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0),
-    }
+    return Message(
+        id=message_id,
+        model=request.model,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0),
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -272,12 +259,12 @@ class _Block:
     name: str = ""
     closed: bool = False
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> OutputBlock:
         if self.kind == "text":
-            return {"type": "text", "text": "".join(self.pieces)}
+            return TextBlock("".join(self.pieces))
         if self.kind == "thinking":
-            return {"type": "thinking", "thinking": "".join(self.pieces), "signature": ""}
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": _tool_input("".join(self.pieces))}
+            return ThinkingBlock("".join(self.pieces))
+        return ToolUseBlock(self.id, self.name, _tool_input("".join(self.pieces)))
 
 
 class MessagesStream:
@@ -313,8 +300,7 @@ class MessagesStream:
         if self._started:
             return b""
         self._started = True
-        message = {**self.message(), "content": []}
-        return _event("message_start", {"message": message})
+        return _event("message_start", {"message": msgspec.structs.replace(self.message(), content=[])})
 
     def take(self, chunk: dict[str, Any]) -> bytes:
         """The events for one decoded chat.completion.chunk (possibly none). Give it the engine's chunk as sent:
@@ -361,18 +347,16 @@ class MessagesStream:
         """The `error` event that ends a stream the engine broke off (Anthropic's SDK raises it)."""
         return b"event: error\ndata: " + _encode(AnthropicError(500, message).body()) + b"\n\n"
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> Message:
         """The message so far (`stop_reason` None until `finish`), as `to_message` would give it."""
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.request.model,
-            "content": [block.snapshot() for block in self._blocks],
-            "stop_reason": self._stop_reason,
-            "stop_sequence": self._stop_sequence,
-            "usage": _usage(self._input_tokens or 0, self._output_count()),
-        }
+        return Message(
+            id=self.message_id,
+            model=self.request.model,
+            content=[block.snapshot() for block in self._blocks],
+            stop_reason=self._stop_reason,
+            stop_sequence=self._stop_sequence,
+            usage=Usage(self._input_tokens or 0, self._output_count()),
+        )
 
     def _output_count(self) -> int:
         return self._output_tokens if self._output_tokens is not None else self._sampled
