@@ -450,7 +450,7 @@ ANSWER_STRUCTS = [
 ]
 
 
-@pytest.mark.parametrize(("struct", "sdk_type"), ANSWER_STRUCTS, ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(("struct", "sdk_type"), ANSWER_STRUCTS, ids=[type(s).__name__ for s, _ in ANSWER_STRUCTS])
 def test_each_answer_struct_is_the_sdks_type(struct: msgspec.Struct, sdk_type: type[pydantic.BaseModel]) -> None:
     """Each field the struct sends is one the SDK's type has, and the SDK reads what it sends back unchanged."""
     names = {field.encode_name for field in msgspec.structs.fields(struct)}

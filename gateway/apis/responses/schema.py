@@ -273,3 +273,137 @@ def _check_text_format(text_format: TextFormat) -> None:
         raise _missing("text.format.name")
     if text_format.schema is None:
         raise _missing("text.format.schema")
+
+
+# -----------------------------------------------------------------------------
+# the answer: OpenAI's response object, built by the translation (translate.py) and sent as msgspec encodes it,
+# the fields in the order OpenAI sends them. The unit tests check every struct here against the SDK's type it
+# stands for (openai.types.responses).
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class OutputText(msgspec.Struct, frozen=True, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class ReasoningText(msgspec.Struct, frozen=True, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class MessageItem(msgspec.Struct, frozen=True, kw_only=True, tag="message", tag_field="type"):
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class ReasoningItem(msgspec.Struct, frozen=True, kw_only=True, tag="reasoning", tag_field="type"):
+    id: str
+    summary: list[Any] = []  # the engine writes no summary
+    content: list[ReasoningText]
+
+
+class FunctionCallItem(msgspec.Struct, frozen=True, kw_only=True, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+
+
+class InputTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int
+    cache_write_tokens: int = 0  # the SDK's type requires it; vLLM has no such count
+
+
+class OutputTokensDetails(msgspec.Struct, frozen=True):
+    reasoning_tokens: int
+
+
+class Usage(msgspec.Struct, frozen=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(msgspec.Struct, frozen=True):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseError(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class ReasoningEcho(msgspec.Struct, frozen=True):
+    """The request's `reasoning` as echoed: nothing of it is applied."""
+
+    effort: str | None = None
+    summary: str | None = None
+
+
+class FormatText(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
+    pass
+
+
+class FormatJSONObject(msgspec.Struct, frozen=True, tag="json_object", tag_field="type"):
+    pass
+
+
+class FormatJSONSchema(msgspec.Struct, frozen=True, kw_only=True, tag="json_schema", tag_field="type"):
+    name: str | None
+    schema: dict[str, Any] | None
+    description: str | None
+    strict: bool | None
+
+
+class TextEcho(msgspec.Struct, frozen=True):
+    format: FormatText | FormatJSONObject | FormatJSONSchema
+
+
+class ToolChoiceFunction(msgspec.Struct, frozen=True, tag="function", tag_field="type"):
+    name: str | None
+
+
+class FunctionToolEcho(msgspec.Struct, frozen=True, kw_only=True, tag="function", tag_field="type"):
+    name: str | None
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+
+class Response(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's response object (`openai.types.responses.Response`), the request's settings echoed."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: ResponseStatus
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: ReasoningEcho = ReasoningEcho()
+    store: bool
+    temperature: float | None
+    text: TextEcho
+    tool_choice: str | ToolChoiceFunction
+    tools: list[FunctionToolEcho]
+    top_p: float | None
+    truncation: Literal["disabled"] = "disabled"
+    usage: Usage | None
+    user: str | None
+    metadata: dict[str, str]

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from gateway.apis.chat.translate import strict_forced_calls, upstream_request
-from gateway.apis.responses.schema import ResponsesRequest, parse_request
+from gateway.apis.responses.schema import Response, ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
     ResponsesStream,
     input_items,
@@ -67,23 +67,25 @@ class ResponsesWire:
 
     async def done(self) -> bytes:
         out = self._start() + self.stream.finish()
-        if self.stream.response()["status"] != "failed":
-            await self._keep(self.stream.response())
+        response = self.stream.response()
+        if response.status != "failed":
+            await self._keep(response)
         return out
 
     def broken(self, error: OpenAIError) -> bytes:
         return self._start() + self.stream.fail(error.message)
 
-    async def _keep(self, response: dict[str, Any]) -> None:
+    async def _keep(self, response: Response) -> None:
         if self.request.store is False:
             return
+        kept: dict[str, Any] = msgspec.to_builtins(response)  # the store keeps the JSON the client got
         stored = StoredResponse(
             id=self.id,
             rollout_id=self.origin.rollout_id,
             model=self.request.model,
-            response=response,
+            response=kept,
             input_items=input_items(self.request, self.id),
-            messages=[*self.history, *input_messages(self.request), *output_messages(response)],
+            messages=[*self.history, *input_messages(self.request), *output_messages(kept)],
             created_at=self.created_at,
         )
         try:

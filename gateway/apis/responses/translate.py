@@ -21,11 +21,31 @@ import msgspec
 
 from gateway.apis.responses.schema import (
     ContentPart,
+    FormatJSONObject,
+    FormatJSONSchema,
+    FormatText,
+    FunctionCallItem,
+    FunctionToolEcho,
+    IncompleteDetails,
     InputItem,
+    InputTokensDetails,
+    ItemStatus,
+    MessageItem,
     NamedToolChoice,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+    ResponseError,
     ResponsesRequest,
+    ResponseStatus,
+    TextEcho,
     TextFormat,
     Tool,
+    ToolChoiceFunction,
+    Usage,
     item_kind,
 )
 
@@ -242,7 +262,7 @@ def _input_part(part: ContentPart) -> dict[str, Any]:
 def _output_part(part: ContentPart) -> dict[str, Any]:
     if part.type == "refusal":
         return {"type": "refusal", "refusal": part.refusal or ""}
-    return _output_text(_part_text(part))
+    return msgspec.to_builtins(OutputText(_part_text(part)))  # type: ignore[no-any-return]
 
 
 # -----------------------------------------------------------------------------
@@ -253,56 +273,32 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_output_text(text)]}
-
-
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+def _outcome(finish_reason: str | None) -> tuple[ResponseStatus, IncompleteDetails | None]:
     """The response's status and `incomplete_details` for the engine's finish reason."""
     if finish_reason == "length":
-        return "incomplete", {"reason": "max_output_tokens"}
+        return "incomplete", IncompleteDetails("max_output_tokens")
     if finish_reason == "content_filter":
-        return "incomplete", {"reason": "content_filter"}
+        return "incomplete", IncompleteDetails("content_filter")
     return "completed", None
 
 
-def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat usage as Responses usage (`cache_write_tokens`: the SDK's type requires it; vLLM has no such count)."""
+def _usage(usage: dict[str, Any] | None) -> Usage | None:
+    """Chat usage as Responses usage."""
     if not usage:
         return None
     input_tokens = usage.get("prompt_tokens") or 0
     output_tokens = usage.get("completion_tokens") or 0
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            "cache_write_tokens": 0,
-        },
-        "output_tokens": output_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-        },
-        "total_tokens": usage.get("total_tokens") or input_tokens + output_tokens,
-    }
+    return Usage(
+        input_tokens=input_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        ),
+        output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        ),
+        total_tokens=usage.get("total_tokens") or input_tokens + output_tokens,
+    )
 
 
 def _response_object(
@@ -310,96 +306,91 @@ def _response_object(
     response_id: str,
     created_at: float,
     *,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-    incomplete_details: dict[str, Any] | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    status: ResponseStatus,
+    output: list[OutputItem],
+    usage: Usage | None,
+    incomplete_details: IncompleteDetails | None = None,
+    error: ResponseError | None = None,
+) -> Response:
     """The response object, the request's settings echoed as OpenAI echoes them (defaults filled in)."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(created_at),
-        "status": status,
-        "error": error,
-        "incomplete_details": incomplete_details,
-        "instructions": request.instructions,
-        "max_output_tokens": request.max_output_tokens,
-        "model": request.model,
-        "output": output,
-        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
-        "previous_response_id": request.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
-        "store": True if request.store is None else request.store,
-        "temperature": request.temperature,
-        "text": {"format": _format_echo(request.text.format if request.text else None)},
-        "tool_choice": _tool_choice_echo(request.tool_choice),
-        "tools": [_tool_echo(tool) for tool in request.tools or ()],
-        "top_p": request.top_p,
-        "truncation": "disabled",
-        "usage": usage,
-        "user": request.user,
-        "metadata": dict(request.metadata or {}),
-    }
+    return Response(
+        id=response_id,
+        created_at=int(created_at),
+        status=status,
+        error=error,
+        incomplete_details=incomplete_details,
+        instructions=request.instructions,
+        max_output_tokens=request.max_output_tokens,
+        model=request.model,
+        output=output,
+        parallel_tool_calls=True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        previous_response_id=request.previous_response_id,
+        store=True if request.store is None else request.store,
+        temperature=request.temperature,
+        text=TextEcho(_format_echo(request.text.format if request.text else None)),
+        tool_choice=_tool_choice_echo(request.tool_choice),
+        tools=[_tool_echo(tool) for tool in request.tools or ()],
+        top_p=request.top_p,
+        usage=usage,
+        user=request.user,
+        metadata=dict(request.metadata or {}),
+    )
 
 
-def _format_echo(text_format: TextFormat | None) -> dict[str, Any]:
-    if text_format is None or text_format.type != "json_schema":
-        return {"type": text_format.type if text_format else "text"}
-    return {
-        "type": "json_schema",
-        "name": text_format.name,
-        "schema": text_format.schema,
-        "description": text_format.description,
-        "strict": text_format.strict,
-    }
+def _format_echo(text_format: TextFormat | None) -> FormatText | FormatJSONObject | FormatJSONSchema:
+    if text_format is None or text_format.type == "text":
+        return FormatText()
+    if text_format.type == "json_object":
+        return FormatJSONObject()
+    return FormatJSONSchema(
+        name=text_format.name,
+        schema=text_format.schema,
+        description=text_format.description,
+        strict=text_format.strict,
+    )
 
 
-def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | dict[str, Any]:
+def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | ToolChoiceFunction:
     if isinstance(choice, NamedToolChoice):
-        return {"type": "function", "name": choice.name}
+        return ToolChoiceFunction(choice.name)
     return choice or "auto"
 
 
-def _tool_echo(tool: Tool) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "name": tool.name,
-        "description": tool.description,
-        "parameters": tool.parameters,
-        "strict": tool.strict,
-    }
+def _tool_echo(tool: Tool) -> FunctionToolEcho:
+    return FunctionToolEcho(
+        name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+    )
 
 
-def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> dict[str, Any]:
+def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> Response:
     """vLLM's chat.completion (one choice) as a Responses object: reasoning, then the text, then the tool calls,
     in the order the model wrote them. Without text or tool calls there is still an (empty) message, so the
     turn shows in the history, as a chat client would send back `{"role": "assistant", "content": ""}`."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    output: list[dict[str, Any]] = []
+    output: list[OutputItem] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
-        output.append(_reasoning_item(_new_id("rs"), reasoning))
+        output.append(ReasoningItem(id=_new_id("rs"), content=[ReasoningText(reasoning)]))
     content = message.get("content") or ""
     calls = message.get("tool_calls") or []
     if content or not calls:
-        output.append(_message_item(_new_id("msg"), content, "completed"))
+        output.append(MessageItem(id=_new_id("msg"), status="completed", content=[OutputText(content)]))
     for call in calls:
         function = call.get("function") or {}
         output.append(
-            _function_call_item(
-                _new_id("fc"),
-                call.get("id") or _new_id("call"),
-                function.get("name") or "",
-                function.get("arguments") or "",
-                "completed",
+            FunctionCallItem(
+                id=_new_id("fc"),
+                call_id=call.get("id") or _new_id("call"),
+                name=function.get("name") or "",
+                arguments=function.get("arguments") or "",
+                status="completed",
             )
         )
     status, details = _outcome(choice.get("finish_reason"))
-    if status == "incomplete" and "status" in output[-1]:
-        output[-1]["status"] = "incomplete"  # the item the limit cut off
+    last = output[-1]
+    if status == "incomplete" and not isinstance(last, ReasoningItem):
+        output[-1] = msgspec.structs.replace(last, status="incomplete")  # the item the limit cut off
     return _response_object(
         request,
         response_id,
@@ -443,14 +434,14 @@ class ResponsesStream:
         self._response_id = response_id
         self._created_at = created_at
         self._sequence = 0
-        self._output: list[dict[str, Any]] = []
+        self._output: list[OutputItem] = []
         self._open: _OpenItem | None = None
         self._calls: dict[int, int] = {}  # chat tool call index -> output index
         self._finish_reason: str | None = None
-        self._usage: dict[str, Any] | None = None
-        self._status = "in_progress"
-        self._incomplete_details: dict[str, Any] | None = None
-        self._error: dict[str, Any] | None = None
+        self._usage: Usage | None = None
+        self._status: ResponseStatus = "in_progress"
+        self._incomplete_details: IncompleteDetails | None = None
+        self._error: ResponseError | None = None
         self._ended = False
 
     def start(self) -> bytes:
@@ -488,9 +479,9 @@ class ResponsesStream:
         if self._ended:
             return b""
         status, details = _outcome(self._finish_reason)
-        item_status = "incomplete" if status == "incomplete" else "completed"
+        item_status: ItemStatus = "incomplete" if status == "incomplete" else "completed"
         out = self._close(item_status)
-        if not any(item["type"] in ("message", "function_call") for item in self._output):
+        if not any(isinstance(item, MessageItem | FunctionCallItem) for item in self._output):
             out += self._open_message() + self._close(item_status)  # an empty turn, as to_response gives
         self._status, self._incomplete_details, self._ended = status, details, True
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -505,10 +496,10 @@ class ResponsesStream:
             self._fill(self._open, "incomplete")
             self._open = None
         self._status, self._ended = "failed", True
-        self._error = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
+        self._error = ResponseError(code if code in _ERROR_CODES else "server_error", message)
         return self._event("response.failed", response=self.response())
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> Response:
         """The response as it stands: in progress (the open item with its text so far), or final."""
         output = list(self._output)
         if self._open is not None:
@@ -548,11 +539,13 @@ class ResponsesStream:
         open_ = self._open
         if open_ is not None and open_.kind == "function_call" and open_.tool_index == index:
             if function.get("name"):  # a name sent in pieces
-                self._output[open_.output_index]["name"] += function["name"]
+                item = self._call_item(open_.output_index)
+                self._output[open_.output_index] = msgspec.structs.replace(item, name=item.name + function["name"])
         elif index in self._calls:
             # A call already closed gets more (vLLM streams one call at a time, so this is not expected): kept in
             # the item the final response carries, no event after its `.done`.
-            self._output[self._calls[index]]["arguments"] += arguments
+            item = self._call_item(self._calls[index])
+            self._output[self._calls[index]] = msgspec.structs.replace(item, arguments=item.arguments + arguments)
             return b""
         else:
             out = self._close("completed") + self._open_function_call(index, call.get("id"), function.get("name"))
@@ -568,88 +561,95 @@ class ResponsesStream:
 
     def _open_id(self) -> str:
         assert self._open is not None
-        return self._output[self._open.output_index]["id"]
+        return self._output[self._open.output_index].id
+
+    def _call_item(self, output_index: int) -> FunctionCallItem:
+        item = self._output[output_index]
+        assert isinstance(item, FunctionCallItem)
+        return item
 
     # -- opening and closing items
 
-    def _open_item(self, kind: ItemKind, item: dict[str, Any], tool_index: int | None = None) -> bytes:
+    def _open_item(self, kind: ItemKind, item: OutputItem, tool_index: int | None = None) -> bytes:
         self._open = _OpenItem(kind, len(self._output), tool_index)
         self._output.append(item)
         return self._event("response.output_item.added", output_index=self._open.output_index, item=item)
 
     def _open_reasoning(self) -> bytes:
         item_id = _new_id("rs")
-        out = self._open_item("reasoning", {"type": "reasoning", "id": item_id, "summary": [], "content": []})
-        return out + self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
+        out = self._open_item("reasoning", ReasoningItem(id=item_id, content=[]))
+        return out + self._part_event("response.content_part.added", ReasoningText(""))
 
     def _open_message(self) -> bytes:
-        item = {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+        item = MessageItem(id=_new_id("msg"), status="in_progress", content=[])
         # The SDK's stream helper appends the part on `content_part.added` and adds text deltas to it.
-        return self._open_item("message", item) + self._part_event("response.content_part.added", _output_text(""))
+        return self._open_item("message", item) + self._part_event("response.content_part.added", OutputText(""))
 
     def _open_function_call(self, index: int, call_id: str | None, name: str | None) -> bytes:
         # `call_id` is the chat tool call's id: the client's function_call_output names it, and back in the chat
         # history it is the `tool_call_id` the template matches to the call.
-        item = _function_call_item(_new_id("fc"), call_id or _new_id("call"), name or "", "", "in_progress")
+        item = FunctionCallItem(
+            id=_new_id("fc"), call_id=call_id or _new_id("call"), name=name or "", arguments="", status="in_progress"
+        )
         self._calls[index] = len(self._output)
         return self._open_item("function_call", item, index)
 
-    def _part_event(self, kind: str, part: dict[str, Any]) -> bytes:
+    def _part_event(self, kind: str, part: OutputText | ReasoningText) -> bytes:
         assert self._open is not None
         return self._event(
             kind, item_id=self._open_id(), output_index=self._open.output_index, content_index=0, part=part
         )
 
-    def _close(self, status: str) -> bytes:
+    def _close(self, status: ItemStatus) -> bytes:
         """The open item's `.done` events (none open: nothing), its text joined into the item."""
         open_ = self._open
         if open_ is None:
             return b""
         item = self._fill(open_, status)
-        index, item_id = open_.output_index, item["id"]
-        if open_.kind == "reasoning":
-            part = item["content"][0]
+        index, item_id = open_.output_index, item.id
+        if isinstance(item, ReasoningItem):
+            reasoning = item.content[0]
             out = self._event(
-                "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=part["text"]
+                "response.reasoning_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=reasoning.text,
             )
-            out += self._part_event("response.content_part.done", part)
-        elif open_.kind == "message":
-            part = item["content"][0]
+            out += self._part_event("response.content_part.done", reasoning)
+        elif isinstance(item, MessageItem):
+            text = item.content[0]
             out = self._event(
                 "response.output_text.done",
                 item_id=item_id,
                 output_index=index,
                 content_index=0,
-                text=part["text"],
+                text=text.text,
                 logprobs=[],
             )
-            out += self._part_event("response.content_part.done", part)
+            out += self._part_event("response.content_part.done", text)
         else:
             out = self._event(
                 "response.function_call_arguments.done",
                 item_id=item_id,
                 output_index=index,
-                arguments=item["arguments"],
-                name=item["name"],
+                arguments=item.arguments,
+                name=item.name,
             )
         self._open = None
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def _filled(self, open_: _OpenItem, status: str) -> dict[str, Any]:
-        """The open item with its text so far, as a new dict (the stored one is left as it is)."""
-        item = dict(self._output[open_.output_index])
+    def _filled(self, open_: _OpenItem, status: ItemStatus) -> OutputItem:
+        """The open item with its text so far, as a new item (the one in the output is left as it is)."""
+        item = self._output[open_.output_index]
         text = "".join(open_.parts)
-        if open_.kind == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-        elif open_.kind == "message":
-            item["content"] = [_output_text(text)]
-            item["status"] = status
-        else:
-            item["arguments"] = text
-            item["status"] = status
-        return item
+        if isinstance(item, ReasoningItem):
+            return msgspec.structs.replace(item, content=[ReasoningText(text)])
+        if isinstance(item, MessageItem):
+            return msgspec.structs.replace(item, content=[OutputText(text)], status=status)
+        return msgspec.structs.replace(item, arguments=text, status=status)
 
-    def _fill(self, open_: _OpenItem, status: str) -> dict[str, Any]:
+    def _fill(self, open_: _OpenItem, status: ItemStatus) -> OutputItem:
         """Write the open item's text and final status into the output (it is closing)."""
         item = self._output[open_.output_index] = self._filled(open_, status)
         return item
