@@ -1,6 +1,7 @@
-"""Anthropic's Messages API on the wire: the request, typed and checked (`parse_request`), and the error shape
-(`AnthropicError`) every error on `/v1/messages` is sent in. A bad request is an `AnthropicError` (400) whose
-message starts with the parameter's path, as Anthropic's do.
+"""Anthropic's Messages API on the wire: the request, typed and checked (`parse_request`); the answer's structs
+(`Message`, its blocks and usage), which the translation fills; and the error shape (`AnthropicError`) every
+error on `/v1/messages` is sent in. A bad request is an `AnthropicError` (400) whose message starts with the
+parameter's path, as Anthropic's do.
 """
 
 from __future__ import annotations

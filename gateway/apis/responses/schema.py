@@ -1,6 +1,7 @@
-"""OpenAI's Responses API request, typed and checked (`parse_request`): what msgspec checks (types, bounds, JSON,
-depth) and what it cannot (each input item kind's required fields, roles, the supported tools and items), each
-error a 400 in OpenAI's shape naming the param.
+"""OpenAI's Responses API on the wire: the request, typed and checked (`parse_request`: what msgspec checks
+(types, bounds, JSON, depth) and what it cannot (each input item kind's required fields, roles, the supported
+tools and items), each error a 400 in OpenAI's shape naming the param); and the answer's structs (`Response`,
+its output items, usage and echoed settings), which the translation fills.
 """
 
 from __future__ import annotations
