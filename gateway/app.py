@@ -19,16 +19,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway import art_api
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis import routes as inference
-from gateway.apis.responses_service import ResponsesService
+from gateway.apis.responses.service import ResponsesService
 from gateway.auth import Caller
 from gateway.errors import exception_handlers
 from gateway.groups.service import GroupService
-from gateway.guards import metrics_reader, request_caller, scoped
+from gateway.guards import INFER, metrics_reader, request_caller
 from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
 from gateway.openapi import errors
 from gateway.promotion.service import PromotionService
-from gateway.provide import Services, provide_services
+from gateway.provide import Services, provide_services, services_of
 from gateway.rollouts import RolloutService
 from gateway.settings import Settings
 from gateway.ui import TEMPLATE_CONFIG as UI_TEMPLATES
@@ -38,46 +38,42 @@ from store.clock import SYSTEM_CLOCK, Clock
 # ---------------------------------------------------------------- dependencies (built once, in provide.py)
 
 
-def _services(state: State) -> Services:
-    return state.services  # type: ignore[no-any-return]
-
-
 def _registry(state: State) -> AdapterRegistry:
-    return _services(state).registry
+    return services_of(state).registry
 
 
 def _rollouts(state: State) -> RolloutService:
-    return _services(state).rollouts
+    return services_of(state).rollouts
 
 
 def _groups(state: State) -> GroupService:
-    return _services(state).groups
+    return services_of(state).groups
 
 
 def _responses(state: State) -> ResponsesService:
-    return _services(state).responses
+    return services_of(state).responses
 
 
 def _adapters(state: State) -> AdapterService:
-    return _services(state).adapters
+    return services_of(state).adapters
 
 
 def _keys(state: State) -> KeyService:
-    return _services(state).keys
+    return services_of(state).keys
 
 
 def _promotions(state: State) -> PromotionService:
-    return _services(state).promotions
+    return services_of(state).promotions
 
 
 def _judge_reports(state: State) -> JudgeReportService:
-    return _services(state).judge_reports
+    return services_of(state).judge_reports
 
 
 DEPENDENCIES = {
     name: Provide(provider, sync_to_thread=False)
     for name, provider in (
-        ("services", _services),
+        ("services", services_of),
         ("registry", _registry),
         ("rollouts", _rollouts),
         ("groups", _groups),
@@ -89,7 +85,6 @@ DEPENDENCIES = {
         ("caller", request_caller),  # whom the route's guard let in
     )
 }
-INFER = {"guards": [scoped], "opt": {"scope": "infer"}}
 
 # ---------------------------------------------------------------- handlers
 

@@ -16,12 +16,13 @@ from litestar.types import Scope
 
 from gateway.auth import Caller, KeyRing, bearer, same_secret
 from gateway.errors import OpenAIError
+from gateway.provide import services_of
 
 CALLER = "artgw.caller"  # the request scope's key for the Caller a guard found
 
 
 def _keys(connection: ASGIConnection[Any, Any, Any, Any]) -> KeyRing:
-    return connection.app.state.services.keyring  # type: ignore[no-any-return]
+    return services_of(connection.app.state).keyring
 
 
 def admin_only(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
@@ -38,7 +39,7 @@ def scoped(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHan
 
 def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """`/metrics`: open, unless --metrics-key is set; then that key or the admin key."""
-    services = connection.app.state.services
+    services = services_of(connection.app.state)
     expected = services.settings.metrics_key
     if expected is None:
         return
@@ -46,6 +47,11 @@ def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteH
     if given is not None and (same_secret(given, expected) or services.keyring.admin_key_matches(given)):
         return
     raise OpenAIError(401, "/metrics needs `Authorization: Bearer <metrics key>`.", code="invalid_api_key")
+
+
+# An inference route's guard: a key with the `infer` scope (the data path's POSTs check theirs in
+# gateway/apis/routes.py, without a guard).
+INFER: dict[str, Any] = {"guards": [scoped], "opt": {"scope": "infer"}}
 
 
 def request_caller(scope: Scope) -> Caller:

@@ -23,8 +23,9 @@ from litestar.openapi.spec import (
     Schema,
 )
 
-from gateway.chat import MAX_N, MAX_TOP_LOGPROBS, ROLES
+from gateway.apis.chat.schema import MAX_N, MAX_TOP_LOGPROBS, ROLES
 from gateway.proxy import ROLLOUT_HEADER
+from store.types import ID_PATTERN
 
 
 class OpenAIErrorDetail(msgspec.Struct, frozen=True):
@@ -106,10 +107,10 @@ def _nullable(kind: str, **extra: Any) -> dict[str, Any]:
     return {"type": [kind, "null"], **extra}
 
 
-# The OpenAI chat request: the fields the gateway itself reads and bounds (ChatRequestHead in gateway/chat.py)
-# with its rules, and the usual others for clients' benefit. Anything else is allowed and passed to vLLM as
-# sent (vLLM validates it; its 400s pass through). Written by hand: msgspec can't describe the head's Raw
-# `parameters`, and the document should say more than the head checks.
+# The OpenAI chat request: the fields the gateway itself reads and bounds (ChatRequestHead in
+# gateway/apis/chat/schema.py) with its rules, and the usual others for clients' benefit. Anything else is allowed
+# and passed to vLLM as sent (vLLM validates it; its 400s pass through). Written by hand: msgspec can't describe
+# the head's Raw `parameters`, and the document should say more than the head checks.
 CHAT_REQUEST: dict[str, Any] = {
     "type": "object",
     "required": ["model", "messages"],
@@ -203,8 +204,8 @@ ROLLOUT_HEADER_PARAMETER = Parameter(
     name=ROLLOUT_HEADER,
     param_in="header",
     required=False,
-    # gateway/chat.py's _ROLLOUT_ID; ignored on /rollouts/{rollout_id}/v1/..., where the path gives it.
-    schema=cast(Schema, {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:\\-]{0,127}$"}),
+    # Ignored on /rollouts/{rollout_id}/v1/..., where the path gives it.
+    schema=cast(Schema, {"type": "string", "pattern": ID_PATTERN}),
     description="The rollout this call belongs to (none: a one-call rollout with an id made up).",
 )
 
@@ -262,7 +263,8 @@ chat_operation = documented(
 
 TOKEN_ID = {"type": "integer", "minimum": 0}
 
-# The legacy completions request: the fields CompletionRequestHead (gateway/completions.py) reads and bounds.
+# The legacy completions request: the fields CompletionRequestHead (gateway/apis/completions/schema.py) reads
+# and bounds.
 COMPLETION_REQUEST: dict[str, Any] = {
     "type": "object",
     "required": ["model", "prompt"],

@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import sqlalchemy as sa
+from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
 from engine.supervisor import (
@@ -32,11 +33,11 @@ from engine.supervisor import (
     wait_until_ready,
 )
 from gateway.adapters import AdapterRegistry, AdapterService
-from gateway.apis.messages_service import MessagesService
-from gateway.apis.responses_service import ResponsesService
+from gateway.apis.chat.service import ChatService
+from gateway.apis.completions.service import CompletionsService
+from gateway.apis.messages.service import MessagesService
+from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
-from gateway.chat import ChatService
-from gateway.completions import CompletionsService
 from gateway.continuation import Splicer
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
@@ -222,6 +223,11 @@ class Services:
         models = ",".join(self.registry.models)
         auth = "required" if s.auth_required else "off"
         print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
+
+
+def services_of(state: State) -> Services:
+    """The app's services, as its lifespan left them in its state (gateway/app.py::create_app)."""
+    return state.services  # type: ignore[no-any-return]
 
 
 def keep_private(data_dir: Path, database: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -43,8 +42,8 @@ from gateway.rollouts import ROLLOUT_HEADER, RolloutOwners
 from gateway.tracing import CallTracer
 from recording.recorder import Recorder, RecordingUnavailable
 from store.records import Api, CallRecord, CallStatus, ChoiceRecord
+from store.types import ROLLOUT_ID
 
-_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 # The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
 # a prefix no client may use.
 EVAL_ROLLOUT_PREFIX = "artgw-eval:"
@@ -78,7 +77,7 @@ def call_origin(
     given = path_id if path_id is not None else header
     if given is None:
         return CallOrigin(f"r-{uuid.uuid4().hex}", False, caller, trace_headers)
-    if not _ROLLOUT_ID.match(given):
+    if not ROLLOUT_ID.fullmatch(given):
         raise invalid_request(
             "Invalid rollout id: use 1 to 128 characters from letters, digits and `._:-`, "
             "starting with a letter or digit.",

@@ -1,6 +1,6 @@
 """The record journal: a local append-only log in the data dir, so an acknowledged call survives a crash.
 
-Every call's record is appended here before its client gets the end of its answer (gateway/chat.py); the
+Every call's record is appended here before its client gets the end of its answer (gateway/proxy.py); the
 recorder then moves journaled records to the store in batches and trims the journal behind them
 (recording/recorder.py). On the next start whatever is still here is replayed: the store write is idempotent
 per call id, so a crash between a store commit and the trim that follows it duplicates nothing.

@@ -147,7 +147,7 @@ def message_key(message: dict[str, Any]) -> bytes:
 
 def tools_key(tools: Any) -> bytes:
     """What makes two calls' tools the same: all but `strict` (the gateway makes a forced call's tools strict,
-    gateway/chat.py; it changes what may be sampled, not the tools)."""
+    gateway/apis/chat/translate.py; it changes what may be sampled, not the tools)."""
     if not isinstance(tools, list):
         return _canonical(tools)
     same = []

@@ -6,9 +6,16 @@ the step, exported on `/metrics` and printed by `artgw status`: one struct for a
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
+
+# A rollout's or a group's id, as a client may choose it: 1 to 128 letters, digits and `._:-`, starting with a
+# letter or digit. Anchored as JSON Schema wants it (the OpenAPI document gives it); checked with `fullmatch`.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+ROLLOUT_ID = re.compile(ID_PATTERN)
+GROUP_ID = ROLLOUT_ID  # the same rule
 
 GroupState = Literal["scoring", "ready", "training", "trained", "failed"]
 GROUP_STATES: tuple[GroupState, ...] = ("scoring", "ready", "training", "trained", "failed")

@@ -1,1 +1,2 @@
-"""Other APIs' wire formats, translated to and from the engine's chat completions."""
+"""The four inference APIs side by side, one package each in the same shape (`schema`, `translate`, `service`),
+and their routes (`routes.py`)."""

@@ -12,20 +12,19 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, delete, get, post
-from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.params import Parameter
 from litestar.types import ASGIApp
 
-from gateway.apis.messages import AnthropicError, from_openai_error
-from gateway.apis.messages_service import MessagesService
-from gateway.apis.responses_service import MAX_ITEMS_PAGE, ResponsesService
+from gateway.apis.chat.service import ChatService
+from gateway.apis.completions.service import CompletionsService
+from gateway.apis.messages.schema import AnthropicError, from_openai_error
+from gateway.apis.messages.service import MessagesService
+from gateway.apis.responses.service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
 from gateway.auth import Caller, KeyRing
-from gateway.chat import ChatService
-from gateway.completions import CompletionsService
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
-from gateway.guards import scoped
+from gateway.guards import INFER
 from gateway.openapi import (
     anthropic_errors,
     chat_operation,
@@ -35,6 +34,7 @@ from gateway.openapi import (
     messages_operation,
     responses_operation,
 )
+from gateway.provide import services_of
 from gateway.proxy import ROLLOUT_HEADER, CallOrigin, call_origin
 from gateway.tracing import trace_context
 from store.errors import StoreError
@@ -43,14 +43,10 @@ Create = Callable[[bytes, CallOrigin, HangUp | None], Awaitable[JSONBody | Event
 INFERENCE_ERRORS = errors(400, 401, 403, 404, 408, 409, 413, 429, 500, 502, 503, 504)
 
 
-def _services(state: State) -> Any:
-    return state.services
-
-
 async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: str | None) -> ASGIApp:
     """One inference call: its key (401, 403, 429 before anything else), its rollout (path prefix, header, or
     made up), then the API's service."""
-    keys: KeyRing = _services(request.app.state).keyring
+    keys: KeyRing = services_of(request.app.state).keyring
     caller = keys.caller(request.headers)
     caller.check_scope("infer")
     keys.limits.admit(caller)
@@ -80,7 +76,7 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
 async def chat_completions(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
     # The data path: the service is taken from the app's state rather than through Litestar's DI (~12 µs a
     # call measured), and the answer is a bare ASGI app (gateway/asgi.py), no framework work after it.
-    chat: ChatService = _services(request.app.state).chat
+    chat: ChatService = services_of(request.app.state).chat
     return await answer(chat.complete, request, rollout_id)
 
 
@@ -91,7 +87,7 @@ async def chat_completions(request: Request[Any, Any, Any], rollout_id: str | No
     responses=INFERENCE_ERRORS,
 )
 async def completions(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
-    service: CompletionsService = _services(request.app.state).completions
+    service: CompletionsService = services_of(request.app.state).completions
     return await answer(service.complete, request, rollout_id)
 
 
@@ -102,14 +98,11 @@ async def completions(request: Request[Any, Any, Any], rollout_id: str | None = 
     responses=INFERENCE_ERRORS,
 )
 async def create_response(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
-    service: ResponsesService = _services(request.app.state).responses
+    service: ResponsesService = services_of(request.app.state).responses
     return await answer(service.create, request, rollout_id)
 
 
 RESPONSE_PATHS = ["/v1/responses/{response_id:str}", "/rollouts/{rollout_id:str}/v1/responses/{response_id:str}"]
-
-
-INFER = {"guards": [scoped], "opt": {"scope": "infer"}}
 
 
 @get(RESPONSE_PATHS, responses=errors(400, 401, 403, 404, 500, 503), **INFER)
@@ -162,7 +155,7 @@ def _in_anthropic_shape(exc: OpenAIError) -> Response[bytes]:
 )
 async def create_message(request: Request[Any, Any, Any], rollout_id: str | None = None) -> ASGIApp:
     """Anthropic's Messages API: every error on this route in Anthropic's shape."""
-    service: MessagesService = _services(request.app.state).messages
+    service: MessagesService = services_of(request.app.state).messages
     try:
         return await answer(service.create, request, rollout_id)
     except AnthropicError as exc:
@@ -180,15 +173,15 @@ async def create_message(request: Request[Any, Any, Any], rollout_id: str | None
 async def count_message_tokens(request: Request[Any, Any, Any], rollout_id: str | None = None) -> Response[bytes]:
     """Anthropic's token count (`client.messages.count_tokens`): the engine's count of the prompt a Messages
     request would send it. A key with `infer` may ask; nothing is recorded, and no rate limit is charged."""
-    service: MessagesService = _services(request.app.state).messages
+    services = services_of(request.app.state)
     try:
-        caller = _services(request.app.state).keyring.caller(request.headers)
+        caller = services.keyring.caller(request.headers)
         caller.check_scope("infer")
         try:
             body = await request.body()
         except HTTPException as exc:
             raise from_http_exception(request, exc) from None
-        counted = await service.count_tokens(body, caller)
+        counted = await services.messages.count_tokens(body, caller)
     except AnthropicError as exc:
         return _anthropic_response(exc)
     except OpenAIError as exc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import uuid
 from typing import Any, cast
 
@@ -25,9 +24,8 @@ from gateway.rollouts import RolloutService
 from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
-from store.types import GROUP_STATES, GroupState
+from store.types import GROUP_ID, GROUP_STATES, GroupState
 
-_GROUP_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 _SECRET_PARAMS = {"api_key", "aws_secret_access_key", "aws_session_token", "azure_ad_token", "vertex_credentials"}
 
 
@@ -99,7 +97,7 @@ class GroupService:
         caller.check_model(spec.model)
         self._validate(spec)
         group_id = spec.group_id or idempotency_key or f"g-{uuid.uuid4().hex}"
-        if not _GROUP_ID.match(group_id):
+        if not GROUP_ID.fullmatch(group_id):
             raise invalid_request("Invalid group_id: 1 to 128 characters from letters, digits and `._:-`.", "group_id")
         digest = request_hash(spec)
         existing = await self._row(group_id, ADMIN)  # ids are one namespace: a taken id is taken (see _replay)

@@ -21,9 +21,9 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterService, adapter_name
+from gateway.apis.chat.service import ChatService
 from gateway.asgi import JSONBody
 from gateway.auth import ADMIN, Caller
-from gateway.chat import ChatService
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.promotion.decision import CanaryJudged, Evaluated, LiveWatched, decide
 from gateway.promotion.gate import paired_gate, unpaired_gate

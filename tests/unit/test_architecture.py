@@ -159,3 +159,18 @@ def test_no_caller_has_a_default() -> None:
             if any(a.arg == "caller" for a in [*with_defaults, *kw_defaulted]):
                 defaulted.append(f"{name}.{node.name}")
     assert defaulted == []
+
+
+def test_the_inference_apis_side_by_side() -> None:
+    """The four inference APIs in one shape (#26): gateway/apis/<api>/ with its request's `schema`, its
+    `translate` to and from the engine's form, and its `service` over the one engine-call path (gateway/proxy.py);
+    no API module left beside them but the routes."""
+    apis = ROOT / "gateway" / "apis"
+    shapes = {
+        p.name: sorted(f.name for f in p.glob("*.py")) for p in apis.iterdir() if p.is_dir() and p.name != "__pycache__"
+    }
+    assert shapes == {
+        api: ["__init__.py", "schema.py", "service.py", "translate.py"]
+        for api in ("chat", "completions", "messages", "responses")
+    }
+    assert sorted(p.name for p in apis.glob("*.py")) == ["__init__.py", "routes.py"]

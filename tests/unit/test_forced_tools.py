@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.apis.responses import parse_request, strict_compatible, to_chat
-from gateway.chat import strict_forced_calls
+from gateway.apis.chat.translate import strict_forced_calls
+from gateway.apis.responses.schema import parse_request
+from gateway.apis.responses.translate import strict_compatible, to_chat
 
 
 def tool(name: str, **function: Any) -> dict[str, Any]:

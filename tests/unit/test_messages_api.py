@@ -1,4 +1,5 @@
-"""Anthropic's Messages API over chat completions: gateway/apis/messages.py, the pure translation.
+"""Anthropic's Messages API over chat completions: gateway/apis/messages/ (schema.py, translate.py), the pure
+translation.
 
 Requests and answers are checked against hand-written expectations, and against Anthropic's own SDK: its
 `Message` type, and its client (`messages.create`, `messages.stream`) talking to a mock transport that answers
@@ -14,18 +15,13 @@ from typing import Any
 import anthropic
 import httpx2
 import msgspec
+import pydantic
 import pytest
 from anthropic.types import Message
 
-from gateway.apis.messages import (
-    AnthropicError,
-    MessagesRequest,
-    MessagesStream,
-    from_openai_error,
-    parse_request,
-    to_chat,
-    to_message,
-)
+from gateway.apis.messages import schema
+from gateway.apis.messages.schema import AnthropicError, MessagesRequest, from_openai_error, parse_request
+from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.errors import OpenAIError, model_not_found
 
 MODEL = "tiny"
@@ -427,6 +423,43 @@ def test_a_final_assistant_message_is_continued() -> None:
 # chat answer → message
 
 
+def as_sent(value: Any) -> Any:
+    """What the gateway sends for `value` (an answer struct): its JSON, decoded."""
+    return msgspec.json.decode(msgspec.json.encode(value))
+
+
+TOOL_USE = schema.ToolUseBlock("toolu_1", "get_weather", {"city": "Rome"})
+# Every struct of the answer, an instance of it, and the SDK's type it stands for.
+ANSWER_STRUCTS = [
+    (
+        schema.Message(
+            id="msg_1",
+            model=MODEL,
+            content=[schema.ThinkingBlock("hm"), schema.TextBlock("Hi"), TOOL_USE],
+            stop_reason="tool_use",
+            stop_sequence=None,
+            usage=schema.Usage(9, 4),
+        ),
+        anthropic.types.Message,
+    ),
+    (schema.Usage(9, 4), anthropic.types.Usage),
+    (schema.TextBlock("Hi"), anthropic.types.TextBlock),
+    (schema.ThinkingBlock("hm"), anthropic.types.ThinkingBlock),
+    (TOOL_USE, anthropic.types.ToolUseBlock),
+    (schema.MessageTokensCount(12), anthropic.types.MessageTokensCount),
+]
+
+
+@pytest.mark.parametrize(("struct", "sdk_type"), ANSWER_STRUCTS, ids=[type(s).__name__ for s, _ in ANSWER_STRUCTS])
+def test_each_answer_struct_is_the_sdks_type(struct: msgspec.Struct, sdk_type: type[pydantic.BaseModel]) -> None:
+    """Each field the struct sends is one the SDK's type has, and the SDK reads what it sends back unchanged."""
+    names = {field.encode_name for field in msgspec.structs.fields(struct)}
+    tag_field = struct.__struct_config__.tag_field
+    assert names | ({tag_field} if tag_field else set()) <= set(sdk_type.model_fields)
+    sent = as_sent(struct)
+    assert sdk_type.model_validate(sent).model_dump(mode="json", exclude_unset=True) == sent
+
+
 def chat_answer(
     message: dict[str, Any], finish: str = "stop", stop_reason: Any = None, usage: tuple[int, int] = (9, 4)
 ) -> dict[str, Any]:
@@ -450,7 +483,7 @@ def chat_answer(
 
 
 def test_text_answer() -> None:
-    message = to_message(chat_answer({"content": "Hi there"}), parse(), "msg_1")
+    message = as_sent(to_message(chat_answer({"content": "Hi there"}), parse(), "msg_1"))
     assert message == {
         "id": "msg_1",
         "type": "message",
@@ -480,7 +513,7 @@ def test_text_answer() -> None:
 )
 def test_stop_reasons(finish: str, matched: Any, stop_reason: str, stop_sequence: str | None) -> None:
     request = parse(stop_sequences=["END"])
-    message = to_message(chat_answer({"content": "x"}, finish, matched), request, "msg_1")
+    message = as_sent(to_message(chat_answer({"content": "x"}, finish, matched), request, "msg_1"))
     assert (message["stop_reason"], message["stop_sequence"]) == (stop_reason, stop_sequence)
     Message.model_validate(message)
 
@@ -501,7 +534,7 @@ def test_reasoning_and_tool_calls() -> None:
         },
         finish="tool_calls",
     )
-    message = to_message(answer, parse(tools=[WEATHER]), "msg_2")
+    message = as_sent(to_message(answer, parse(tools=[WEATHER]), "msg_2"))
     assert message["content"] == [
         {"type": "thinking", "thinking": "Need the weather.", "signature": ""},
         {"type": "text", "text": "Checking."},
@@ -515,7 +548,9 @@ def test_reasoning_and_tool_calls() -> None:
 
 def test_a_named_tool_choice_answer_is_tool_use_even_when_the_engine_says_stop() -> None:
     call = {"id": "", "type": "function", "function": {"name": "get_weather", "arguments": '["Rome"]'}}
-    message = to_message(chat_answer({"reasoning_content": "hm", "tool_calls": [call]}), parse(tools=[WEATHER]), "m")
+    message = as_sent(
+        to_message(chat_answer({"reasoning_content": "hm", "tool_calls": [call]}), parse(tools=[WEATHER]), "m")
+    )
     assert message["stop_reason"] == "tool_use"
     thinking, tool_use = message["content"]
     assert thinking == {"type": "thinking", "thinking": "hm", "signature": ""}
@@ -660,7 +695,7 @@ def test_block_kinds_change_in_order_and_stop_sequence() -> None:
     assert sent[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
     # No usage chunk came: the output count is what the chunks carried (none here), the input the prompt's.
     assert sent[-2]["usage"] == {"output_tokens": 0, "input_tokens": 7}
-    final = stream.message()
+    final = as_sent(stream.message())
     assert final["content"] == [
         {"type": "thinking", "thinking": "thinking", "signature": ""},
         {"type": "text", "text": "Answer"},
@@ -692,7 +727,7 @@ def test_tool_call_stream_holds_arguments_until_the_block_ends() -> None:
         "index": 1,
         "content_block": {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}},
     }
-    assert stream.message()["content"][1]["input"] == {"city": "Paris"}
+    assert as_sent(stream.message())["content"][1]["input"] == {"city": "Paris"}
     sent = events(b"".join(stream.take(c) for c in chunks[-2:]) + stream.finish())
     assert sent == [
         {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"ci'}},
@@ -731,11 +766,11 @@ def test_two_tool_calls_are_two_blocks() -> None:
         ("content_block_delta", 1),
         ("content_block_stop", 1),
     ]
-    assert stream.message()["content"] == [
+    assert as_sent(stream.message())["content"] == [
         {"type": "tool_use", "id": "a", "name": "get_weather", "input": {"city": "Rome"}},
         {"type": "tool_use", "id": "b", "name": "get_weather", "input": {}},
     ]
-    assert stream.message()["stop_reason"] == "tool_use"
+    assert as_sent(stream.message())["stop_reason"] == "tool_use"
 
 
 def test_the_output_count_falls_back_to_the_tokens_seen() -> None:
@@ -810,7 +845,7 @@ def test_sdk_create_reads_to_message() -> None:
 
     def answer(request: MessagesRequest) -> httpx2.Response:
         chat = chat_answer({"content": "Bonjour"}, finish="stop", stop_reason="FIN")
-        return httpx2.Response(200, json=to_message(chat, request, "msg_sdk"))
+        return httpx2.Response(200, json=as_sent(to_message(chat, request, "msg_sdk")))
 
     client = sdk(serving(answer, seen))
     message = client.messages.create(

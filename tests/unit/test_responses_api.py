@@ -1,4 +1,5 @@
-"""The Responses API translation (gateway/apis/responses.py): requests to chat requests, chat answers back.
+"""The Responses API translation (gateway/apis/responses/: schema.py, translate.py): requests to chat requests,
+chat answers back.
 
 Expected values are written out by hand; every response object and stream event is also validated with the
 OpenAI SDK's own types, and the SDK itself (its `responses.create` and its stream helper) is run over what the
@@ -13,22 +14,23 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
-from gateway.apis.responses import (
-    ResponsesRequest,
+from gateway.apis.chat.schema import parse_chat_request
+from gateway.apis.responses import schema
+from gateway.apis.responses.schema import ResponsesRequest, parse_request
+from gateway.apis.responses.translate import (
     ResponsesStream,
     input_items,
     input_messages,
     output_messages,
-    parse_request,
     to_chat,
     to_response,
 )
-from gateway.chat import parse_chat_request
 from gateway.errors import OpenAIError
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -468,9 +470,90 @@ def test_unknown_fields_are_accepted_and_body_errors_are_openai_shaped() -> None
 # the answer as a response
 
 
+def as_sent(value: Any) -> Any:
+    """What the gateway sends for `value` (an answer struct): its JSON, decoded."""
+    return msgspec.json.decode(msgspec.json.encode(value))
+
+
+SDK = openai.types.responses
+SENT_TEXT = schema.OutputText("Hi")
+SENT_REASONING = schema.ReasoningItem(id="rs_1", content=[schema.ReasoningText("hm")])
+SENT_MESSAGE = schema.MessageItem(id="msg_1", status="completed", content=[SENT_TEXT])
+SENT_CALL = schema.FunctionCallItem(id="fc_1", call_id="call_1", name="f", arguments="{}", status="completed")
+SENT_USAGE = schema.Usage(
+    input_tokens=9,
+    input_tokens_details=schema.InputTokensDetails(cached_tokens=2),
+    output_tokens=4,
+    output_tokens_details=schema.OutputTokensDetails(reasoning_tokens=1),
+    total_tokens=13,
+)
+SENT_JSON_SCHEMA = schema.FormatJSONSchema(name="out", schema={"type": "object"}, description=None, strict=True)
+SENT_TOOL = schema.FunctionToolEcho(name="f", description="d", parameters={"type": "object"}, strict=None)
+# Every struct of the answer, an instance of it, and the SDK's type it stands for.
+ANSWER_STRUCTS = [
+    (
+        schema.Response(
+            id="resp_1",
+            created_at=1,
+            status="incomplete",
+            error=None,
+            incomplete_details=schema.IncompleteDetails("max_output_tokens"),
+            instructions="Be nice.",
+            max_output_tokens=5,
+            model="m",
+            output=[SENT_REASONING, SENT_MESSAGE, SENT_CALL],
+            parallel_tool_calls=True,
+            previous_response_id=None,
+            store=True,
+            temperature=None,
+            text=schema.TextEcho(SENT_JSON_SCHEMA),
+            tool_choice=schema.ToolChoiceFunction("f"),
+            tools=[SENT_TOOL],
+            top_p=None,
+            usage=SENT_USAGE,
+            user=None,
+            metadata={"run": "7"},
+        ),
+        SDK.Response,
+    ),
+    (SENT_USAGE, SDK.ResponseUsage),
+    (SENT_USAGE.input_tokens_details, SDK.response_usage.InputTokensDetails),
+    (SENT_USAGE.output_tokens_details, SDK.response_usage.OutputTokensDetails),
+    (SENT_MESSAGE, SDK.ResponseOutputMessage),
+    (SENT_TEXT, SDK.ResponseOutputText),
+    (SENT_REASONING, SDK.ResponseReasoningItem),
+    (schema.ReasoningText("hm"), SDK.response_reasoning_item.Content),
+    (SENT_CALL, SDK.ResponseFunctionToolCall),
+    (schema.IncompleteDetails("content_filter"), SDK.response.IncompleteDetails),
+    (schema.ResponseError("server_error", "engine gone"), SDK.ResponseError),
+    (schema.ReasoningEcho(), openai.types.shared.Reasoning),
+    (schema.FormatText(), openai.types.shared.ResponseFormatText),
+    (schema.FormatJSONObject(), openai.types.shared.ResponseFormatJSONObject),
+    (SENT_JSON_SCHEMA, SDK.ResponseFormatTextJSONSchemaConfig),
+    (schema.TextEcho(schema.FormatText()), SDK.ResponseTextConfig),
+    (schema.ToolChoiceFunction("f"), SDK.ToolChoiceFunction),
+    (SENT_TOOL, SDK.FunctionTool),
+]
+
+
+# Fields OpenAI's API sends that the SDK's type does not declare (it keeps them as extras).
+BEYOND_THE_SDK = {schema.Response: {"store"}}
+
+
+@pytest.mark.parametrize(("struct", "sdk_type"), ANSWER_STRUCTS, ids=[type(s).__name__ for s, _ in ANSWER_STRUCTS])
+def test_each_answer_struct_is_the_sdks_type(struct: msgspec.Struct, sdk_type: type[pydantic.BaseModel]) -> None:
+    """Each field the struct sends is one the SDK's type has, and the SDK reads what it sends back unchanged."""
+    names = {field.encode_name for field in msgspec.structs.fields(struct)}
+    tag_field = struct.__struct_config__.tag_field
+    sdk_names = {field.alias or name for name, field in sdk_type.model_fields.items()}
+    assert names | ({tag_field} if tag_field else set()) <= sdk_names | BEYOND_THE_SDK.get(type(struct), set())
+    sent = as_sent(struct)
+    assert sdk_type.model_validate(sent).model_dump(mode="json", by_alias=True, exclude_unset=True) == sent
+
+
 def test_to_response_of_text() -> None:
     req = request(instructions="Be nice.", max_output_tokens=50, temperature=0.2, metadata={"run": "7"})
-    response = to_response(chat_answer({"content": "Hello!"}), req, "resp_1", 1700000000.9)
+    response = as_sent(to_response(chat_answer({"content": "Hello!"}), req, "resp_1", 1700000000.9))
     assert without_ids(response) == {
         "id": "resp_1",
         "object": "response",
@@ -527,7 +610,9 @@ def test_to_response_of_tool_calls_keeps_the_chat_call_ids() -> None:
         },
     ]
     req = request(tools=[WEATHER], tool_choice="required", previous_response_id="resp_0")
-    response = to_response(chat_answer({"content": None, "tool_calls": calls}, "tool_calls"), req, "resp_1", 1.0)
+    response = as_sent(
+        to_response(chat_answer({"content": None, "tool_calls": calls}, "tool_calls"), req, "resp_1", 1.0)
+    )
     assert without_ids(response["output"]) == [
         {
             "type": "function_call",
@@ -556,7 +641,7 @@ def test_to_response_of_tool_calls_keeps_the_chat_call_ids() -> None:
 def test_to_response_of_reasoning_text_and_a_call_in_order() -> None:
     call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     message = {"reasoning": "Need the weather.", "content": "Checking.", "tool_calls": [call]}
-    response = to_response(chat_answer(message, "tool_calls"), request(tools=[WEATHER]), "resp_1", 1.0)
+    response = as_sent(to_response(chat_answer(message, "tool_calls"), request(tools=[WEATHER]), "resp_1", 1.0))
     assert [(item["type"], item["id"][:3]) for item in response["output"]] == [
         ("reasoning", "rs_"),
         ("message", "msg"),
@@ -565,14 +650,14 @@ def test_to_response_of_reasoning_text_and_a_call_in_order() -> None:
     assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": "Need the weather."}]
     assert Response.model_validate(response).output_text == "Checking."
     # vLLM's older name for the field counts as well.
-    older = to_response(chat_answer({"reasoning_content": "r", "content": "x"}), request(), "resp_2", 1.0)
+    older = as_sent(to_response(chat_answer({"reasoning_content": "r", "content": "x"}), request(), "resp_2", 1.0))
     assert older["output"][0]["content"][0]["text"] == "r"
     # The reasoning is dropped from the history; the text and its call are one message.
     assert output_messages(response) == [{"role": "assistant", "content": "Checking.", "tool_calls": [call]}]
 
 
 def test_to_response_cut_off_by_the_limit_is_incomplete() -> None:
-    response = to_response(chat_answer({"content": "Once upon"}, "length"), request(), "resp_1", 1.0)
+    response = as_sent(to_response(chat_answer({"content": "Once upon"}, "length"), request(), "resp_1", 1.0))
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert response["output"][0]["status"] == "incomplete"
@@ -580,7 +665,7 @@ def test_to_response_cut_off_by_the_limit_is_incomplete() -> None:
 
 
 def test_to_response_of_nothing_is_an_empty_message() -> None:
-    response = to_response(chat_answer({"content": None}), request(), "resp_1", 1.0)
+    response = as_sent(to_response(chat_answer({"content": None}), request(), "resp_1", 1.0))
     assert without_ids(response["output"]) == [
         {
             "type": "message",
@@ -597,7 +682,7 @@ def test_output_messages_equal_the_output_sent_back_as_input() -> None:
     """`previous_response_id` and a client that keeps the history itself must render the same prompt."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     chat = chat_answer({"reasoning": "r", "content": "Sure.", "tool_calls": [call]}, "tool_calls")
-    response = to_response(chat, request(tools=[WEATHER]), "resp_1", 1.0)
+    response = as_sent(to_response(chat, request(tools=[WEATHER]), "resp_1", 1.0))
     assert output_messages(response) == input_messages(request(input=response["output"]))
 
 
@@ -690,10 +775,10 @@ def test_stream_of_text() -> None:
     final = events[-1]["response"]
     assert final["status"] == "completed"
     assert final["usage"]["input_tokens"] == 12
-    assert final == stream.response()
+    assert final == as_sent(stream.response())
     Response.model_validate(final)
     # The same shape as the non-streamed answer to the same generation.
-    whole = to_response(chat_answer({"content": "Hello"}), request(stream=True), "resp_1", 1700000000.5)
+    whole = as_sent(to_response(chat_answer({"content": "Hello"}), request(stream=True), "resp_1", 1700000000.5))
     assert without_ids(final) == without_ids(whole)
 
 
@@ -737,7 +822,7 @@ def test_stream_of_a_tool_call_in_three_deltas() -> None:
         "arguments": '{"city": "Paris"}',
         "status": "completed",
     }
-    assert [item["type"] for item in stream.response()["output"]] == ["function_call"]
+    assert [item["type"] for item in as_sent(stream.response())["output"]] == ["function_call"]
 
 
 def test_stream_of_two_tool_calls_closes_the_first_before_the_second() -> None:
@@ -776,7 +861,7 @@ def test_stream_keeps_a_late_delta_of_a_closed_call_and_a_name_sent_in_pieces() 
     events = events_of(body)
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert [(e["name"], e["arguments"]) for e in done] == [("get_weather", '{"city": '), ("noop", "{}")]
-    output = stream.response()["output"]
+    output = as_sent(stream.response())["output"]
     assert [(item["name"], item["arguments"]) for item in output] == [
         ("get_weather", '{"city": "Rome"}'),
         ("noop", "{}"),
@@ -840,8 +925,8 @@ def test_stream_without_output_still_has_a_message() -> None:
 def test_stream_that_fails_mid_text() -> None:
     stream = ResponsesStream(request(stream=True), "resp_1", 1.0)
     body = stream.start() + stream.take(chunk({"content": "Hal"}))
-    assert stream.response()["output"][0]["content"][0]["text"] == "Hal"  # the snapshot so far
-    assert stream.response()["status"] == "in_progress"
+    assert as_sent(stream.response())["output"][0]["content"][0]["text"] == "Hal"  # the snapshot so far
+    assert as_sent(stream.response())["status"] == "in_progress"
     body += stream.fail("The engine connection was lost mid-stream.", "upstream_error")
     events = events_of(body)
     assert events[-1]["type"] == "response.failed"
@@ -849,7 +934,7 @@ def test_stream_that_fails_mid_text() -> None:
     assert failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": "The engine connection was lost mid-stream."}
     assert failed["output"][0]["status"] == "incomplete"
-    assert failed == stream.response()
+    assert failed == as_sent(stream.response())
     Response.model_validate(failed)
     assert stream.finish() == b"" and stream.take(chunk({"content": "late"})) == b""  # the stream is over
 
@@ -866,7 +951,7 @@ def test_sdk_create_reads_the_response_and_sends_a_request_the_gateway_parses() 
         seen.append(to_chat(req, []))
         call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
         chat = chat_answer({"content": "On it.", "tool_calls": [call]}, "tool_calls")
-        return httpx.Response(200, json=to_response(chat, req, "resp_1", 1.0))
+        return httpx.Response(200, json=as_sent(to_response(chat, req, "resp_1", 1.0)))
 
     client = sdk_client(handler)
     response = client.responses.create(

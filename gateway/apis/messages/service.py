@@ -1,7 +1,7 @@
 """`/v1/messages`: Anthropic's Messages API, served through the engine's chat completions.
 
 Why through chat: vLLM's own Messages endpoint returns no token ids; translated to chat
-(gateway/apis/messages.py), the call is recorded exactly like a chat call, token for token.
+(gateway/apis/messages/translate.py), the call is recorded exactly like a chat call, token for token.
 Errors on this route are in Anthropic's shape (`{"type": "error", "error": {...}}`).
 """
 
@@ -12,10 +12,11 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.messages import MessagesRequest, MessagesStream, parse_request, to_chat, to_message
+from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.messages.schema import MessagesRequest, MessageTokensCount, parse_request
+from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
-from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 
@@ -57,7 +58,7 @@ class MessagesService:
     def __init__(self, calls: EngineCalls) -> None:
         self.calls = calls
 
-    async def count_tokens(self, body: bytes, caller: Caller) -> dict[str, int]:
+    async def count_tokens(self, body: bytes, caller: Caller) -> MessageTokensCount:
         """`POST /v1/messages/count_tokens`: the prompt's tokens as the engine counts them, through the same
         translation as `/v1/messages` (its chat template and tokenizer; the tools included). Nothing is
         recorded: no call is made."""
@@ -68,7 +69,7 @@ class MessagesService:
         tokenize.update(model=route.upstream_model, continue_final_message=chat.get("continue_final_message", False))
         tokenize.setdefault("add_generation_prompt", True)
         payload = await self.calls.engine_json("/tokenize", tokenize)
-        return {"input_tokens": int(payload["count"])}
+        return MessageTokensCount(int(payload["count"]))
 
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""

@@ -15,276 +15,41 @@ import hashlib
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
-from gateway.chat import schema_problem
-from gateway.errors import OpenAIError, decode_body, invalid_request
+from gateway.apis.responses.schema import (
+    ContentPart,
+    FormatJSONObject,
+    FormatJSONSchema,
+    FormatText,
+    FunctionCallItem,
+    FunctionToolEcho,
+    IncompleteDetails,
+    InputItem,
+    InputTokensDetails,
+    ItemStatus,
+    MessageItem,
+    NamedToolChoice,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+    ResponseError,
+    ResponsesRequest,
+    ResponseStatus,
+    TextEcho,
+    TextFormat,
+    Tool,
+    ToolChoiceFunction,
+    Usage,
+    item_kind,
+)
 
 _encode = msgspec.json.encode
-
-# -----------------------------------------------------------------------------
-# the request
-
-
-class ContentPart(msgspec.Struct, frozen=True):
-    """One part of a message's content, or of a function call's output. Every kind in one struct: which fields
-    a part needs depends on its `type`, checked by `parse_request` so the error can name the part."""
-
-    type: str
-    text: str | None = None
-    refusal: str | None = None  # a `refusal` part's text
-    image_url: str | None = None
-    file_id: str | None = None
-    detail: str | None = None
-
-
-class InputItem(msgspec.Struct, frozen=True):
-    """One item of `input`, of any kind. Not a tagged union: a message may leave out `type` (OpenAI's "easy"
-    message), and an item reference may too, so the kind is worked out by hand (`_kind`)."""
-
-    type: str | None = None
-    id: str | None = None
-    status: str | None = None
-    role: str | None = None  # message
-    content: str | list[ContentPart] | None = None  # message; reasoning (its reasoning_text parts)
-    call_id: str | None = None  # function_call, function_call_output
-    name: str | None = None  # function_call
-    arguments: str | None = None  # function_call
-    output: str | list[ContentPart] | None = None  # function_call_output
-    summary: list[ContentPart] | None = None  # reasoning
-
-
-class Tool(msgspec.Struct, frozen=True):
-    """A tool as the Responses API declares it (flat, unlike chat's `{"type", "function": {...}}`). `type` is a
-    plain string so that another kind of tool gets a message saying only functions are supported."""
-
-    type: str
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class NamedToolChoice(msgspec.Struct, frozen=True):
-    type: str
-    name: str | None = None
-
-
-class TextFormat(msgspec.Struct, frozen=True):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class TextConfig(msgspec.Struct, frozen=True):
-    format: TextFormat | None = None
-
-
-# OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
-Metadata = Annotated[
-    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
-    msgspec.Meta(max_length=16),
-]
-
-
-class ResponsesRequest(msgspec.Struct, frozen=True):
-    """The fields of a Responses request the gateway reads or bounds. Other fields OpenAI defines (`include`,
-    `service_tier`, ...) are accepted and ignored: msgspec skips fields a struct does not name."""
-
-    model: Annotated[str, msgspec.Meta(min_length=1)]
-    input: str | list[InputItem]
-    instructions: str | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    text: TextConfig | None = None
-    metadata: Metadata | None = None
-    stream: bool | None = False
-    store: bool | None = True
-    previous_response_id: str | None = None
-    reasoning: dict[str, Any] | None = None
-    user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    # vLLM's sampling extras, passed to the engine as its own endpoints take them (OpenAI's API has none of them).
-    seed: int | None = None
-    top_k: int | None = None
-    logit_bias: dict[str, float] | None = None
-
-
-_decoder = msgspec.json.Decoder(ResponsesRequest)
-
-_ROLES = ("assistant", "system", "developer", "user")
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-_PART_TYPES = ("input_text", "output_text", "refusal", "input_image")
-# Input items OpenAI defines for its hosted tools and features: a clear "not supported" rather than "invalid".
-_UNSUPPORTED_ITEM_TYPES = frozenset(
-    """
-    item_reference file_search_call computer_call computer_call_output web_search_call image_generation_call
-    code_interpreter_call local_shell_call local_shell_call_output shell_call shell_call_output apply_patch_call
-    apply_patch_call_output mcp_list_tools mcp_approval_request mcp_approval_response mcp_call custom_tool_call
-    custom_tool_call_output tool_search_call tool_search_output additional_tools compaction
-    """.split()
-)
-_UNSUPPORTED_PART_TYPES = frozenset({"input_file", "input_audio"})
-
-
-def parse_request(body: bytes) -> ResponsesRequest:
-    """The request, or a 400 in OpenAI's shape naming the param: what msgspec checks (types, bounds, JSON, depth)
-    and what it cannot (each item kind's required fields, roles, supported tool and item types)."""
-    request = decode_body(body, ResponsesRequest, _decoder)
-    if isinstance(request.input, list):
-        for i, item in enumerate(request.input):
-            _check_item(item, f"input[{i}]")
-    for i, tool in enumerate(request.tools or ()):
-        _check_tool(tool, f"tools[{i}]")
-    _check_tool_choice(request)
-    if request.text is not None and request.text.format is not None:
-        _check_text_format(request.text.format)
-    return request
-
-
-def _missing(param: str) -> OpenAIError:
-    return invalid_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
-
-
-def _invalid_value(value: str, supported: Iterable[str], param: str) -> OpenAIError:
-    """OpenAI's message for a value outside an enum: "Supported values are: 'a', 'b', and 'c'."."""
-    names = [f"'{s}'" for s in supported]
-    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f", and {names[-1]}"
-    return invalid_request(
-        f"Invalid value: '{value}'. Supported values are: {listed}.", param=param, code="invalid_value"
-    )
-
-
-def _unsupported(message: str, param: str) -> OpenAIError:
-    return invalid_request(message, param=param, code="unsupported_value")
-
-
-def _kind(item: InputItem) -> str:
-    """The item's type; OpenAI lets a message leave it out (`{"role", "content"}`), and an item reference too
-    (`{"id"}`)."""
-    if item.type is not None:
-        return item.type
-    if item.role is not None:
-        return "message"
-    return "item_reference" if item.id is not None else ""
-
-
-def _check_item(item: InputItem, where: str) -> None:
-    kind = _kind(item)
-    if kind == "message":
-        _check_message(item, where)
-    elif kind == "function_call":
-        for name, value in (("call_id", item.call_id), ("name", item.name), ("arguments", item.arguments)):
-            if value is None:
-                raise _missing(f"{where}.{name}")
-    elif kind == "function_call_output":
-        if item.call_id is None:
-            raise _missing(f"{where}.call_id")
-        if item.output is None:
-            raise _missing(f"{where}.output")
-        if isinstance(item.output, list):
-            for j, part in enumerate(item.output):
-                _check_part(part, f"{where}.output[{j}]")
-    elif kind == "reasoning":
-        pass  # accepted and dropped: the chat templates vLLM renders leave past reasoning out
-    elif kind == "item_reference":
-        raise _unsupported(
-            "Input items of type 'item_reference' are not supported: send the items themselves, or use "
-            "'previous_response_id'.",
-            f"{where}.type",
-        )
-    elif kind in _UNSUPPORTED_ITEM_TYPES:
-        raise _unsupported(
-            f"Input items of type '{kind}' are not supported: this gateway serves function tools only.",
-            f"{where}.type",
-        )
-    elif not kind:
-        raise _missing(f"{where}.type")
-    else:
-        raise _invalid_value(kind, _ITEM_TYPES, f"{where}.type")
-
-
-def _check_message(item: InputItem, where: str) -> None:
-    if item.role is None:
-        raise _missing(f"{where}.role")
-    if item.role not in _ROLES:
-        raise _invalid_value(item.role, _ROLES, f"{where}.role")
-    if item.content is None:
-        raise _missing(f"{where}.content")
-    if isinstance(item.content, list):
-        for j, part in enumerate(item.content):
-            _check_part(part, f"{where}.content[{j}]")
-
-
-def _check_part(part: ContentPart, where: str) -> None:
-    if part.type in ("input_text", "output_text"):
-        if part.text is None:
-            raise _missing(f"{where}.text")
-    elif part.type == "refusal":
-        if part.refusal is None:
-            raise _missing(f"{where}.refusal")
-    elif part.type == "input_image":
-        if part.image_url is None and part.file_id is not None:
-            raise _unsupported("Images given by 'file_id' are not supported: send an 'image_url'.", f"{where}.file_id")
-        if part.image_url is None:
-            raise _missing(f"{where}.image_url")
-    elif part.type in _UNSUPPORTED_PART_TYPES:
-        raise _unsupported(f"Content parts of type '{part.type}' are not supported.", f"{where}.type")
-    else:
-        raise _invalid_value(part.type, _PART_TYPES, f"{where}.type")
-
-
-def _check_tool(tool: Tool, where: str) -> None:
-    if tool.type != "function":
-        raise _unsupported(
-            f"Unsupported tool type: '{tool.type}'. This gateway supports only 'function' tools.", f"{where}.type"
-        )
-    if tool.name is None:
-        raise _missing(f"{where}.name")
-    if tool.parameters is not None:
-        problem = schema_problem(_encode(tool.parameters))
-        if problem is not None:
-            raise invalid_request(
-                f"Invalid schema for function '{tool.name}': {problem}",
-                param=f"{where}.parameters",
-                code="invalid_function_parameters",
-            )
-
-
-def _check_tool_choice(request: ResponsesRequest) -> None:
-    choice = request.tool_choice
-    if not isinstance(choice, NamedToolChoice):
-        return
-    if choice.type != "function":
-        raise _unsupported(
-            f"Unsupported tool choice type: '{choice.type}'. This gateway supports only 'function' tools.",
-            "tool_choice.type",
-        )
-    if choice.name is None:
-        raise _missing("tool_choice.name")
-    if choice.name not in {tool.name for tool in request.tools or ()}:
-        raise invalid_request(
-            f"Tool choice '{choice.name}' not found in 'tools' parameter.", param="tool_choice", code="invalid_value"
-        )
-
-
-def _check_text_format(text_format: TextFormat) -> None:
-    if text_format.type != "json_schema":
-        return
-    if text_format.name is None:
-        raise _missing("text.format.name")
-    if text_format.schema is None:
-        raise _missing("text.format.schema")
 
 
 # -----------------------------------------------------------------------------
@@ -311,7 +76,7 @@ def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
 def _chat_messages(items: Iterable[InputItem]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in items:
-        kind = _kind(item)
+        kind = item_kind(item)
         if kind == "message":
             role = item.role or "user"
             messages.append({"role": _CHAT_ROLE.get(role, role), "content": _chat_content(item.content)})
@@ -451,7 +216,7 @@ def _derived_id(prefix: str, response_id: str, position: int) -> str:
 
 
 def _listed_item(item: InputItem, response_id: str, position: int) -> dict[str, Any]:
-    kind = _kind(item)
+    kind = item_kind(item)
     item_id = item.id or _derived_id(_ID_PREFIX[kind], response_id, position)
     if kind == "function_call":
         return {
@@ -497,7 +262,7 @@ def _input_part(part: ContentPart) -> dict[str, Any]:
 def _output_part(part: ContentPart) -> dict[str, Any]:
     if part.type == "refusal":
         return {"type": "refusal", "refusal": part.refusal or ""}
-    return _output_text(_part_text(part))
+    return msgspec.to_builtins(OutputText(_part_text(part)))  # type: ignore[no-any-return]
 
 
 # -----------------------------------------------------------------------------
@@ -508,56 +273,32 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_output_text(text)]}
-
-
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def _outcome(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+def _outcome(finish_reason: str | None) -> tuple[ResponseStatus, IncompleteDetails | None]:
     """The response's status and `incomplete_details` for the engine's finish reason."""
     if finish_reason == "length":
-        return "incomplete", {"reason": "max_output_tokens"}
+        return "incomplete", IncompleteDetails("max_output_tokens")
     if finish_reason == "content_filter":
-        return "incomplete", {"reason": "content_filter"}
+        return "incomplete", IncompleteDetails("content_filter")
     return "completed", None
 
 
-def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat usage as Responses usage (`cache_write_tokens`: the SDK's type requires it; vLLM has no such count)."""
+def _usage(usage: dict[str, Any] | None) -> Usage | None:
+    """Chat usage as Responses usage."""
     if not usage:
         return None
     input_tokens = usage.get("prompt_tokens") or 0
     output_tokens = usage.get("completion_tokens") or 0
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            "cache_write_tokens": 0,
-        },
-        "output_tokens": output_tokens,
-        "output_tokens_details": {
-            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-        },
-        "total_tokens": usage.get("total_tokens") or input_tokens + output_tokens,
-    }
+    return Usage(
+        input_tokens=input_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        ),
+        output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=(usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        ),
+        total_tokens=usage.get("total_tokens") or input_tokens + output_tokens,
+    )
 
 
 def _response_object(
@@ -565,96 +306,91 @@ def _response_object(
     response_id: str,
     created_at: float,
     *,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-    incomplete_details: dict[str, Any] | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    status: ResponseStatus,
+    output: list[OutputItem],
+    usage: Usage | None,
+    incomplete_details: IncompleteDetails | None = None,
+    error: ResponseError | None = None,
+) -> Response:
     """The response object, the request's settings echoed as OpenAI echoes them (defaults filled in)."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(created_at),
-        "status": status,
-        "error": error,
-        "incomplete_details": incomplete_details,
-        "instructions": request.instructions,
-        "max_output_tokens": request.max_output_tokens,
-        "model": request.model,
-        "output": output,
-        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
-        "previous_response_id": request.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
-        "store": True if request.store is None else request.store,
-        "temperature": request.temperature,
-        "text": {"format": _format_echo(request.text.format if request.text else None)},
-        "tool_choice": _tool_choice_echo(request.tool_choice),
-        "tools": [_tool_echo(tool) for tool in request.tools or ()],
-        "top_p": request.top_p,
-        "truncation": "disabled",
-        "usage": usage,
-        "user": request.user,
-        "metadata": dict(request.metadata or {}),
-    }
+    return Response(
+        id=response_id,
+        created_at=int(created_at),
+        status=status,
+        error=error,
+        incomplete_details=incomplete_details,
+        instructions=request.instructions,
+        max_output_tokens=request.max_output_tokens,
+        model=request.model,
+        output=output,
+        parallel_tool_calls=True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        previous_response_id=request.previous_response_id,
+        store=True if request.store is None else request.store,
+        temperature=request.temperature,
+        text=TextEcho(_format_echo(request.text.format if request.text else None)),
+        tool_choice=_tool_choice_echo(request.tool_choice),
+        tools=[_tool_echo(tool) for tool in request.tools or ()],
+        top_p=request.top_p,
+        usage=usage,
+        user=request.user,
+        metadata=dict(request.metadata or {}),
+    )
 
 
-def _format_echo(text_format: TextFormat | None) -> dict[str, Any]:
-    if text_format is None or text_format.type != "json_schema":
-        return {"type": text_format.type if text_format else "text"}
-    return {
-        "type": "json_schema",
-        "name": text_format.name,
-        "schema": text_format.schema,
-        "description": text_format.description,
-        "strict": text_format.strict,
-    }
+def _format_echo(text_format: TextFormat | None) -> FormatText | FormatJSONObject | FormatJSONSchema:
+    if text_format is None or text_format.type == "text":
+        return FormatText()
+    if text_format.type == "json_object":
+        return FormatJSONObject()
+    return FormatJSONSchema(
+        name=text_format.name,
+        schema=text_format.schema,
+        description=text_format.description,
+        strict=text_format.strict,
+    )
 
 
-def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | dict[str, Any]:
+def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | ToolChoiceFunction:
     if isinstance(choice, NamedToolChoice):
-        return {"type": "function", "name": choice.name}
+        return ToolChoiceFunction(choice.name)
     return choice or "auto"
 
 
-def _tool_echo(tool: Tool) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "name": tool.name,
-        "description": tool.description,
-        "parameters": tool.parameters,
-        "strict": tool.strict,
-    }
+def _tool_echo(tool: Tool) -> FunctionToolEcho:
+    return FunctionToolEcho(
+        name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+    )
 
 
-def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> dict[str, Any]:
+def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> Response:
     """vLLM's chat.completion (one choice) as a Responses object: reasoning, then the text, then the tool calls,
     in the order the model wrote them. Without text or tool calls there is still an (empty) message, so the
     turn shows in the history, as a chat client would send back `{"role": "assistant", "content": ""}`."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    output: list[dict[str, Any]] = []
+    output: list[OutputItem] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
-        output.append(_reasoning_item(_new_id("rs"), reasoning))
+        output.append(ReasoningItem(id=_new_id("rs"), content=[ReasoningText(reasoning)]))
     content = message.get("content") or ""
     calls = message.get("tool_calls") or []
     if content or not calls:
-        output.append(_message_item(_new_id("msg"), content, "completed"))
+        output.append(MessageItem(id=_new_id("msg"), status="completed", content=[OutputText(content)]))
     for call in calls:
         function = call.get("function") or {}
         output.append(
-            _function_call_item(
-                _new_id("fc"),
-                call.get("id") or _new_id("call"),
-                function.get("name") or "",
-                function.get("arguments") or "",
-                "completed",
+            FunctionCallItem(
+                id=_new_id("fc"),
+                call_id=call.get("id") or _new_id("call"),
+                name=function.get("name") or "",
+                arguments=function.get("arguments") or "",
+                status="completed",
             )
         )
     status, details = _outcome(choice.get("finish_reason"))
-    if status == "incomplete" and "status" in output[-1]:
-        output[-1]["status"] = "incomplete"  # the item the limit cut off
+    last = output[-1]
+    if status == "incomplete" and not isinstance(last, ReasoningItem):
+        output[-1] = msgspec.structs.replace(last, status="incomplete")  # the item the limit cut off
     return _response_object(
         request,
         response_id,
@@ -698,14 +434,14 @@ class ResponsesStream:
         self._response_id = response_id
         self._created_at = created_at
         self._sequence = 0
-        self._output: list[dict[str, Any]] = []
+        self._output: list[OutputItem] = []
         self._open: _OpenItem | None = None
         self._calls: dict[int, int] = {}  # chat tool call index -> output index
         self._finish_reason: str | None = None
-        self._usage: dict[str, Any] | None = None
-        self._status = "in_progress"
-        self._incomplete_details: dict[str, Any] | None = None
-        self._error: dict[str, Any] | None = None
+        self._usage: Usage | None = None
+        self._status: ResponseStatus = "in_progress"
+        self._incomplete_details: IncompleteDetails | None = None
+        self._error: ResponseError | None = None
         self._ended = False
 
     def start(self) -> bytes:
@@ -743,9 +479,9 @@ class ResponsesStream:
         if self._ended:
             return b""
         status, details = _outcome(self._finish_reason)
-        item_status = "incomplete" if status == "incomplete" else "completed"
+        item_status: ItemStatus = "incomplete" if status == "incomplete" else "completed"
         out = self._close(item_status)
-        if not any(item["type"] in ("message", "function_call") for item in self._output):
+        if not any(isinstance(item, MessageItem | FunctionCallItem) for item in self._output):
             out += self._open_message() + self._close(item_status)  # an empty turn, as to_response gives
         self._status, self._incomplete_details, self._ended = status, details, True
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -760,10 +496,10 @@ class ResponsesStream:
             self._fill(self._open, "incomplete")
             self._open = None
         self._status, self._ended = "failed", True
-        self._error = {"code": code if code in _ERROR_CODES else "server_error", "message": message}
+        self._error = ResponseError(code if code in _ERROR_CODES else "server_error", message)
         return self._event("response.failed", response=self.response())
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> Response:
         """The response as it stands: in progress (the open item with its text so far), or final."""
         output = list(self._output)
         if self._open is not None:
@@ -803,11 +539,13 @@ class ResponsesStream:
         open_ = self._open
         if open_ is not None and open_.kind == "function_call" and open_.tool_index == index:
             if function.get("name"):  # a name sent in pieces
-                self._output[open_.output_index]["name"] += function["name"]
+                item = self._call_item(open_.output_index)
+                self._output[open_.output_index] = msgspec.structs.replace(item, name=item.name + function["name"])
         elif index in self._calls:
             # A call already closed gets more (vLLM streams one call at a time, so this is not expected): kept in
             # the item the final response carries, no event after its `.done`.
-            self._output[self._calls[index]]["arguments"] += arguments
+            item = self._call_item(self._calls[index])
+            self._output[self._calls[index]] = msgspec.structs.replace(item, arguments=item.arguments + arguments)
             return b""
         else:
             out = self._close("completed") + self._open_function_call(index, call.get("id"), function.get("name"))
@@ -823,88 +561,95 @@ class ResponsesStream:
 
     def _open_id(self) -> str:
         assert self._open is not None
-        return self._output[self._open.output_index]["id"]
+        return self._output[self._open.output_index].id
+
+    def _call_item(self, output_index: int) -> FunctionCallItem:
+        item = self._output[output_index]
+        assert isinstance(item, FunctionCallItem)
+        return item
 
     # -- opening and closing items
 
-    def _open_item(self, kind: ItemKind, item: dict[str, Any], tool_index: int | None = None) -> bytes:
+    def _open_item(self, kind: ItemKind, item: OutputItem, tool_index: int | None = None) -> bytes:
         self._open = _OpenItem(kind, len(self._output), tool_index)
         self._output.append(item)
         return self._event("response.output_item.added", output_index=self._open.output_index, item=item)
 
     def _open_reasoning(self) -> bytes:
         item_id = _new_id("rs")
-        out = self._open_item("reasoning", {"type": "reasoning", "id": item_id, "summary": [], "content": []})
-        return out + self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
+        out = self._open_item("reasoning", ReasoningItem(id=item_id, content=[]))
+        return out + self._part_event("response.content_part.added", ReasoningText(""))
 
     def _open_message(self) -> bytes:
-        item = {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+        item = MessageItem(id=_new_id("msg"), status="in_progress", content=[])
         # The SDK's stream helper appends the part on `content_part.added` and adds text deltas to it.
-        return self._open_item("message", item) + self._part_event("response.content_part.added", _output_text(""))
+        return self._open_item("message", item) + self._part_event("response.content_part.added", OutputText(""))
 
     def _open_function_call(self, index: int, call_id: str | None, name: str | None) -> bytes:
         # `call_id` is the chat tool call's id: the client's function_call_output names it, and back in the chat
         # history it is the `tool_call_id` the template matches to the call.
-        item = _function_call_item(_new_id("fc"), call_id or _new_id("call"), name or "", "", "in_progress")
+        item = FunctionCallItem(
+            id=_new_id("fc"), call_id=call_id or _new_id("call"), name=name or "", arguments="", status="in_progress"
+        )
         self._calls[index] = len(self._output)
         return self._open_item("function_call", item, index)
 
-    def _part_event(self, kind: str, part: dict[str, Any]) -> bytes:
+    def _part_event(self, kind: str, part: OutputText | ReasoningText) -> bytes:
         assert self._open is not None
         return self._event(
             kind, item_id=self._open_id(), output_index=self._open.output_index, content_index=0, part=part
         )
 
-    def _close(self, status: str) -> bytes:
+    def _close(self, status: ItemStatus) -> bytes:
         """The open item's `.done` events (none open: nothing), its text joined into the item."""
         open_ = self._open
         if open_ is None:
             return b""
         item = self._fill(open_, status)
-        index, item_id = open_.output_index, item["id"]
-        if open_.kind == "reasoning":
-            part = item["content"][0]
+        index, item_id = open_.output_index, item.id
+        if isinstance(item, ReasoningItem):
+            reasoning = item.content[0]
             out = self._event(
-                "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=part["text"]
+                "response.reasoning_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=reasoning.text,
             )
-            out += self._part_event("response.content_part.done", part)
-        elif open_.kind == "message":
-            part = item["content"][0]
+            out += self._part_event("response.content_part.done", reasoning)
+        elif isinstance(item, MessageItem):
+            text = item.content[0]
             out = self._event(
                 "response.output_text.done",
                 item_id=item_id,
                 output_index=index,
                 content_index=0,
-                text=part["text"],
+                text=text.text,
                 logprobs=[],
             )
-            out += self._part_event("response.content_part.done", part)
+            out += self._part_event("response.content_part.done", text)
         else:
             out = self._event(
                 "response.function_call_arguments.done",
                 item_id=item_id,
                 output_index=index,
-                arguments=item["arguments"],
-                name=item["name"],
+                arguments=item.arguments,
+                name=item.name,
             )
         self._open = None
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def _filled(self, open_: _OpenItem, status: str) -> dict[str, Any]:
-        """The open item with its text so far, as a new dict (the stored one is left as it is)."""
-        item = dict(self._output[open_.output_index])
+    def _filled(self, open_: _OpenItem, status: ItemStatus) -> OutputItem:
+        """The open item with its text so far, as a new item (the one in the output is left as it is)."""
+        item = self._output[open_.output_index]
         text = "".join(open_.parts)
-        if open_.kind == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-        elif open_.kind == "message":
-            item["content"] = [_output_text(text)]
-            item["status"] = status
-        else:
-            item["arguments"] = text
-            item["status"] = status
-        return item
+        if isinstance(item, ReasoningItem):
+            return msgspec.structs.replace(item, content=[ReasoningText(text)])
+        if isinstance(item, MessageItem):
+            return msgspec.structs.replace(item, content=[OutputText(text)], status=status)
+        return msgspec.structs.replace(item, arguments=text, status=status)
 
-    def _fill(self, open_: _OpenItem, status: str) -> dict[str, Any]:
+    def _fill(self, open_: _OpenItem, status: ItemStatus) -> OutputItem:
         """Write the open item's text and final status into the output (it is closing)."""
         item = self._output[open_.output_index] = self._filled(open_, status)
         return item

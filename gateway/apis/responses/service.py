@@ -1,8 +1,8 @@
 """`/v1/responses`: OpenAI's Responses API, served through the engine's chat completions.
 
 Why through chat: vLLM's own Responses endpoint returns no token ids, and the gateway records the tokens the
-model really sampled, never a re-tokenization of text. Translated to chat (gateway/apis/responses.py), the call
-is recorded exactly like a chat call, and assembles with chat calls of its rollout by token prefix.
+model really sampled, never a re-tokenization of text. Translated to chat (gateway/apis/responses/translate.py),
+the call is recorded exactly like a chat call, and assembles with chat calls of its rollout by token prefix.
 """
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.responses import (
-    ResponsesRequest,
+from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.responses.schema import Response, ResponsesRequest, parse_request
+from gateway.apis.responses.translate import (
     ResponsesStream,
     input_items,
     input_messages,
     output_messages,
-    parse_request,
     to_chat,
     to_response,
 )
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
-from gateway.chat import strict_forced_calls, upstream_request
 from gateway.errors import OpenAIError, invalid_request
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 from store.errors import NotFound
@@ -68,23 +67,25 @@ class ResponsesWire:
 
     async def done(self) -> bytes:
         out = self._start() + self.stream.finish()
-        if self.stream.response()["status"] != "failed":
-            await self._keep(self.stream.response())
+        response = self.stream.response()
+        if response.status != "failed":
+            await self._keep(response)
         return out
 
     def broken(self, error: OpenAIError) -> bytes:
         return self._start() + self.stream.fail(error.message)
 
-    async def _keep(self, response: dict[str, Any]) -> None:
+    async def _keep(self, response: Response) -> None:
         if self.request.store is False:
             return
+        kept: dict[str, Any] = msgspec.to_builtins(response)  # the store keeps the JSON the client got
         stored = StoredResponse(
             id=self.id,
             rollout_id=self.origin.rollout_id,
             model=self.request.model,
-            response=response,
+            response=kept,
             input_items=input_items(self.request, self.id),
-            messages=[*self.history, *input_messages(self.request), *output_messages(response)],
+            messages=[*self.history, *input_messages(self.request), *output_messages(kept)],
             created_at=self.created_at,
         )
         try:

@@ -22,285 +22,31 @@ What does not translate, and what is done instead:
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal
 
 import msgspec
 
-from gateway.chat import schema_problem
-from gateway.errors import OpenAIError, decode_body
+from gateway.apis.messages.schema import (
+    AnthropicError,
+    Base64Source,
+    ContentBlock,
+    ImageBlock,
+    Message,
+    MessagesRequest,
+    OutputBlock,
+    TextBlock,
+    ThinkingBlock,
+    Tool,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+    Usage,
+)
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
-
-# Anthropic's error types (https://docs.anthropic.com/en/api/errors); any other 4xx is an
-# invalid_request_error and any other 5xx an api_error, as Anthropic documents.
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    409: "conflict_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",  # the engine is starting or restarting: retry shortly
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
-class AnthropicError(Exception):
-    """An error the client should see, in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
-
-    Anthropic's SDK picks its exception class by the HTTP status (`BadRequestError` for 400, ...)."""
-
-    def __init__(self, status: int, message: str, type: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        self.headers: dict[str, str] | None = None  # the rollout id, echoed on the error
-
-    def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.type, "message": self.message}}
-
-
-def _dotted(param: str) -> str:
-    """OpenAI's `messages[0].role` as Anthropic writes it: `messages.0.role`."""
-    return re.sub(r"\[(\d+)\]", r".\1", param)
-
-
-_AT_SUFFIX = re.compile(r" \(at '[^']*'\)\.$")
-
-
-def from_openai_error(exc: OpenAIError) -> AnthropicError:
-    """The gateway's own error (a bad body, an unknown model, the engine down, ...) for this route: same status,
-    and the parameter, if any, leads the message as in Anthropic's errors (`max_tokens: Field required`)."""
-    message = exc.message
-    if exc.param and exc.status == 400:  # a request error names its field; a missing model says so itself
-        if exc.code == "missing_required_parameter":
-            message = "Field required"
-        else:  # a validation message ends with where it happened: that now leads it
-            message = _AT_SUFFIX.sub("", message.removeprefix("Invalid request: "))
-        message = f"{_dotted(exc.param)}: {message}"
-    return AnthropicError(exc.status, message)
-
-
-# -----------------------------------------------------------------------------
-# the request
-
-
-class TextBlock(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
-    text: str
-
-
-class Base64Source(msgspec.Struct, frozen=True, tag="base64", tag_field="type"):
-    media_type: str
-    data: str
-
-
-class URLSource(msgspec.Struct, frozen=True, tag="url", tag_field="type"):
-    url: str
-
-
-class ImageBlock(msgspec.Struct, frozen=True, tag="image", tag_field="type"):
-    source: Base64Source | URLSource
-
-
-class DocumentBlock(msgspec.Struct, frozen=True, tag="document", tag_field="type"):
-    """Accepted by the decoder only to be refused by name (a 400 saying documents are unsupported)."""
-
-
-class ToolUseBlock(msgspec.Struct, frozen=True, tag="tool_use", tag_field="type"):
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-ResultPart = TextBlock | ImageBlock | DocumentBlock
-
-
-class ToolResultBlock(msgspec.Struct, frozen=True, tag="tool_result", tag_field="type"):
-    tool_use_id: str
-    content: str | list[ResultPart] | None = None
-    is_error: bool | None = None
-
-
-class ThinkingBlock(msgspec.Struct, frozen=True, tag="thinking", tag_field="type"):
-    thinking: str = ""
-    signature: str = ""
-
-
-class RedactedThinkingBlock(msgspec.Struct, frozen=True, tag="redacted_thinking", tag_field="type"):
-    data: str = ""
-
-
-ContentBlock = (
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | DocumentBlock
-)
-
-
-class InputMessage(msgspec.Struct, frozen=True):
-    role: str  # checked by hand: "system" gets Anthropic's pointer to the top-level `system`
-    content: str | list[ContentBlock]
-
-
-class Tool(msgspec.Struct, frozen=True):
-    name: Annotated[str, msgspec.Meta(min_length=1)]
-    description: str | None = None
-    input_schema: dict[str, Any] | None = None  # required by hand, after `type`: a server tool has none
-    type: str | None = None  # None or "custom"; Anthropic's server tools (`web_search_...`) are refused
-    strict: bool | None = None  # Anthropic's strict tool use: the engine then samples under the schema
-
-
-class ToolChoice(msgspec.Struct, frozen=True):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
-
-
-class MessagesRequest(msgspec.Struct, frozen=True):
-    """A Messages request, typed. Unknown fields are ignored."""
-
-    model: Annotated[str, msgspec.Meta(min_length=1)]
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
-    messages: Annotated[list[InputMessage], msgspec.Meta(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    stop_sequences: list[str] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    seed: int | None = None  # vLLM's, passed on (Anthropic's API has none)
-    stream: bool | None = False
-    metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-
-
-_decoder = msgspec.json.Decoder(MessagesRequest)
-
-
-def _tags(union: Any) -> str:
-    """The block types a union accepts, as an error names them (documents are decoded only to be refused)."""
-    return ", ".join(
-        f"'{kind.__struct_config__.tag}'" for kind in get_args(union) or (union,) if kind is not DocumentBlock
-    )
-
-
-# Where a block's `type` picks its kind, and the kinds allowed there.
-_TAGGED = (
-    (re.compile(r"^messages\[\d+\]\.content\[\d+\]\.content\[\d+\]\.type$"), _tags(ResultPart)),
-    (re.compile(r"^messages\[\d+\]\.content\[\d+\]\.type$"), _tags(ContentBlock)),
-    (re.compile(r"\.source\.type$"), _tags(Base64Source | URLSource)),
-    (re.compile(r"^system\[\d+\]\.type$"), _tags(TextBlock)),
-)
-_BAD_TAG = re.compile(r"^Invalid request: Invalid value (?P<value>'.*') \(at ")
-
-
-def _bad_tag(exc: OpenAIError) -> AnthropicError | None:
-    """An unknown block `type`, named with the types allowed there (msgspec only says the value is invalid)."""
-    bad = _BAD_TAG.match(exc.message)
-    if bad is None or exc.param is None:
-        return None
-    for where, tags in _TAGGED:
-        if where.search(exc.param):
-            path = _dotted(exc.param.removesuffix(".type"))
-            return AnthropicError(
-                400,
-                f"{path}: Input tag {bad['value']} found using 'type' does not match any of the expected tags: {tags}",
-            )
-    return None
-
-
-def parse_request(body: bytes) -> MessagesRequest:
-    """The typed request; anything wrong is an `AnthropicError` (400) whose message starts with the parameter's
-    path (`messages.0.role: ...`). Only AnthropicError is raised: the body's decoding errors are re-shaped here."""
-    try:
-        request = decode_body(body, MessagesRequest, _decoder)
-    except OpenAIError as exc:
-        raise (_bad_tag(exc) or from_openai_error(exc)) from None
-    _check_messages(request.messages)
-    _check_tools(request)
-    return request
-
-
-def _invalid(message: str) -> AnthropicError:
-    return AnthropicError(400, message)
-
-
-def _check_messages(messages: list[InputMessage]) -> None:
-    last = len(messages) - 1
-    for i, message in enumerate(messages):
-        if message.role == "system":
-            raise _invalid(
-                f'messages.{i}.role: Unexpected role "system". The Messages API accepts a top-level `system` '
-                'parameter, not "system" as an input message role.'
-            )
-        if message.role not in ("user", "assistant"):
-            raise _invalid(f"messages.{i}.role: Input should be 'user' or 'assistant'")
-        if isinstance(message.content, str):
-            continue
-        for j, block in enumerate(message.content):
-            problem = _block_problem(block, message.role)
-            if problem is not None:
-                raise _invalid(f"messages.{i}.content.{j}: {problem}")
-            if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
-                for k, part in enumerate(block.content):
-                    if isinstance(part, DocumentBlock):
-                        raise _invalid(f"messages.{i}.content.{j}.content.{k}: {_NO_DOCUMENTS}")
-        if i == last and message.role == "assistant" and any(isinstance(b, ToolUseBlock) for b in message.content):
-            raise _invalid(
-                f"messages.{i}: a final assistant message is continued as a prefill and may not hold tool_use "
-                "blocks: send their tool_result blocks in a user message after it."
-            )
-
-
-_NO_DOCUMENTS = "document blocks are not supported by this gateway: send the document's text as a text block."
-
-
-def _block_problem(block: ContentBlock, role: str) -> str | None:
-    if isinstance(block, DocumentBlock):
-        return _NO_DOCUMENTS
-    if role == "user" and isinstance(block, ToolUseBlock):
-        return "tool_use blocks are only allowed in assistant messages."
-    if role == "assistant" and isinstance(block, ToolResultBlock | ImageBlock):
-        kind = "tool_result" if isinstance(block, ToolResultBlock) else "image"
-        return f"{kind} blocks are only allowed in user messages."
-    return None
-
-
-def _check_tools(request: MessagesRequest) -> None:
-    names: set[str] = set()
-    for i, tool in enumerate(request.tools or ()):
-        if tool.type not in (None, "custom"):
-            raise _invalid(
-                f"tools.{i}.type: server tool '{tool.type}' is not supported by this gateway; only custom tools "
-                "(name, description, input_schema) are."
-            )
-        if tool.input_schema is None:
-            raise _invalid(f"tools.{i}.input_schema: Field required")
-        problem = schema_problem(_encode(tool.input_schema))
-        if problem is not None:
-            raise _invalid(f"tools.{i}.input_schema: {problem}")
-        if tool.name in names:
-            raise _invalid(f"tools: Tool names must be unique: '{tool.name}' is given twice.")
-        names.add(tool.name)
-    choice = request.tool_choice
-    if choice is None:
-        return
-    if choice.type in ("any", "tool") and not names:
-        raise _invalid(f"tool_choice: tool_choice of type '{choice.type}' needs `tools`.")
-    if choice.type == "tool":
-        if not choice.name:
-            raise _invalid("tool_choice.name: Field required")
-        if choice.name not in names:
-            raise _invalid(f"tool_choice.name: no tool named '{choice.name}' among `tools`.")
 
 
 # -----------------------------------------------------------------------------
@@ -467,50 +213,33 @@ def _stop(finish_reason: str | None, matched: Any, request: MessagesRequest, too
     return "end_turn", None
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    # No prompt caching in Anthropic's sense (billed cache writes and reads): both are 0.
-    return {
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
-
-
-def to_message(chat: dict[str, Any], request: MessagesRequest, message_id: str) -> dict[str, Any]:
+def to_message(chat: dict[str, Any], request: MessagesRequest, message_id: str) -> Message:
     """The engine's chat.completion (its first choice) as Anthropic's message. A malformed answer raises what
-    reading it raises (KeyError, IndexError, TypeError, ...: gateway.chat.ENGINE_DATA_ERRORS)."""
+    reading it raises (KeyError, IndexError, TypeError, ...: gateway.proxy.ENGINE_DATA_ERRORS)."""
     choice = chat["choices"][0]
     reply = choice["message"]
-    content: list[dict[str, Any]] = []
+    content: list[OutputBlock] = []
     reasoning = reply.get("reasoning") or reply.get("reasoning_content")
     if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        content.append(ThinkingBlock(reasoning))
     if reply.get("content"):
-        content.append({"type": "text", "text": reply["content"]})
+        content.append(TextBlock(reply["content"]))
     for call in reply.get("tool_calls") or ():
         function = call["function"]
         content.append(
-            {
-                "type": "tool_use",
-                "id": call.get("id") or _tool_id(),
-                "name": function["name"],
-                "input": _tool_input(function.get("arguments")),
-            }
+            ToolUseBlock(call.get("id") or _tool_id(), function["name"], _tool_input(function.get("arguments")))
         )
-    tool_use = any(block["type"] == "tool_use" for block in content)
+    tool_use = any(isinstance(block, ToolUseBlock) for block in content)
     stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"), request, tool_use)
     usage = chat.get("usage") or {}
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": request.model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0),
-    }
+    return Message(
+        id=message_id,
+        model=request.model,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=Usage(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0),
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -530,12 +259,12 @@ class _Block:
     name: str = ""
     closed: bool = False
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> OutputBlock:
         if self.kind == "text":
-            return {"type": "text", "text": "".join(self.pieces)}
+            return TextBlock("".join(self.pieces))
         if self.kind == "thinking":
-            return {"type": "thinking", "thinking": "".join(self.pieces), "signature": ""}
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": _tool_input("".join(self.pieces))}
+            return ThinkingBlock("".join(self.pieces))
+        return ToolUseBlock(self.id, self.name, _tool_input("".join(self.pieces)))
 
 
 class MessagesStream:
@@ -571,8 +300,7 @@ class MessagesStream:
         if self._started:
             return b""
         self._started = True
-        message = {**self.message(), "content": []}
-        return _event("message_start", {"message": message})
+        return _event("message_start", {"message": msgspec.structs.replace(self.message(), content=[])})
 
     def take(self, chunk: dict[str, Any]) -> bytes:
         """The events for one decoded chat.completion.chunk (possibly none). Give it the engine's chunk as sent:
@@ -619,18 +347,16 @@ class MessagesStream:
         """The `error` event that ends a stream the engine broke off (Anthropic's SDK raises it)."""
         return b"event: error\ndata: " + _encode(AnthropicError(500, message).body()) + b"\n\n"
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> Message:
         """The message so far (`stop_reason` None until `finish`), as `to_message` would give it."""
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.request.model,
-            "content": [block.snapshot() for block in self._blocks],
-            "stop_reason": self._stop_reason,
-            "stop_sequence": self._stop_sequence,
-            "usage": _usage(self._input_tokens or 0, self._output_count()),
-        }
+        return Message(
+            id=self.message_id,
+            model=self.request.model,
+            content=[block.snapshot() for block in self._blocks],
+            stop_reason=self._stop_reason,
+            stop_sequence=self._stop_sequence,
+            usage=Usage(self._input_tokens or 0, self._output_count()),
+        )
 
     def _output_count(self) -> int:
         return self._output_tokens if self._output_tokens is not None else self._sampled
