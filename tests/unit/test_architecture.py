@@ -1,9 +1,9 @@
 """The rooms of the house: which package may import which, and no import cycles.
 
 store/ (shared, no HTTP) ← recording/ (each call to the store exactly once) and engine/ (the vLLM supervisor, on
-its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API) ← trainer/ (torch);
-ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module
-level or not) and on what a real `import trainer.train` loads.
+its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API, its only caller) ←
+trainer/ (torch); ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import
+statement, module level or not) and on what a real `import trainer.train` loads.
 """
 
 from __future__ import annotations
