@@ -122,7 +122,7 @@ def test_keys_send_the_servers_struct_and_read_its_answers(stand_in: StandIn) ->
 
 
 def test_groups_are_posted_and_read_page_by_page(stand_in: StandIn) -> None:
-    pages = {
+    pages: dict[str, dict[str, Any]] = {
         "/v1/art/groups?model=my-agent&limit=2": {"data": [group("a"), group("b")], "next_cursor": "c1"},
         "/v1/art/groups?model=my-agent&limit=2&cursor=c1": {"data": [group("c")], "next_cursor": None},
         "/v1/art/groups?state=trained&limit=100": {"data": [], "next_cursor": None},
