@@ -25,8 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
@@ -42,6 +41,7 @@ if TYPE_CHECKING:  # imported where a command runs: each command loads only what
     from client import ArtClient
     from store.api import ModelStatus
     from store.judge_report import JudgedGroup, JudgeReport
+    from store.keys import Scope
 
 T = TypeVar("T")
 
@@ -536,30 +536,19 @@ def _print_judge_report(console: Console, report: JudgeReport) -> None:
 
 
 def _judged_groups_from_gateway(args: argparse.Namespace, model: str) -> list[JudgedGroup]:
-    """The model's groups as store.judge_report.JudgedGroup, read page by page from `GET /v1/art/groups`: the
+    """The model's groups as store.judge_report.JudgedGroup, read page by page from the gateway's groups: the
     members both the caller and RULER scored (the report itself carries only the statistics)."""
-    from urllib.parse import urlencode
-
-    from gateway.groups.schemas import GroupPage
     from store.judge_report import JudgedGroup
 
     judged: list[JudgedGroup] = []
-    query: dict[str, str | int] = {"model": model, "limit": 1000}
-    while True:
-        answer = _ask(args, "GET", f"/v1/art/groups?{urlencode(query)}")
-        try:
-            page = msgspec.json.decode(answer.content, type=GroupPage)
-        except msgspec.DecodeError as exc:
-            raise CommandError(f"{gateway_url(args)} did not answer like an ART gateway: {exc}") from None
-        for group in page.data:
+    with _gateway(args) as gateway:
+        for group in gateway.groups(model=model, page=1000):
             scored = [(r.caller_reward, r.ruler_score) for r in group.rollouts]
             pairs = [(caller, judge) for caller, judge in scored if caller is not None and judge is not None]
             if group.ruler is not None and pairs:
                 callers, judges = zip(*pairs, strict=True)
                 judged.append(JudgedGroup(group.id, group.ruler["judge_model"], group.ruler["rubric"], callers, judges))
-        if page.next_cursor is None:
-            return judged
-        query["cursor"] = page.next_cursor
+    return judged
 
 
 def _plot_judged_groups(judged: list[JudgedGroup], report: JudgeReport, png: Path) -> None:
@@ -618,12 +607,6 @@ def _gateway(args: argparse.Namespace) -> Iterator[ArtClient]:
         raise CommandError(f"{url} did not answer like an ART gateway: {exc}") from None
 
 
-def _ask(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    """One admin request to the gateway (`keys`, the judge report's groups); a CommandError unless it answers 2xx."""
-    with _gateway(args) as gateway:
-        return gateway.request(method, path, body)
-
-
 def _no_key_sent(args: argparse.Namespace, status: int, key: str | None) -> str:
     """What a 401 needs said when no admin key was found to send."""
     if status != 401 or key:
@@ -632,42 +615,49 @@ def _no_key_sent(args: argparse.Namespace, status: int, key: str | None) -> str:
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from store.api import KeyCreate
+
     chosen = _build(KeyCreateOptions, args)
-    body = {"name": chosen.name, "models": list(chosen.models) or None, "scopes": list(chosen.scopes)}
-    body |= {"rpm": chosen.rpm, "tpm": chosen.tpm}
-    made = _ask(args, "POST", "/v1/art/keys", body).json()
-    print(f"made key {made['id']} ({made['name']}); its secret, shown this once:", file=sys.stderr)
-    print(made["key"])  # alone on stdout: KEY=$(artgw keys create ...)
+    # Sent as given: the gateway checks the scopes and bounds, and its 400 names the field.
+    scopes = cast("list[Scope]", list(chosen.scopes))
+    models = list(chosen.models) or None
+    spec = KeyCreate(name=chosen.name, models=models, scopes=scopes, rpm=chosen.rpm, tpm=chosen.tpm)
+    with _gateway(args) as gateway:
+        made = gateway.create_key(spec)
+    print(f"made key {made.id} ({made.name}); its secret, shown this once:", file=sys.stderr)
+    print(made.key)  # alone on stdout: KEY=$(artgw keys create ...)
     return 0
 
 
 def _cmd_keys_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    keys = _ask(args, "GET", "/v1/art/keys?include_revoked=true").json()["data"]
+    with _gateway(args) as gateway:
+        keys = gateway.keys(include_revoked=True)
     if _build(KeyListOptions, args).json:
-        print(json.dumps(keys, indent=2))
+        print(json.dumps(msgspec.to_builtins(keys), indent=2))
         return 0
     table = Table("id", "name", "prefix", "models", "scopes", "rpm", "tpm", "revoked")
     table.columns[0].no_wrap = True  # the id is what `revoke` takes: never cut
     for key in keys:
         table.add_row(
-            key["id"],
-            key["name"],
-            key["prefix"] + "…",
-            ", ".join(key["models"]) if key["models"] is not None else "all",
-            ", ".join(key["scopes"]),
-            str(key["rpm"] or "-"),
-            str(key["tpm"] or "-"),
-            "yes" if key["revoked_at"] else "",
+            key.id,
+            key.name,
+            key.prefix + "…",
+            ", ".join(key.models) if key.models is not None else "all",
+            ", ".join(key.scopes),
+            str(key.rpm or "-"),
+            str(key.tpm or "-"),
+            "yes" if key.revoked_at else "",
         )
     _stdout_console().print(table)
     return 0
 
 
 def _cmd_keys_revoke(args: argparse.Namespace) -> int:
-    key = _ask(args, "DELETE", f"/v1/art/keys/{quote(args.key_id, safe='')}").json()
-    print(f"revoked key {key['id']} ({key['name']})")
+    with _gateway(args) as gateway:
+        key = gateway.revoke_key(args.key_id)
+    print(f"revoked key {key.id} ({key.name})")
     return 0
 
 

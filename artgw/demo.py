@@ -40,9 +40,13 @@ from rich.table import Table
 
 from artgw import demo_task
 from artgw.demo_task import Episode, Scenario
+from client import ArtClient, GatewayRefused, NotAnArtGateway
+from store.api import GroupOut, KeyCreate
+from store.keys import Scope
 
 MODEL_NAME = "my-agent"
-CLIENT_SCOPES = ["infer", "reward", "read"]  # the agent calls the model, posts its rewards, reads groups
+GROUP_TIMEOUT = 60.0  # seconds for a group's post: the CPU is shared with vLLM and the trainer
+CLIENT_SCOPES: list[Scope] = ["infer", "reward", "read"]  # the agent calls the model, posts its rewards, reads groups
 
 
 @dataclass
@@ -223,11 +227,6 @@ class Demo:
     def log(self, message: str) -> None:
         self.console.log(message)
 
-    @property
-    def auth(self) -> dict[str, str]:
-        """The headers of the demo's own requests: its client key, as any app sends one."""
-        return {"Authorization": f"Bearer {self.api_key}"}
-
     def _check_children(self) -> None:
         for child in self.children:
             if not child.alive():
@@ -265,9 +264,10 @@ class Demo:
                 self._check_children()
                 if time.monotonic() > deadline:
                     raise DemoError(f"step {step}: groups not trained within {self.config.step_timeout:.0f}s")
-                groups = [self._get(f"/v1/art/groups/{g}").json() for g in group_ids]
-                if all(g["state"] in ("trained", "failed") for g in groups):
-                    trained = max((g["trained_step"] or 0 for g in groups), default=0)
+                with self._gateway() as gateway:
+                    groups = [gateway.group(g) for g in group_ids]
+                if all(g.state in ("trained", "failed") for g in groups):
+                    trained = max((g.trained_step or 0 for g in groups), default=0)
                     served = self.served_step()
                     if served >= trained:
                         return served
@@ -276,25 +276,22 @@ class Demo:
             progress.remove_task(task)
 
     def served_step(self) -> int:
-        from client import ArtClient, GatewayRefused, NotAnArtGateway
+        with self._gateway() as gateway:
+            return gateway.model_status(MODEL_NAME).served_step
 
+    def post_group(self, episodes: list[Episode], group_id: str) -> GroupOut:
+        """One scenario's attempts and rewards, posted with the client key (idempotent by id)."""
+        with self._gateway(timeout=GROUP_TIMEOUT) as gateway:
+            return demo_task.post_group(gateway, MODEL_NAME, episodes, group_id=group_id)
+
+    @contextmanager
+    def _gateway(self, key: str | None = None, timeout: float = 10.0) -> Iterator[ArtClient]:
+        """The gateway's typed client with `key` (else the demo's client key, as any app sends its own); what the
+        gateway refuses is a DemoError."""
         try:
-            with ArtClient(self.gateway_url, self.api_key, timeout=10) as gateway:
-                return gateway.model_status(MODEL_NAME).served_step
+            with ArtClient(self.gateway_url, key or self.api_key, timeout=timeout) as gateway:
+                yield gateway
         except (GatewayRefused, NotAnArtGateway) as exc:
-            raise DemoError(str(exc)) from None
-
-    def _get(self, path: str) -> httpx.Response:
-        answer = httpx.get(f"{self.gateway_url}{path}", headers=self.auth, timeout=10)
-        if answer.status_code != 200:
-            raise DemoError(f"GET {path} answered {answer.status_code}: {answer.text[:300]}")
-        return answer
-
-    def post_group(self, episodes: list[Episode], group_id: str) -> dict[str, Any]:
-        """POST /v1/art/groups with the client key: one scenario's attempts and rewards (idempotent by id)."""
-        try:
-            return demo_task.post_group(self.gateway_url, MODEL_NAME, episodes, key=self.api_key, group_id=group_id)
-        except RuntimeError as exc:
             raise DemoError(str(exc)) from None
 
     # ---- phases
@@ -367,19 +364,12 @@ class Demo:
         return key
 
     def make_client_key(self) -> None:
-        """A client key for the agent (POST /v1/art/keys with the admin key); its secret stays in memory."""
-        body = {"name": f"demo-{self.nonce}", "models": [MODEL_NAME], "scopes": CLIENT_SCOPES}
-        answer = httpx.post(
-            f"{self.gateway_url}/v1/art/keys",
-            json=body,
-            headers={"Authorization": f"Bearer {self.admin_key()}"},
-            timeout=10,
-        )
-        if answer.status_code != 201:
-            raise DemoError(f"POST /v1/art/keys answered {answer.status_code}: {answer.text[:300]}")
-        made = answer.json()
-        self.api_key = made["key"]
-        self.log(f"client key {made['id']} for {MODEL_NAME} ({', '.join(made['scopes'])}) made with the admin key")
+        """A client key for the agent, made with the admin key; its secret stays in memory."""
+        spec = KeyCreate(name=f"demo-{self.nonce}", models=[MODEL_NAME], scopes=CLIENT_SCOPES)
+        with self._gateway(self.admin_key()) as admin:
+            made = admin.create_key(spec)
+        self.api_key = made.key
+        self.log(f"client key {made.id} for {MODEL_NAME} ({', '.join(made.scopes)}) made with the admin key")
 
     def start_trainer(self, model: Path) -> None:
         c = self.config
@@ -512,7 +502,7 @@ class Demo:
                 continue
             group_ids.append(f"g-{self.nonce}-{step}-{scenario_id}")
             posted = self.post_group(usable, group_ids[-1])
-            no_signal += bool(posted.get("no_signal"))
+            no_signal += bool(posted.no_signal)
         served = self.wait_for_step(progress, step, group_ids)
         rewards = [e.reward for e in episodes]
         result = StepResult(

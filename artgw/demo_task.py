@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+from client import ArtClient
+from store.api import GroupCreate, GroupOut, RolloutIn
 
 Split = Literal["train", "heldout"]
 
@@ -291,34 +292,24 @@ async def run_episodes(
     return list(await asyncio.gather(*(one(s, r) for s, r in jobs)))
 
 
-def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> dict[str, Any]:
-    """The `POST /v1/art/groups` body for the attempts at one scenario."""
-    return {
-        "model": model,
-        "group_id": group_id,
-        "rollouts": [
-            {
-                "rollout_id": e.rollout_id,
-                "reward": e.reward,
-                "metrics": {"called_tool": float(e.called_tool), "reported": float(e.reported)},
-            }
+def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> GroupCreate:
+    """The group posted for the attempts at one scenario: each attempt's reward, and what it did as metrics."""
+    return GroupCreate(
+        model=model,
+        group_id=group_id,
+        rollouts=[
+            RolloutIn(
+                rollout_id=e.rollout_id,
+                reward=e.reward,
+                metrics={"called_tool": float(e.called_tool), "reported": float(e.reported)},
+            )
             for e in episodes
         ],
-        "metadata": {"scenario": episodes[0].scenario_id, "task": "ballots-report"},
-    }
-
-
-def post_group(
-    gateway: str, model: str, episodes: Sequence[Episode], *, key: str, group_id: str, timeout: float = 60.0
-) -> dict[str, Any]:
-    """POST /v1/art/groups with `key` (the `reward` scope, or the admin key): the attempts at one scenario with
-    their rewards (idempotent by group id)."""
-    answer = httpx.post(
-        f"{gateway.rstrip('/')}/v1/art/groups",
-        json=group_body(model, episodes, group_id=group_id),
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=timeout,
+        metadata={"scenario": episodes[0].scenario_id, "task": "ballots-report"},
     )
-    if answer.status_code not in (200, 201):
-        raise RuntimeError(f"POST /v1/art/groups answered {answer.status_code}: {answer.text[:300]}")
-    return dict(answer.json())
+
+
+def post_group(gateway: ArtClient, model: str, episodes: Sequence[Episode], *, group_id: str) -> GroupOut:
+    """Post the attempts at one scenario with their rewards (idempotent by group id), with `gateway`'s key: one
+    with the `reward` scope, or the admin key."""
+    return gateway.post_group(group_body(model, episodes, group_id=group_id))

@@ -1,4 +1,4 @@
-"""The typed client of the gateway's `/v1/art` API: what the trainer and `artgw status` / `judge-report` call.
+"""The typed client of the gateway's `/v1/art` API: the one way the trainer, the CLI and the demo call it.
 
 It sends and reads the server's own structs (store/api.py), never copies of them, and loads no web server.
 """

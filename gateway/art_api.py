@@ -14,17 +14,26 @@ from gateway.adapters import AdapterService, PromoteRequest
 from gateway.auth import ADMIN as ADMIN_CALLER
 from gateway.auth import Caller
 from gateway.errors import decode_body, invalid_request
-from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage
 from gateway.groups.service import GroupService
 from gateway.guards import admin_only, scoped
 from gateway.judge_report import JudgeReportService
-from gateway.keys import KeyCreate, KeyCreated, KeyList, KeyService
+from gateway.keys import KeyService
 from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struct_schema
 from gateway.promotion.decision import AdminAsked, decide
 from gateway.promotion.graders import EvalSetCreate
 from gateway.promotion.service import PromotionService
 from gateway.rollouts import RolloutService
-from store.api import AdapterLoad, ModelList, ModelStatus
+from store.api import (
+    AdapterLoad,
+    GroupCreate,
+    GroupOut,
+    GroupPage,
+    KeyCreate,
+    KeyCreated,
+    KeyList,
+    ModelList,
+    ModelStatus,
+)
 from store.calls import RolloutFilter
 from store.judge_report import JudgeReport
 from store.keys import ApiKey

@@ -6,50 +6,18 @@ the same store within a second.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.adapters import AdapterRegistry
 from gateway.auth import KeyRing
 from gateway.errors import invalid_request
-from store.keys import ApiKey, Scope, create_key, list_keys, revoke_key, secret_hash
-
-Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-PerMinute = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
-
-
-class KeyCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`POST /v1/art/keys`: who the key is for and what it may do."""
-
-    name: Name
-    models: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=1000)] | None = None  # None: every model
-    scopes: Annotated[list[Scope], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["infer"])
-    rpm: PerMinute | None = None  # requests per minute (per replica); None: no limit
-    tpm: PerMinute | None = None  # prompt + completion tokens per minute (per replica); None: no limit
-
-
-class KeyCreated(msgspec.Struct, frozen=True):
-    """The new key, with its secret: shown this once, stored only as a hash."""
-
-    id: str
-    key: str
-    name: str
-    models: list[str] | None
-    scopes: list[Scope]
-    rpm: int | None
-    tpm: int | None
-    created_at: float
-    object: str = "art.api_key"
-
-
-class KeyList(msgspec.Struct, frozen=True):
-    data: list[ApiKey]
-    object: str = "list"
+from store.api import KeyCreate, KeyCreated, KeyList
+from store.keys import ApiKey, create_key, list_keys, revoke_key, secret_hash
 
 
 class KeyService:
+    """`/v1/art/keys`: the store's key table and this replica's key ring, changed together."""
+
     def __init__(self, store: AsyncEngine, ring: KeyRing, registry: AdapterRegistry) -> None:
         self.store = store
         self.ring = ring

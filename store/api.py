@@ -3,14 +3,17 @@ trainer): the server's own structs, in the shared room so that a client loads no
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from store.adapters import AdapterEvent, AdapterRow
 from store.judge_report import RubricAgreement
+from store.keys import ApiKey, Scope
 from store.promotions import EvaluationRow, PromotionRow
 from store.types import GroupState, Promotion, StepMetrics
+
+# ---------------------------------------------------------------- models and adapters
 
 
 class ModelList(msgspec.Struct, frozen=True):
@@ -60,3 +63,113 @@ class AdapterLoad(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = []
     lease_owner: Annotated[str, msgspec.Meta(max_length=MAX_ID)] = ""
     metrics: StepMetrics | None = None
+
+
+# ---------------------------------------------------------------- keys (admin)
+# `POST /v1/art/keys` takes a KeyCreate and answers a KeyCreated; `GET /v1/art/keys` answers a KeyList;
+# `DELETE /v1/art/keys/{id}` answers the revoked key's store.keys.ApiKey.
+
+KeyName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+PerMinute = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
+class KeyCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/art/keys`: who the key is for and what it may do."""
+
+    name: KeyName
+    models: Annotated[list[KeyName], msgspec.Meta(min_length=1, max_length=1000)] | None = None  # None: every model
+    scopes: Annotated[list[Scope], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["infer"])
+    rpm: PerMinute | None = None  # requests per minute (per replica); None: no limit
+    tpm: PerMinute | None = None  # prompt + completion tokens per minute (per replica); None: no limit
+
+
+class KeyCreated(msgspec.Struct, frozen=True):
+    """The new key, with its secret: shown this once, stored only as a hash."""
+
+    id: str
+    key: str
+    name: str
+    models: list[str] | None
+    scopes: list[Scope]
+    rpm: int | None
+    tpm: int | None
+    created_at: float
+    object: str = "art.api_key"
+
+
+class KeyList(msgspec.Struct, frozen=True):
+    """`GET /v1/art/keys`: the keys, secrets left out."""
+
+    data: list[ApiKey]
+    object: str = "list"
+
+
+# ---------------------------------------------------------------- groups
+# `POST /v1/art/groups` takes a GroupCreate and answers a GroupOut (201 made, 200 the same request again);
+# `GET /v1/art/groups/{id}` answers a GroupOut; `GET /v1/art/groups` a GroupPage.
+
+
+class RolloutIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One member of a posted group, with the caller's reward (None: RULER scores it)."""
+
+    rollout_id: str  # a rollout id, or "<rollout id>/<choice>" for one choice of an n > 1 call
+    reward: float | None = None
+    metrics: dict[str, float] | None = None
+
+
+class RulerIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The judge that scores a posted group's members (RULER)."""
+
+    judge_model: str  # any litellm model: "openai/gpt-4o", "hosted_vllm/<name>", ...
+    rubric: str | None = None
+    litellm_params: dict[str, Any] = {}  # passed to litellm as is; secrets are never stored or echoed
+
+
+class GroupCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/art/groups`: the attempts at one task, to be compared by GRPO (idempotent by `group_id`)."""
+
+    model: str
+    rollouts: list[RolloutIn]
+    ruler: RulerIn | None = None
+    group_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class GroupRolloutOut(msgspec.Struct, frozen=True):
+    """A group's member as the gateway keeps it: the reward trained on, and who gave it."""
+
+    rollout_id: str
+    reward: float | None
+    caller_reward: float | None
+    ruler_score: float | None
+    ruler_explanation: str | None
+    metrics: dict[str, float] | None
+
+
+class GroupOut(msgspec.Struct, frozen=True):
+    """A group and where it stands: scoring, ready, trained (at `trained_step`), failed."""
+
+    id: str
+    group_id: str  # the same as `id`, under the name a request gives it
+    model: str
+    state: GroupState
+    failure_reason: str | None
+    no_signal: bool | None  # every reward equal: kept, but GRPO learns nothing from it
+    reward_mean: float | None
+    reward_std: float | None
+    rollouts: list[GroupRolloutOut]
+    ruler: dict[str, Any] | None
+    judge_usage: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+    trained_step: int | None
+    created_at: float
+    updated_at: float
+    object: str = "art.group"
+
+
+class GroupPage(msgspec.Struct, frozen=True):
+    """One page of `GET /v1/art/groups`, oldest first; `next_cursor` asks for the next (None: the last page)."""
+
+    data: list[GroupOut]
+    next_cursor: str | None
+    object: str = "list"

@@ -17,10 +17,10 @@ from opentelemetry.trace import Tracer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
-from gateway.groups.schemas import RulerIn
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import scoring_ended, scoring_span
 from store.access import EVERYTHING
+from store.api import RulerIn
 from store.groups import GroupRow, MemberScore, load_groups, scored, scoring_failed, scoring_group_ids
 from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import uuid
 from typing import Any, cast
 
@@ -16,11 +17,11 @@ import ruler
 from gateway.adapters import AdapterRegistry
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.groups.schemas import GroupCreate, GroupOut, GroupPage, RulerIn, group_out
 from gateway.groups.scorer import Scorer, no_signal
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
+from store.api import GroupCreate, GroupOut, GroupPage, GroupRolloutOut, RulerIn
 from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
@@ -43,6 +44,32 @@ def _overlaps(taken_ref: str, rollout_id: str, choice: int | None) -> bool:
     """Whether a member already in a group covers (part of) this rollout reference."""
     taken_id, taken_choice = split_ref(taken_ref)
     return taken_id == rollout_id and (choice is None or taken_choice is None or taken_choice == choice)
+
+
+def group_out(row: GroupRow) -> GroupOut:
+    """A stored group as `/v1/art/groups` answers it: its rewards' mean and spread once every member has one."""
+    rewards = [m.reward for m in row.members if m.reward is not None]
+    complete = len(rewards) == len(row.members)
+    return GroupOut(
+        id=row.id,
+        group_id=row.id,
+        model=row.model,
+        state=row.state,
+        failure_reason=row.failure_reason,
+        no_signal=row.no_signal,
+        reward_mean=statistics.fmean(rewards) if complete else None,
+        reward_std=statistics.pstdev(rewards) if complete else None,
+        rollouts=[
+            GroupRolloutOut(m.rollout_ref, m.reward, m.caller_reward, m.ruler_score, m.ruler_explanation, m.metrics)
+            for m in row.members
+        ],
+        ruler=row.ruler,
+        judge_usage=row.judge_usage,
+        metadata=row.metadata,
+        trained_step=row.trained_step,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
 
 
 def public_ruler(spec: RulerIn) -> dict[str, Any]:

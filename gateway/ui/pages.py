@@ -9,11 +9,11 @@ from urllib.parse import urlencode
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.auth import Caller
 from gateway.errors import invalid_request
-from gateway.groups.schemas import GroupOut
 from gateway.groups.service import GroupService, split_ref
 from gateway.rollouts import RolloutService
 from gateway.ui.tokens import decoder_for
 from gateway.ui.views import advantages, parse_since, step_charts, token_view
+from store.api import GroupOut
 from store.calls import RolloutFilter
 from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory

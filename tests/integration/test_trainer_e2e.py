@@ -30,6 +30,7 @@ import openai
 import pytest
 
 from artgw import demo_task
+from client import ArtClient
 from tests.conftest import Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
 
 pytestmark = pytest.mark.engine
@@ -141,7 +142,8 @@ def test_grpo_steps_raise_held_out_reward_while_serving(
             for scenario in chosen:
                 attempts = [e for e in done if e.scenario_id == scenario.id]
                 group_ids.append(f"g-{round_}-{scenario.id}")
-                demo_task.post_group(rl_gateway.url, MODEL, attempts, key=rl_gateway.admin_key, group_id=group_ids[-1])
+                with ArtClient(rl_gateway.url, rl_gateway.admin_key, timeout=60) as gateway:
+                    demo_task.post_group(gateway, MODEL, attempts, group_id=group_ids[-1])
             served_steps.append(wait_trained(rl_gateway, group_ids, trainer))
         after = held_out_reward(rl_gateway, bias, "after")
     seconds = time.monotonic() - started

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -99,7 +100,7 @@ def site(vllm_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFacto
         group_ids = []
         for scenario_id in dict.fromkeys(e.scenario_id for e in episodes):
             attempts = [e for e in episodes if e.scenario_id == scenario_id]
-            body = demo_task.group_body(MODEL, attempts, group_id=f"ui-group-{scenario_id}")
+            body = msgspec.to_builtins(demo_task.group_body(MODEL, attempts, group_id=f"ui-group-{scenario_id}"))
             if len({r["reward"] for r in body["rollouts"]}) == 1:
                 # All attempts scored alike (vLLM's sampling is not seeded; 1 run in 64 for both groups): no
                 # learning signal, and the trainer would take no step, which the pages need. One reward flipped.

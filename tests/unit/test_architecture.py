@@ -1,9 +1,9 @@
 """The rooms of the house: which package may import which, and no import cycles.
 
 store/ (shared, no HTTP) ← recording/ (each call to the store exactly once) and engine/ (the vLLM supervisor, on
-its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API) ← trainer/ (torch);
-ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module
-level or not) and on what a real `import trainer.train` loads.
+its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API, its only caller) ←
+trainer/ (torch); ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import
+statement, module level or not) and on what a real `import trainer.train` loads.
 """
 
 from __future__ import annotations
@@ -174,3 +174,83 @@ def test_the_inference_apis_side_by_side() -> None:
         for api in ("chat", "completions", "messages", "responses")
     }
     assert sorted(p.name for p in apis.glob("*.py")) == ["__init__.py", "routes.py"]
+
+
+# ---------------------------------------------------------------- one client of the /v1/art API (#26)
+
+# The HTTP libraries a module could call the gateway with.
+HTTP_LIBRARIES = {"httpx", "requests", "aiohttp", "urllib.request", "http.client", "urllib3"}
+# The modules of artgw/ and trainer/ that may import one, and why: neither for the /v1/art API.
+HTTP_ALLOWED = {
+    "artgw.cli": "names httpx's transport errors, to word a gateway that does not answer as one line",
+    "artgw.demo": "polls the gateway's and the trainer's /readyz until they are up",
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes of a module, its classes and functions: documentation, never a URL."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def art_urls(source: str) -> list[str]:
+    """The strings of `source` that build a path or URL of the gateway's /v1/art API: `/v1/art` at the start of a
+    string or of an f-string's literal part (`f"{url}/v1/art/keys"`), or after anything but whitespace
+    (`"http://host/v1/art"`). Prose names an endpoint after a space (`"what GET /v1/art/models/NAME says"`, an
+    option's help, an error message) and is not one; docstrings are documentation and are not read."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            text = node.value
+            at = text.find("/v1/art")
+            while at != -1:
+                if at == 0 or not text[at - 1].isspace():
+                    found.append(text)
+                    break
+                at = text.find("/v1/art", at + 1)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("source", "builds"),
+    [
+        ('httpx.get(f"{url}/v1/art/groups/{g}")', True),
+        ('client.request("DELETE", "/v1/art/keys/" + key)', True),
+        ('URL = "http://127.0.0.1:8000/v1/art/models"', True),
+        ('path = f"/v1/art/models/{name}"', True),
+        ('help = "print what GET /v1/art/models/NAME says"', False),
+        ('raise Error(f"POST /v1/art/keys answered {status}")', False),
+        ('def f():\n    """Reads `/v1/art/groups`."""', False),
+    ],
+)
+def test_the_check_for_art_urls_tells_a_url_from_prose(source: str, builds: bool) -> None:
+    assert bool(art_urls(source)) is builds
+
+
+def test_only_the_client_calls_the_art_api() -> None:
+    """One client (#26): client/art.py's ArtClient is the only code that speaks the gateway's /v1/art API. No module
+    of the CLI (artgw/) or the trainer builds a /v1/art path or URL (art_urls says how one is told from prose), and
+    only the modules in HTTP_ALLOWED import an HTTP library, for what it names there. (The demo's agent calls the
+    OpenAI-compatible /v1 API through the OpenAI SDK: that is the app's, not the art API.)"""
+    builders, importers = [], set()
+    for name, path in _modules().items():
+        if name.split(".")[0] not in ("artgw", "trainer"):
+            continue
+        builders += [f"{name}: {text!r}" for text in art_urls(path.read_text())]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):  # `from urllib import request` too
+                names += [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(n in HTTP_LIBRARIES or n.split(".")[0] in HTTP_LIBRARIES for n in names):
+                importers.add(name)
+    assert builders == []
+    assert importers <= set(HTTP_ALLOWED), sorted(importers - set(HTTP_ALLOWED))
+    # The client does build them: the check reads the right files.
+    assert art_urls((ROOT / "client" / "art.py").read_text())

@@ -119,11 +119,11 @@ def test_call_logit_bias_leaves_one_token_at_each_position_but_the_value(tiny_to
 def test_group_body_carries_every_attempt_with_its_reward() -> None:
     episodes = [Episode("train-0-1", f"r{i}", True, "yes", float(i % 2), reported=True) for i in range(4)]
     body = demo_task.group_body("my-agent", episodes, group_id="g-1")
-    assert body["model"] == "my-agent" and body["group_id"] == "g-1"
-    assert [r["rollout_id"] for r in body["rollouts"]] == ["r0", "r1", "r2", "r3"]
-    assert [r["reward"] for r in body["rollouts"]] == [0.0, 1.0, 0.0, 1.0]
-    assert all(r["metrics"] == {"called_tool": 1.0, "reported": 1.0} for r in body["rollouts"])
-    assert body["metadata"]["scenario"] == "train-0-1"
+    assert body.model == "my-agent" and body.group_id == "g-1"
+    assert [r.rollout_id for r in body.rollouts] == ["r0", "r1", "r2", "r3"]
+    assert [r.reward for r in body.rollouts] == [0.0, 1.0, 0.0, 1.0]
+    assert all(r.metrics == {"called_tool": 1.0, "reported": 1.0} for r in body.rollouts)
+    assert body.metadata is not None and body.metadata["scenario"] == "train-0-1"
 
 
 class FakeCompletions:
