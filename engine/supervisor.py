@@ -570,8 +570,8 @@ class EngineSupervisor:
     async def _watch_loop(self) -> None:
         while not self._stopping:
             why = await self._until_down(self._spawns[-1])
-            if self._stopping:
-                return
+            if self._stopping:  # stop() may have set it during the await (mypy keeps the loop's narrowing)
+                return  # type: ignore[unreachable]
             # Calls that fail from now on are told the engine is restarting (503), not that it is gone.
             self.state = "restarting"
             log.error("%s: ending all its processes and restarting it", why)

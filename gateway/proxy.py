@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import aiohttp
 import anyio
 import msgspec
+import tenacity
 from opentelemetry.trace import Span
 
 from engine.supervisor import EngineState
@@ -100,6 +101,14 @@ ENGINE_DATA_ERRORS = (msgspec.DecodeError, KeyError, TypeError, AttributeError, 
 # connection (ClientConnectorError, a subclass: the engine is down or restarting) is not sent again.
 RESENDABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 ENGINE_SENDS = 3  # a burst can find more than one dropped connection in the pool
+
+
+def _resendable(exc: BaseException) -> bool:
+    return isinstance(exc, RESENDABLE) and not isinstance(exc, aiohttp.ClientConnectorError)
+
+
+async def _at_once(_seconds: float) -> None:
+    """tenacity's sleep between two sends to the engine: none, the next goes out at once."""
 
 
 class Wire(Protocol):
@@ -391,17 +400,29 @@ class EngineCalls:
         send = functools.partial(
             self.session.post, self.upstream_url + path, data=body, headers=call.engine_headers, timeout=self.timeout
         )
-        for _ in range(ENGINE_SENDS - 1):
-            try:
-                return await send()
-            except RESENDABLE as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):
-                    raise
-                log.warning(
-                    "the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc
-                )
-                self.metrics.engine_resent(call.label, type(exc).__name__)
-        return await send()
+        # The first send outside tenacity: nearly every call is answered by it, and a retry object costs ~0.1 ms.
+        try:
+            return await send()
+        except RESENDABLE as exc:
+            if not _resendable(exc):
+                raise
+            self._resending(call, exc)
+        resends = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(ENGINE_SENDS - 1),
+            retry=tenacity.retry_if_exception(_resendable),
+            sleep=_at_once,
+            # tenacity sets the outcome before it sleeps.
+            before_sleep=lambda state: self._resending(call, state.outcome.exception()),  # type: ignore[union-attr]
+            reraise=True,
+        )
+        async for attempt in resends:  # not resends(send): tenacity would call `send` as a plain function
+            with attempt:
+                response = await send()
+        return response
+
+    def _resending(self, call: _Call, exc: BaseException | None) -> None:
+        log.warning("the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc)
+        self.metrics.engine_resent(call.label, type(exc).__name__)
 
     async def _splice(self, call: _Call) -> Splice | None:
         """The splice a chat call that continues its rollout is served from; None: served as sent."""

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.trace import SpanKind, Tracer
 
@@ -40,7 +40,7 @@ def _litellm() -> ModuleType:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
-    return litellm
+    return cast(ModuleType, litellm)  # the type checker skips litellm (pyproject.toml): it is Any there
 
 
 def _is_transient(exc: Exception, litellm: ModuleType) -> bool:

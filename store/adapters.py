@@ -141,7 +141,7 @@ async def set_status(
             sa.update(adapters).where(adapters.c.model == model, adapters.c.step.in_(steps)).values(status=status)
         )
         if status in ("loaded", "unloaded"):
-            await record_events(conn, model, steps, status, detail)  # type: ignore[arg-type]
+            await record_events(conn, model, steps, status, detail)
         elif status == "broken":
             await record_events(conn, model, steps, "load_failed", detail)
 
@@ -198,7 +198,7 @@ class TrainerSummary(msgspec.Struct, frozen=True):
 async def trainer_summaries(conn: AsyncConnection) -> dict[str, TrainerSummary]:
     """Per model: how many steps served, and the metrics of the newest."""
     committed = adapters.c.status.in_(_COMMITTED)
-    counts = dict(
+    counts: dict[str, int] = dict(
         (await conn.execute(sa.select(adapters.c.model, sa.func.count()).where(committed).group_by(adapters.c.model)))
         .tuples()
         .all()

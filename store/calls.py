@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -40,7 +40,7 @@ class RolloutFilter(msgspec.Struct, frozen=True, kw_only=True):
 EVERY_ROLLOUT = RolloutFilter()
 
 
-def _upsert(dialect: str):  # type: ignore[no-untyped-def]
+def _upsert(dialect: str) -> Callable[[sa.Table], postgresql.Insert | sqlite.Insert]:
     return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 

@@ -208,6 +208,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
     if has_messages:
         # The messages' key stays, as a null placeholder: the request comes back with its keys in their order.
         rest_dict = {k: None if k == "messages" else v for k, v in record.request.items()}
+        # has_messages: a list (mypy does not narrow raw_messages through the flag).
         messages: list[bytes] | None = [_encode_json(m) for m in raw_messages]  # type: ignore[union-attr]
     else:
         rest_dict, messages = record.request, None
@@ -253,6 +254,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "request": None if same_rest else rest_dict,
         "messages_base_choice": choices[1],
         "messages_prefix_len": messages_len if has_messages else None,
+        # has_messages: a list (mypy does not narrow raw_messages through the flag).
         "messages_suffix": raw_messages[messages_len:] if has_messages else None,  # type: ignore[index]
         "prompt_base_choice": choices[0],
         "prompt_prefix_len": prompt_len,

@@ -11,7 +11,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
@@ -23,7 +23,7 @@ def _json(value: object) -> str:
 
 def _sqlite_pragmas(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _pragmas(dbapi_connection: Any, _record: Any) -> None:  # sqlite3.Connection (DB-API: untyped)
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
         cursor.execute("PRAGMA synchronous=NORMAL")
@@ -50,7 +50,7 @@ def _connect_errors_as_dbapi_errors(engine: Engine) -> None:
     on unwrapped; re-raised as the driver's OperationalError, every store outage is one SQLAlchemy error kind."""
 
     @event.listens_for(engine, "do_connect")
-    def _connect(dialect, _record, cargs, cparams):  # type: ignore[no-untyped-def]
+    def _connect(dialect: Dialect, _record: Any, cargs: list[Any], cparams: dict[str, Any]) -> Any:
         try:
             return dialect.loaded_dbapi.connect(*cargs, **cparams)
         except (OSError, TimeoutError) as exc:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -66,7 +66,7 @@ class TrainSequence:
             if not _is_int(sampled) or sampled not in (0, 1):
                 raise ValueError(f"sampled_mask[{i}] must be 0 or 1, got {sampled!r}")
             # A missing or non-finite logprob on a trained token would turn the importance ratio into NaN/inf.
-            if sampled and not (_is_number(logprob) and math.isfinite(logprob)):  # type: ignore[arg-type]
+            if sampled and not (_is_number(logprob) and math.isfinite(logprob)):
                 raise ValueError(f"logprobs[{i}] of a sampled token must be a finite float, got {logprob!r}")
 
 
@@ -200,6 +200,7 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, max_tokens_per_row: in
                 labels[start + t] = s.token_ids[t + 1]
                 if s.sampled_mask[t + 1]:
                     loss_mask[start + t] = True
+                    # A sampled token's logprob is a number: Sample checked it (its type allows None for context).
                     sampled_logprobs[start + t] = float(s.logprobs[t + 1])  # type: ignore[arg-type]
                     token_trajectory[start + t] = s.trajectory
             # The row of grammar_bitmask for the token at p is the label of position p - 1.
@@ -263,5 +264,5 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)

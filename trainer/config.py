@@ -251,15 +251,15 @@ class TrainConfig:
             raise ValueError(f"--master-port must be a TCP port (1 to 65535), got {self.master_port}")
         if not self.target_modules:
             raise ValueError("--target-modules must name at least one module")
-        for flag, value, choices in (
+        for flag, choice, choices in (
             ("--scale-rewards", self.scale_rewards, get_args(ScaleRewards)),
             ("--normalization", self.normalization, get_args(NormalizationName)),
             ("--loss", self.loss_name, get_args(LossName)),
             ("--device", self.device, get_args(Device)),
             ("--gradient-checkpointing", self.gradient_checkpointing, get_args(GradientCheckpointing)),
         ):
-            if value not in choices:
-                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+            if choice not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {choice!r}")
         if self.wandb_project is not None:
             # W&B's own rule for a project name (what would appear in its URL).
             if not 1 <= len(self.wandb_project) <= 128 or set(self.wandb_project) & set(WANDB_NAME_FORBIDDEN):
@@ -267,8 +267,8 @@ class TrainConfig:
                     f"--wandb-project must be a W&B project name: 1 to 128 characters, none of "
                     f"{' '.join(WANDB_NAME_FORBIDDEN.strip())}, got {self.wandb_project!r}"
                 )
-        for flag, value in (("--wandb-entity", self.wandb_entity), ("--wandb-run-name", self.wandb_run_name)):
-            if value is not None and self.wandb_project is None:
+        for flag, given in (("--wandb-entity", self.wandb_entity), ("--wandb-run-name", self.wandb_run_name)):
+            if given is not None and self.wandb_project is None:
                 raise ValueError(f"{flag} names a W&B run: give --wandb-project too (W&B logging is off without it)")
         if self.wandb_entity is not None and (not self.wandb_entity.strip() or "/" in self.wandb_entity):
             raise ValueError(f"--wandb-entity must be a W&B team or user name, got {self.wandb_entity!r}")

@@ -101,11 +101,14 @@ def init(config: TrainConfig) -> None:
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if cuda:  # one GPU per local rank: "cuda" then means this rank's own
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    store, rank, world_size = next(dist.rendezvous("env://"))
+    # rendezvous, PrefixStore: torch.distributed imports them without listing them in an __all__.
+    store, rank, world_size = next(dist.rendezvous("env://"))  # type: ignore[attr-defined]
     # The agent's store outlives a restart of the group: what the dead attempt's ranks wrote there (where to
     # reach them) would be read as this attempt's, and the ranks would call dead ports (pytorch#135712). Each
     # attempt gets keys of its own.
-    attempt = dist.PrefixStore(f"artgw-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = dist.PrefixStore(  # type: ignore[attr-defined]
+        f"artgw-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+    )
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=attempt, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -174,7 +177,8 @@ def launch(config: TrainConfig, main: Callable[[TrainConfig], int]) -> None:
         # The workers stop as one process does, finishing or abandoning the step in hand (rank 0 tells the others
         # when), and return; the agent collects them. They may have had it already: one Ctrl-C reaches them all.
         for child in multiprocessing.active_children():
-            os.kill(child.pid, signum)
+            if child.pid is not None:  # always set on a started (active) child
+                os.kill(child.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -32,11 +32,14 @@ import functools
 import json
 import re
 from collections.abc import Iterable
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import xgrammar as xgr
 from torch import Tensor
 from xgrammar import structural_tag as st
+
+if TYPE_CHECKING:
+    from xgrammar.openai_tool_call_schema import ToolParam
 
 __all__ = ["GrammarMasks", "GrammarSpec", "grammar_spec"]
 
@@ -189,7 +192,9 @@ def _structured_outputs(request: dict[str, Any]) -> dict[str, Any] | None:
     """The request's one structured-output constraint ({field: value}), `response_format` applied; None: none."""
     fields = {k: v for k, v in (request.get("structured_outputs") or {}).items() if k in _CONSTRAINTS}
     response_format = request.get("response_format")
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if not isinstance(response_format, dict):
+        response_format = {}
+    kind = response_format.get("type")
     if kind == "json_object":
         fields["json_object"] = True
     elif kind == "json_schema":
@@ -288,7 +293,7 @@ def _hermes_tag(
         # Free text or the structured output, or tool calls: the tools' "required" tag or'ed with the output.
         output = _output_format(structured)
         tool_choice = "required"
-    dumped = [
+    dumped: list[ToolParam | dict[Any, Any]] = [
         {
             "type": "function",
             "function": {
@@ -325,7 +330,8 @@ def _arguments_schema(function: Any) -> dict[str, Any] | bool:
     """A call's arguments: the tool's schema when it is strict; any JSON otherwise, or when it has none."""
     if function.strict is False or function.parameters is None:
         return True
-    return function.parameters
+    parameters: dict[str, Any] = function.parameters
+    return parameters
 
 
 def _output_format(structured: dict[str, Any]) -> st.Format:

@@ -58,7 +58,11 @@ def chunked_token_logprobs(
     """
     _check_inputs(hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask, validate)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _ChunkedLogprobs.apply(hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask, need_grad)
+    # Function.apply carries no annotations: it returns what forward does.
+    logprobs: Tensor = _ChunkedLogprobs.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, token_ids, chunk_size, allowed_index, allowed_bitmask, need_grad
+    )
+    return logprobs
 
 
 def policy_token_logprobs(
@@ -123,7 +127,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """Forward computes log p(y) and, when needed, d log p(y) / d hidden per row; backward only scales the latter."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -166,7 +170,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         (jacobian,) = ctx.saved_tensors
         grad_hidden = (grad_output[:, None] * jacobian).to(ctx.hidden_dtype)
         return grad_hidden, None, None, None, None, None, None
@@ -280,7 +284,8 @@ def _causal_lm(model: Any) -> Any:
     causal_lm = model.get_base_model() if peft_config is not None else model
     head = causal_lm.get_output_embeddings()
     # An exact nn.Linear: a PEFT layer wrapping the head (a LoRA on lm_head) would add a delta we'd skip.
-    if type(head) is not torch.nn.Linear or head.bias is not None:
+    # getattr: torch types Linear.bias as always a Parameter (it is None when built with bias=False).
+    if type(head) is not torch.nn.Linear or getattr(head, "bias", None) is not None:
         raise ValueError(
             f"the output layer must be a plain nn.Linear without bias (logits = hidden @ W.T), got {head!r}"
         )

@@ -227,7 +227,7 @@ def grpo_loss(
     if totals is not None and tuple(totals.tokens_per_trajectory.shape) != (n,):
         raise ValueError(f"totals must count {n} trajectories, got {tuple(totals.tokens_per_trajectory.shape)}")
     whole = totals is None
-    if whole:  # these rows are the whole batch: counted (and their indices checked) before they index anything
+    if totals is None:  # these rows are the whole batch: counted (and their indices checked) before they index anything
         totals = batch_totals(token_trajectory, mask, n)
         config.check_totals(totals)
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 import regex
+import tenacity
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 from referencing.exceptions import Unresolvable
@@ -435,33 +436,51 @@ async def _webhook(
     )
     where = _public_url(spec.url)
     attempts = spec.retries + 1
-    problem = ""
-    for attempt in range(1, attempts + 1):
-        if attempt > 1:
-            await asyncio.sleep(WEBHOOK_BACKOFF_SECONDS * 2 ** (attempt - 2))
-        try:
-            async with asyncio.timeout(spec.timeout_seconds):  # the whole exchange, not each read
-                status, reply = await _post(http, spec, body)
-        except (TimeoutError, httpx.TimeoutException):
-            problem = f"timed out after {spec.timeout_seconds:g} s"
-            continue
-        except httpx.TransportError as exc:
-            problem = f"{type(exc).__name__}: {_one_line(str(exc)) or 'connection failed'}"
-            continue
-        if status >= 500:
-            problem = f"HTTP {status}"
-            continue
-        if not 200 <= status < 300:
-            why = "redirects are not followed" if 300 <= status < 400 else "not retried"
-            # The reply's text goes to the log only: the evaluation's error is shown to every `read` key of the
-            # model, and a webhook's error page may say what they should not see.
-            log.warning("webhook %s answered HTTP %d: %s", where, status, _one_line(reply.decode(errors="replace")))
-            raise GraderFailed(
-                f"webhook {where} failed after {_attempts(attempt)}: HTTP {status} ({why}; its reply is in the "
-                "gateway's log)"
-            )
-        return _reward(reply, where=where, attempt=attempt)
-    raise GraderFailed(f"webhook {where} failed after {_attempts(attempts)}: {problem}")
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(attempts),
+        # Before attempt k + 1: WEBHOOK_BACKOFF_SECONDS * 2**(k-1).
+        wait=tenacity.wait_exponential(multiplier=WEBHOOK_BACKOFF_SECONDS, exp_base=2),
+        retry=tenacity.retry_if_exception_type(_WebhookRetry),
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                status, reply = await _post_once(http, spec, body)
+    except _WebhookRetry as exc:  # the last attempt's problem
+        raise GraderFailed(f"webhook {where} failed after {_attempts(attempts)}: {exc.problem}") from None
+    tried = attempt.retry_state.attempt_number
+    if not 200 <= status < 300:
+        why = "redirects are not followed" if 300 <= status < 400 else "not retried"
+        # The reply's text goes to the log only: the evaluation's error is shown to every `read` key of the
+        # model, and a webhook's error page may say what they should not see.
+        log.warning("webhook %s answered HTTP %d: %s", where, status, _one_line(reply.decode(errors="replace")))
+        raise GraderFailed(
+            f"webhook {where} failed after {_attempts(tried)}: HTTP {status} ({why}; its reply is in the gateway's log)"
+        )
+    return _reward(reply, where=where, attempt=tried)
+
+
+class _WebhookRetry(Exception):
+    """An attempt worth another: it timed out, could not connect or was cut, or the webhook answered a 5xx."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+async def _post_once(http: httpx.AsyncClient, spec: WebhookGrader, body: bytes) -> tuple[int, bytes]:
+    """One attempt's (status, reply); _WebhookRetry when it failed in a way another attempt may not."""
+    try:
+        async with asyncio.timeout(spec.timeout_seconds):  # the whole exchange, not each read
+            status, reply = await _post(http, spec, body)
+    except (TimeoutError, httpx.TimeoutException):
+        raise _WebhookRetry(f"timed out after {spec.timeout_seconds:g} s") from None
+    except httpx.TransportError as exc:
+        raise _WebhookRetry(f"{type(exc).__name__}: {_one_line(str(exc)) or 'connection failed'}") from None
+    if status >= 500:
+        raise _WebhookRetry(f"HTTP {status}")
+    return status, reply
 
 
 def _reward(reply: bytes, *, where: str, attempt: int) -> float:
