@@ -204,6 +204,14 @@ class GatewayMetrics:
         self.in_flight = Gauge("artgw_requests_in_flight", "Calls being served now.", ["model"], registry=r)
         self.judge_calls = Counter("artgw_ruler_judge_calls", "RULER judge calls.", ["model"], registry=r)
         self.judge_errors = Counter("artgw_ruler_judge_errors", "RULER groups that failed.", ["model"], registry=r)
+        self.judge_spread = Histogram(
+            "artgw_ruler_judge_spread",
+            "How much a RULER panel's judgements of a group disagree: the mean over its rollouts of the standard "
+            "deviation of their scores (0: every judgement alike; groups judged once are not counted).",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5),
+            registry=r,
+        )
         self.judge_duration = Histogram(
             "artgw_ruler_judge_duration_seconds",
             "Time to score one group with RULER.",
@@ -304,7 +312,18 @@ class GatewayMetrics:
                 if sequence.split_cause is not None:
                     self.sequence_splits.labels(model, sequence.split_cause).inc()
 
-    def judged(self, model: str, seconds: float, calls: int, prompt_tokens: int, completion_tokens: int) -> None:
+    def judged(
+        self,
+        model: str,
+        seconds: float,
+        calls: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        spread: float | None = None,
+    ) -> None:
+        """A group scored; `spread`: a panel's judgements' mean disagreement over it (None: one judgement)."""
+        if spread is not None:
+            self.judge_spread.labels(model).observe(spread)
         self.judge_calls.labels(model).inc(calls)
         self.judge_duration.labels(model).observe(seconds)
         self.judge_tokens.labels(model, "prompt").inc(prompt_tokens)

@@ -8,6 +8,7 @@ from ruler._prompt import (
     DEFAULT_RUBRIC,
     build_judge_messages,
     cache_key,
+    check_criteria,
     common_prefix_length,
     parse_judge_answer,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "agreement",
     "build_judge_messages",
     "cache_key",
+    "check_criteria",
     "check_judge_model",
     "common_prefix_length",
     "judge_group",

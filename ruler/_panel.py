@@ -1,7 +1,8 @@
 """judge_group: several judges, several samples each, the trajectories shown in a different order each time.
 
-One judgement is one `score_group` call (one judge, one order). The orders are rotations of one base order
-(a shuffle seeded by the group's key): judgement s shows the trajectory at base position (k + s) mod n k-th.
+One judgement is one `score_group` call (one judge, one order). With several samples the orders are rotations
+of one base order (a shuffle seeded by the group's key): sample s shows the trajectory at base position
+(k + s) mod n k-th; with one sample a judge sees the group in its own order, as a single judgement always did.
 With `samples` a multiple of the group's size every trajectory is shown in every position equally often, so a
 judge's position bias cancels exactly; with fewer it is spread as evenly as rotations allow. Two judgements
 that show the same order to the same judge are one prompt: it is asked once (and cached as any prompt).
@@ -137,14 +138,16 @@ async def judge_group(
     criteria: Sequence[Criterion] = (),
     cache: JudgeCache | None = None,
     max_concurrent: int = 4,
+    slots: asyncio.Semaphore | None = None,
     max_retries: int = 3,
     backoff_seconds: float = 0.5,
     tracer: Tracer | None = None,
 ) -> PanelResult:
     """Score a group with every judge `samples` times (module docstring). `key` names the group (its id): the
     orders follow from it, the same for every run. `permute=False` shows every sample the group's own order
-    (position bias kept: for comparison). At most `max_concurrent` judge calls run at once; a judge that fails
-    fails the whole group (RulerError), as one judge does alone."""
+    (position bias kept: for comparison). At most `max_concurrent` judge calls run at once (or as many as
+    `slots` lets through, a semaphore shared with other groups); a judge that fails fails the whole group
+    (RulerError), as one judge does alone."""
     if not judges:
         raise ValueError("judge_group needs at least one judge")
     if samples < 1:
@@ -153,8 +156,8 @@ async def judge_group(
         raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
     check_criteria(criteria)
     n = len(trajectories)
-    shown = orders(n, samples, key) if permute else [list(range(n))] * samples
-    slots = asyncio.Semaphore(max_concurrent)
+    shown = orders(n, samples, key) if permute and samples > 1 else [list(range(n))] * samples
+    slots = slots or asyncio.Semaphore(max_concurrent)
     asked: dict[tuple[int, tuple[int, ...]], asyncio.Task[Any]] = {}
 
     async def one(judge: Judge, order: list[int]) -> Any:

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import msgspec
 
 from store.adapters import AdapterEvent, AdapterRow
+from store.groups import CheckOutcome
 from store.judge_report import RubricAgreement
 from store.keys import ApiKey, Scope
 from store.promotions import EvaluationRow, PromotionRow
@@ -117,12 +118,42 @@ class RolloutIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics: dict[str, float] | None = None
 
 
-class RulerIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The judge that scores a posted group's members (RULER)."""
+MAX_JUDGES = 8
+MAX_SAMPLES = 16
+MAX_CRITERIA = 16
+MAX_CHECKS = 16
 
-    judge_model: str  # any litellm model: "openai/gpt-4o", "hosted_vllm/<name>", ...
+
+class JudgeIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One judge of a panel: a litellm model and its parameters (secrets never stored or echoed)."""
+
+    judge_model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    litellm_params: dict[str, Any] = {}
+
+
+class CriterionIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A part of the task the judges score on its own; the score is the criteria's weighted mean."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Annotated[str, msgspec.Meta(min_length=1, max_length=2000)]
+    weight: Annotated[float, msgspec.Meta(ge=0, le=1000)] = 1.0
+
+
+class RulerIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who scores a posted group's members (RULER): one judge (`judge_model`) or a panel (`judges`), each
+    `samples` times in permuted orders, on the whole task or on `criteria`, with rule `checks` beside them."""
+
+    judge_model: str | None = None  # any litellm model: "openai/gpt-4o", "hosted_vllm/<name>", ...
     rubric: str | None = None
     litellm_params: dict[str, Any] = {}  # passed to litellm as is; secrets are never stored or echoed
+    judges: Annotated[list[JudgeIn], msgspec.Meta(max_length=MAX_JUDGES)] = []  # instead of judge_model
+    samples: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAMPLES)] = 1  # judgements per judge, each its own order
+    criteria: Annotated[list[CriterionIn], msgspec.Meta(max_length=MAX_CRITERIA)] = []
+    # The eval sets' graders (exact, regex, json_schema, tool_call, webhook) with `on_fail` and `weight`:
+    # decoded by the gateway (gateway/groups/checks.py GroupCheck), where the graders live.
+    checks: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=MAX_CHECKS)] = []
+    # Judgements that disagree more than this (the group's mean spread of scores) fail the group: not trained.
+    max_spread: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
 
 
 class GroupCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -144,6 +175,9 @@ class GroupRolloutOut(msgspec.Struct, frozen=True):
     ruler_score: float | None
     ruler_explanation: str | None
     metrics: dict[str, float] | None
+    ruler_criteria: dict[str, float] | None = None  # each criterion's score (the judges' aggregate)
+    ruler_spread: float | None = None  # how much the judgements disagree on it (std of its scores)
+    checks: list[CheckOutcome] | None = None  # each rule check: passed, and what failing did
 
 
 class GroupOut(msgspec.Struct, frozen=True):
@@ -165,6 +199,8 @@ class GroupOut(msgspec.Struct, frozen=True):
     created_at: float
     updated_at: float
     object: str = "art.group"
+    judge_spread: float | None = None  # a panel's judgements: their mean disagreement over the group
+    judge_agreement: float | None = None  # ... and their mean pairwise Spearman correlation
 
 
 class GroupPage(msgspec.Struct, frozen=True):

@@ -239,8 +239,10 @@ async def scored(
     *,
     judge_spread: float | None = None,
     judge_agreement: float | None = None,
+    dropped: str | None = None,
 ) -> None:
-    """scoring → ready: RULER's scores become the rewards."""
+    """scoring → ready: RULER's scores become the rewards (→ failed, scores kept, when `dropped` says why the
+    group must not be trained: its judges disagree too much)."""
     for score in scores:
         await conn.execute(
             sa.update(group_members)
@@ -257,12 +259,13 @@ async def scored(
     await _move(
         conn,
         [group_id],
-        "ready",
+        "ready" if dropped is None else "failed",
         source=("scoring",),
         judge_usage=judge_usage,
         no_signal=no_signal,
         judge_spread=judge_spread,
         judge_agreement=judge_agreement,
+        failure_reason=dropped,
     )
 
 

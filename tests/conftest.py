@@ -24,6 +24,7 @@ import pytest
 
 from engine.supervisor import EngineConfig
 from store.records import CallRecord, CallStatus, ChoiceRecord
+from tests.stand_in_judge import Answer, StandInJudge
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
@@ -691,3 +692,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("engine") is not None:
             item.add_marker(pytest.mark.xdist_group("engine"))
+
+
+@pytest.fixture
+def stand_in() -> Iterator[Callable[[Answer], StandInJudge]]:
+    """Makes stand-in judges (tests/stand_in_judge.py) and shuts them down after the test."""
+    made: list[StandInJudge] = []
+
+    def make(answer: Answer) -> StandInJudge:
+        made.append(StandInJudge(answer))
+        return made[-1]
+
+    yield make
+    for judge in made:
+        judge.close()

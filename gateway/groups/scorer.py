@@ -12,11 +12,13 @@ import logging
 import time
 from typing import Any
 
+import httpx
 import msgspec
 from opentelemetry.trace import Tracer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
+from gateway.groups.checks import GroupCheck, checked_reward, run_checks
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import scoring_ended, scoring_span
 from store.access import EVERYTHING
@@ -26,6 +28,17 @@ from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
 
 log = logging.getLogger("artgw.groups")
+
+
+def judges_of(spec: RulerIn) -> list[ruler.Judge]:
+    """The panel a group asks for: its `judges`, or the one `judge_model`."""
+    return ruler.judges_of(
+        spec.judge_model, spec.litellm_params, [ruler.Judge(j.judge_model, j.litellm_params) for j in spec.judges]
+    )
+
+
+def criteria_of(spec: RulerIn) -> list[ruler.Criterion]:
+    return [ruler.Criterion(c.name, c.description, c.weight) for c in spec.criteria]
 
 
 def no_signal(rewards: list[float]) -> bool:
@@ -40,6 +53,7 @@ class Scorer:
         reader: RolloutReader,
         judge_cache: StoreJudgeCache,
         metrics: GatewayMetrics,
+        http: httpx.AsyncClient,
         *,
         max_concurrent_judges: int = 4,
         tracer: Tracer | None = None,
@@ -49,6 +63,7 @@ class Scorer:
         self.reader = reader
         self.judge_cache = judge_cache
         self.metrics = metrics
+        self.http = http  # the webhook checks' client
         self.judge_slots = asyncio.Semaphore(max_concurrent_judges)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -77,35 +92,64 @@ class Scorer:
     async def _judge(self, group_id: str, row: GroupRow, spec: RulerIn) -> None:
         usage: dict[str, Any] | None = None
         try:
-            trajectories = []
-            for member in row.members:
-                t = await self.reader.get(member.rollout_id, grant=EVERYTHING, choice=member.choice)
-                trajectories.append(ruler.Trajectory(messages=t.messages, tools=t.tools))
-            async with self.judge_slots:
-                started = time.monotonic()
-                result = await ruler.score_group(
-                    trajectories,
-                    judge_model=spec.judge_model,
-                    rubric=spec.rubric or ruler.DEFAULT_RUBRIC,
-                    litellm_params=spec.litellm_params,
-                    cache=self.judge_cache,
-                    tracer=self.tracer,
-                )
+            recorded = [
+                await self.reader.get(member.rollout_id, grant=EVERYTHING, choice=member.choice)
+                for member in row.members
+            ]
+            trajectories = [ruler.Trajectory(messages=t.messages, tools=t.tools) for t in recorded]
+            started = time.monotonic()
+            result = await ruler.judge_group(
+                trajectories,
+                judges=judges_of(spec),
+                samples=spec.samples,
+                key=group_id,  # the orders a group is shown in follow from its id: the same on every run
+                rubric=spec.rubric or ruler.DEFAULT_RUBRIC,
+                criteria=criteria_of(spec),
+                cache=self.judge_cache,
+                slots=self.judge_slots,
+                tracer=self.tracer,
+            )
+            panel = len(result.judgements) > 1
             self.metrics.judged(
                 row.model,
                 time.monotonic() - started,
                 result.usage.judge_calls,
                 result.usage.prompt_tokens,
                 result.usage.completion_tokens,
+                result.group_spread if panel else None,
             )
             usage = msgspec.to_builtins(result.usage)
-            scoring_ended(len(row.members), usage, None)
-            scores = [
-                MemberScore(m.position, s.score, s.score, s.explanation)
-                for m, s in zip(row.members, result.scores, strict=True)
-            ]
+            checks = [msgspec.convert(check, GroupCheck) for check in spec.checks]
+            scores = []
+            for i, (member, score) in enumerate(zip(row.members, result.scores, strict=True)):
+                outcomes = await run_checks(checks, recorded[i].messages, recorded[i].tools, self.http, index=i)
+                scores.append(
+                    MemberScore(
+                        member.position,
+                        checked_reward(score.score, outcomes),  # the judge never overrides a failed check
+                        score.score,
+                        score.explanation,
+                        score.criteria,
+                        result.spread[i] if panel else None,
+                        outcomes or None,
+                    )
+                )
+            spread = result.group_spread if panel else None
+            dropped = None
+            if spread is not None and spec.max_spread is not None and spread > spec.max_spread:
+                dropped = f"the judges disagree: spread {spread:.3f} > max_spread {spec.max_spread:g}; not trained"
+            scoring_ended(len(row.members), usage, dropped)
             async with self.engine.begin() as conn:
-                await scored(conn, group_id, scores, usage, no_signal([s.reward for s in scores]))
+                await scored(
+                    conn,
+                    group_id,
+                    scores,
+                    usage,
+                    no_signal([s.reward for s in scores]),
+                    judge_spread=spread,
+                    judge_agreement=result.agreement if panel else None,
+                    dropped=dropped,
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # whatever the judge or litellm raised: the group fails with the reason

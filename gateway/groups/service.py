@@ -17,7 +17,8 @@ import ruler
 from gateway.adapters import AdapterRegistry
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
-from gateway.groups.scorer import Scorer, no_signal
+from gateway.groups.checks import GroupCheck
+from gateway.groups.scorer import Scorer, criteria_of, no_signal
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
@@ -60,7 +61,17 @@ def group_out(row: GroupRow) -> GroupOut:
         reward_mean=statistics.fmean(rewards) if complete else None,
         reward_std=statistics.pstdev(rewards) if complete else None,
         rollouts=[
-            GroupRolloutOut(m.rollout_ref, m.reward, m.caller_reward, m.ruler_score, m.ruler_explanation, m.metrics)
+            GroupRolloutOut(
+                m.rollout_ref,
+                m.reward,
+                m.caller_reward,
+                m.ruler_score,
+                m.ruler_explanation,
+                m.metrics,
+                m.ruler_criteria,
+                m.ruler_spread,
+                m.checks,
+            )
             for m in row.members
         ],
         ruler=row.ruler,
@@ -69,13 +80,43 @@ def group_out(row: GroupRow) -> GroupOut:
         trained_step=row.trained_step,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        judge_spread=row.judge_spread,
+        judge_agreement=row.judge_agreement,
     )
 
 
+def _public_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in _SECRET_PARAMS}
+
+
 def public_ruler(spec: RulerIn) -> dict[str, Any]:
-    """What is stored and shown of a RULER request: never a secret."""
-    params = {k: v for k, v in spec.litellm_params.items() if k not in _SECRET_PARAMS}
-    return {"judge_model": spec.judge_model, "rubric": spec.rubric or ruler.DEFAULT_RUBRIC, "litellm_params": params}
+    """What is stored and shown of a RULER request: never a secret (a webhook check's headers are left out
+    too: a group judged again after a restart sends its checks none)."""
+    shown: dict[str, Any] = {
+        "judge_model": spec.judge_model,
+        "rubric": spec.rubric or ruler.DEFAULT_RUBRIC,
+        "litellm_params": _public_params(spec.litellm_params),
+    }
+    if spec.judges:
+        shown["judges"] = [
+            {"judge_model": j.judge_model, "litellm_params": _public_params(j.litellm_params)} for j in spec.judges
+        ]
+    if spec.samples > 1:
+        shown["samples"] = spec.samples
+    if spec.criteria:
+        shown["criteria"] = msgspec.to_builtins(spec.criteria)
+    if spec.checks:
+        shown["checks"] = [_public_check(check) for check in spec.checks]
+    if spec.max_spread is not None:
+        shown["max_spread"] = spec.max_spread
+    return shown
+
+
+def _public_check(check: dict[str, Any]) -> dict[str, Any]:
+    grader = check.get("grader")
+    if isinstance(grader, dict) and "headers" in grader:
+        return {**check, "grader": {k: v for k, v in grader.items() if k != "headers"}}
+    return check
 
 
 def request_hash(spec: GroupCreate) -> str:
@@ -88,15 +129,35 @@ def request_hash(spec: GroupCreate) -> str:
 
 
 def _check_judge(spec: RulerIn) -> None:
-    try:
-        ruler.check_judge_model(spec.judge_model, spec.litellm_params)
-    except ruler.RulerError:
+    """400 for a panel that cannot run: no judge or two ways of naming one, a model litellm does not know,
+    criteria that clash, a check that does not decode."""
+    if (spec.judge_model is None) == (not spec.judges):
         raise invalid_request(
-            f"Unknown judge model `{spec.judge_model}`: name it as litellm does, e.g. `openai/gpt-4o-mini` "
-            "or `hosted_vllm/<served name>` with litellm_params.api_base.",
-            param="ruler.judge_model",
-            code="unknown_judge",
-        ) from None
+            "Name the judge with `judge_model`, or a panel with `judges`: one of the two.",
+            param="ruler.judges" if spec.judges else "ruler.judge_model",
+            code="invalid_judges",
+        )
+    named = [("ruler.judge_model", spec.judge_model, spec.litellm_params)] if spec.judge_model is not None else []
+    named += [(f"ruler.judges[{i}].judge_model", j.judge_model, j.litellm_params) for i, j in enumerate(spec.judges)]
+    for param, model, params in named:
+        try:
+            ruler.check_judge_model(model, params)
+        except ruler.RulerError:
+            raise invalid_request(
+                f"Unknown judge model `{model}`: name it as litellm does, e.g. `openai/gpt-4o-mini` "
+                "or `hosted_vllm/<served name>` with litellm_params.api_base.",
+                param=param,
+                code="unknown_judge",
+            ) from None
+    try:
+        ruler.check_criteria(criteria_of(spec))
+    except ValueError as exc:
+        raise invalid_request(f"`ruler.criteria`: {exc}.", param="ruler.criteria") from None
+    for i, check in enumerate(spec.checks):
+        try:
+            msgspec.convert(check, GroupCheck)
+        except msgspec.ValidationError as exc:
+            raise invalid_request(f"`ruler.checks[{i}]`: {exc}.", param=f"ruler.checks[{i}]") from None
 
 
 class GroupService:

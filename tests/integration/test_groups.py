@@ -321,6 +321,158 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     )
 
 
+def by_length(longer_is_better: bool):
+    """A stand-in judge's answer: each trajectory scored by the length of what it is shown."""
+
+    def answer(blocks, _request):
+        scores = {}
+        for tid, text in blocks:
+            share = min(1.0, len(text) / 400)
+            scores[tid] = {"explanation": f"{len(text)} characters", "score": share if longer_is_better else 1 - share}
+        return {"scores": scores}
+
+    return answer
+
+
+def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_gateway, stand_in) -> None:
+    """Two stand-in judges (tests/stand_in_judge.py: no paid judge runs here) through litellm: when they agree the
+    group is ready with each rollout's spread and the panel's agreement; when they disagree past `max_spread` the
+    group fails, says why, and keeps its scores to look at."""
+    agree_a, agree_b, contrary = stand_in(by_length(True)), stand_in(by_length(True)), stand_in(by_length(False))
+    rollouts = [
+        record(stub_gateway, messages=[{"role": "user", "content": "say hi" + " please" * (8 * i)}]) for i in range(3)
+    ]
+
+    def panel(judges, **extra) -> dict:
+        body = {
+            "model": "my-agent",
+            "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)],
+            "ruler": {"judges": judges, "samples": 3, **extra},
+        }
+        r = post_group(stub_gateway, body)
+        assert r.status_code == 201, r.text
+        group_id = r.json()["id"]
+
+        def done() -> dict | None:
+            group = httpx.get(f"{stub_gateway.base_url}/art/groups/{group_id}", headers=stub_gateway.admin).json()
+            return None if group["state"] == "scoring" else group
+
+        return poll(done, 60, f"the panel to score {group_id}", every=0.2)
+
+    judges = [
+        {"judge_model": "openai/a", "litellm_params": agree_a.params},
+        {"judge_model": "openai/b", "litellm_params": agree_b.params},
+    ]
+    group = panel(judges, max_spread=0.1)
+    assert group["state"] == "ready", group["failure_reason"]
+    scores = [m["ruler_score"] for m in group["rollouts"]]
+    assert scores == sorted(scores) and scores[0] < scores[-1]  # longer histories score higher, by both
+    assert [m["ruler_spread"] for m in group["rollouts"]] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
+    assert group["judge_spread"] == pytest.approx(0.0, abs=1e-12) and group["judge_agreement"] == pytest.approx(1.0)
+    assert group["judge_usage"]["judge_calls"] == 6  # 2 judges x 3 orders
+    assert agree_a.calls == 3 and agree_b.calls == 3
+
+    rollouts = [record(stub_gateway, messages=[{"role": "user", "content": "hi" + "!" * (40 * i)}]) for i in range(3)]
+    judges[1] = {"judge_model": "openai/contrary", "litellm_params": contrary.params}
+    split = panel(judges, max_spread=0.1)
+    assert split["state"] == "failed"
+    assert split["failure_reason"].startswith("the judges disagree: spread ")
+    assert split["judge_spread"] > 0.1 and split["judge_agreement"] == pytest.approx(-0.2)  # 9 pairs opposed, 6 alike
+    assert all(m["ruler_score"] is not None and m["ruler_spread"] > 0 for m in split["rollouts"])
+
+
+@pytest.mark.parametrize(
+    ("ruler", "param", "says"),
+    [
+        ({}, "ruler.judge_model", "one of the two"),
+        ({"judge_model": "openai/x", "judges": [{"judge_model": "openai/y"}]}, "ruler.judges", "one of the two"),
+        ({"judges": [{"judge_model": "no-such-provider/x"}]}, "ruler.judges[0].judge_model", "Unknown judge model"),
+        (
+            {"judge_model": "openai/x", "criteria": [{"name": "a", "description": "x", "weight": 0}]},
+            "ruler.criteria",
+            "weight > 0",
+        ),
+        (
+            {"judge_model": "openai/x", "checks": [{"grader": {"type": "ruler"}}]},
+            "ruler.checks[0]",
+            "Invalid value 'ruler'",
+        ),
+        (
+            {"judge_model": "openai/x", "checks": [{"grader": {"type": "exact", "value": "x"}, "on_fail": "subtract"}]},
+            "ruler.checks[0]",
+            "needs a `weight` above 0",
+        ),
+    ],
+)
+def test_a_panel_that_cannot_run_is_a_400(stub_gateway, ruler: dict, param: str, says: str) -> None:
+    body = {"model": "my-agent", "rollouts": [{"rollout_id": "r-a"}, {"rollout_id": "r-b"}], "ruler": ruler}
+    err = error(post_group(stub_gateway, body), 400)
+    assert err["param"] == param and says in err["message"], err
+
+
+@pytest.mark.engine
+def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_gateway, vllm_url) -> None:
+    """#29 end to end with the gateway's own tiny model as both judges (litellm → vLLM, schema-enforced): every
+    rollout gets both criteria's scores and a spread, the reward is their weighted mean unless the hard
+    `json_schema` check failed (then 0), and the usage counts every judgement. Only one rollout answered a JSON
+    object (its call asked for one); the others' free text fails the check."""
+    as_json = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object", "properties": {},
+               "additionalProperties": False}}}  # fmt: skip
+    rollouts = [record(engine_gateway, max_tokens=24, response_format=as_json)]
+    rollouts += [record(engine_gateway) for _ in range(2)]
+    params = {"api_base": f"{vllm_url}/v1", "api_key": "sk-secret-never-stored", "max_tokens": 800}
+    params["logit_bias"] = {str(QUOTE_TOKEN): 8}  # a random-weight judge rarely closes a JSON string otherwise
+    body = {
+        "model": "my-agent",
+        "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)],
+        "ruler": {
+            "judges": [
+                {"judge_model": "hosted_vllm/tiny", "litellm_params": {**params, "temperature": 1.0}},
+                {"judge_model": "openai/tiny", "litellm_params": {**params, "temperature": 0.7}},
+            ],
+            "samples": 2,
+            "criteria": [
+                {"name": "correct", "description": "Does it answer the greeting?", "weight": 3},
+                {"name": "brief", "description": "Is it short?", "weight": 1},
+            ],
+            "checks": [{"grader": {"type": "json_schema", "schema": {"type": "object"}}}],
+        },
+    }
+    r = post_group(engine_gateway, body)
+    assert r.status_code == 201, r.text
+    assert "sk-secret" not in r.text
+    group_id = r.json()["id"]
+
+    def scored() -> dict | None:
+        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).json()
+        return None if group["state"] == "scoring" else group
+
+    group = poll(scored, 300, f"the panel to score group {group_id}", every=0.5)
+    assert group["state"] == "ready", group.get("failure_reason")
+    members = group["rollouts"]
+    for member in members:
+        criteria = member["ruler_criteria"]
+        assert set(criteria) == {"correct", "brief"} and all(0 <= v <= 1 for v in criteria.values())
+        assert member["ruler_score"] == pytest.approx((3 * criteria["correct"] + criteria["brief"]) / 4)
+        assert member["ruler_spread"] is not None and member["ruler_spread"] >= 0
+        assert [c["check"] for c in member["checks"]] == ["json_schema"]
+    assert [c["checks"][0]["passed"] for c in members] == [True, False, False]
+    assert members[0]["reward"] == pytest.approx(members[0]["ruler_score"])
+    assert [m["reward"] for m in members[1:]] == [0.0, 0.0]  # the judges never override a failed hard check
+    assert group["judge_spread"] is not None and group["judge_spread"] >= 0
+    # Four judgements (2 judges x 2 orders), each one call unless a random judge's answer had to be asked again.
+    usage = group["judge_usage"]
+    assert usage["judge_calls"] + usage["cache_hits"] >= 4 and usage["prompt_tokens"] > 0
+    assert group["ruler"]["samples"] == 2 and [j["judge_model"] for j in group["ruler"]["judges"]] == [
+        "hosted_vllm/tiny",
+        "openai/tiny",
+    ]
+    assert (
+        "sk-secret"
+        not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).text
+    )
+
+
 def test_grouped_rollouts_count_their_calls_sequences_and_split_causes(stub_gateway) -> None:
     """#25's figures on /metrics, counted when a group is made (the rollouts training reads): two rollouts of two
     calls each, the second call sending back the first one's reply. The stand-in engine's prompt ids never

@@ -157,6 +157,7 @@ def test_public_api_is_pinned() -> None:
         "agreement",
         "build_judge_messages",
         "cache_key",
+        "check_criteria",
         "check_judge_model",
         "common_prefix_length",
         "judge_group",

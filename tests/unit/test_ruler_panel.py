@@ -8,88 +8,14 @@ shown, so what is measured is what the panel sends and does with the answers.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
-import threading
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 import ruler
 from ruler import Criterion, Judge, Trajectory, judge_group
-
-# The judge is shown `<trajectory id="k">` blocks; it answers for ids 1..n.
-BLOCK = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
-
-Answer = Callable[[list[tuple[str, str]], dict[str, Any]], dict[str, Any]]
-
-
-class StandInJudge:
-    """An OpenAI-compatible /v1/chat/completions that scores what it is shown with `answer(blocks, request)`;
-    `blocks` are (id, text) in the order shown. Counts its calls."""
-
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
-        self.calls = 0
-        judge = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                request = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                judge.calls += 1
-                blocks = BLOCK.findall(request["messages"][-1]["content"])
-                content = json.dumps(judge.answer(blocks, request))
-                body = json.dumps(
-                    {
-                        "id": f"stand-in-{judge.calls}",
-                        "object": "chat.completion",
-                        "created": 0,
-                        "model": request["model"],
-                        "choices": [
-                            {
-                                "index": 0,
-                                "finish_reason": "stop",
-                                "message": {"role": "assistant", "content": content},
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110},
-                    }
-                ).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def judge(self, name: str = "stand-in") -> Judge:
-        port = self.server.server_address[1]
-        return Judge(f"openai/{name}", {"api_base": f"http://127.0.0.1:{port}/v1", "api_key": "unused"})
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def stand_in() -> Iterator[Callable[[Answer], StandInJudge]]:
-    made: list[StandInJudge] = []
-
-    def make(answer: Answer) -> StandInJudge:
-        made.append(StandInJudge(answer))
-        return made[-1]
-
-    yield make
-    for judge in made:
-        judge.close()
 
 
 def first_shown_wins(blocks: list[tuple[str, str]], _: dict[str, Any]) -> dict[str, Any]:
