@@ -15,6 +15,7 @@ from gateway.ui.tokens import decoder_for
 from gateway.ui.views import advantages, parse_since, step_charts, token_view
 from store.api import GroupOut
 from store.calls import RolloutFilter
+from store.groups import CheckOutcome
 from store.records import APIS, CALL_STATUSES
 from store.trajectories import Trajectory
 from store.types import GROUP_STATES
@@ -161,6 +162,9 @@ class Attempt:
     ruler_explanation: str | None
     advantage: float | None
     trajectory: Trajectory | None  # None: not (yet) in the store
+    ruler_criteria: dict[str, float] | None = None
+    ruler_spread: float | None = None
+    checks: list[CheckOutcome] | None = None
 
     @property
     def reply(self) -> dict[str, Any] | None:
@@ -184,6 +188,9 @@ async def group_detail(groups: GroupService, rollouts: RolloutService, caller: C
                 member.ruler_explanation,
                 advantage,
                 await rollouts.find(rollout_id, choice=choice, caller=caller),
+                member.ruler_criteria,
+                member.ruler_spread,
+                member.checks,
             )
         )
     return {"g": group, "attempts": attempts}

@@ -595,6 +595,44 @@ def test_group_list_newest_first_by_model_and_state_in_pages(stub_site: StubSite
     assert bad.status_code == 400 and "must be one of scoring, ready, training" in bad.text
 
 
+def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite, stand_in: Any) -> None:
+    """A group scored by a panel (two stand-in judges over HTTP, tests/stand_in_judge.py: no paid judge runs
+    here) on two criteria with a hard check: its page shows each attempt's criterion scores, the judges' spread
+    and the check's outcome."""
+    gateway = stub_site.gateway
+
+    def by_length(blocks: list[tuple[str, str]], _: dict[str, Any]) -> dict[str, Any]:
+        return {"scores": {tid: {"explanation": "measured", "criteria": {"depth": min(1, len(text) / 300),
+                "focus": 0.5}} for tid, text in blocks}}  # fmt: skip
+
+    one, two = stand_in(by_length), stand_in(by_length)
+    rollout_ids = ["panel-0", "panel-1"]
+    for k, rollout_id in enumerate(rollout_ids):
+        _chat(gateway, rollout_id, MODEL, "tell me more" * (k * 10 + 1))
+    body = {
+        "model": MODEL,
+        "group_id": "ui-panel",
+        "rollouts": [{"rollout_id": r} for r in rollout_ids],
+        "ruler": {
+            "judges": [
+                {"judge_model": "openai/one", "litellm_params": one.params},
+                {"judge_model": "openai/two", "litellm_params": two.params},
+            ],
+            "samples": 2,
+            "criteria": [{"name": "depth", "description": "How deep?"}, {"name": "focus", "description": "On task?"}],
+            "checks": [{"grader": {"type": "regex", "pattern": "^$"}}],  # the stub's answers are never empty: fail
+        },
+    }
+    answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=gateway.admin, timeout=30)
+    assert answer.status_code == 201, answer.text
+    poll(lambda: "state-ready" in stub_site.get("/ui/groups/ui-panel", stub_site.reader).text, 60, "the panel")
+    page = stub_site.get("/ui/groups/ui-panel", stub_site.reader).text
+    assert "RULER judges <code>openai/one</code>, <code>openai/two</code>" in page and "× 2 samples" in page
+    assert page.count('<dt class="criterion">depth</dt>') == 2 and page.count('<dt class="criterion">focus</dt>') == 2
+    assert page.count('<dd class="spread">') == 2 and "judges' spread" in page
+    assert page.count('<dd class="check fail"') == 2 and "failed: reward 0" in page
+
+
 def test_advantages_are_grpo_s() -> None:
     # (r - mean) / (population std + eps): rewards 1, 0, 0, 0 have mean 0.25 and std sqrt(3)/4; eps 1e-6.
     std = 3**0.5 / 4 + 1e-6
