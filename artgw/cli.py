@@ -533,6 +533,27 @@ def _print_judge_report(console: Console, report: JudgeReport) -> None:
             )
     if worst.row_count:
         console.print(worst)
+    # Panels (#29): how much the judgements agree among themselves, and each criterion against the callers.
+    panels = Table(title="panels: the judges among themselves, each criterion against the callers", box=box.SIMPLE_HEAD)
+    panels.add_column("rubric", no_wrap=True)
+    panels.add_column("judges", overflow="fold")
+    for header in ("agreement\n(Spearman)", "criterion", "ranked", "Spearman\nmean"):
+        panels.add_column(header, no_wrap=True, justify="left" if header == "criterion" else "right")
+    for rubric in report.rubrics:
+        criteria = rubric.criteria or [None]
+        for criterion in criteria:
+            if rubric.judges_agreement is None and criterion is None:
+                continue
+            panels.add_row(
+                rubric.rubric_id,
+                rubric.judge_model,
+                number(rubric.judges_agreement),
+                criterion.name if criterion else "-",
+                str(criterion.ranked_groups) if criterion else "-",
+                number(criterion.spearman_mean) if criterion else "-",
+            )
+    if panels.row_count:
+        console.print(panels)
 
 
 def _judged_groups_from_gateway(args: argparse.Namespace, model: str) -> list[JudgedGroup]:

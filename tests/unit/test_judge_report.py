@@ -193,3 +193,44 @@ def test_the_threshold_setting_must_be_a_correlation(threshold: float) -> None:
     with pytest.raises(ValueError, match="--judge-agreement-threshold"):
         Settings(upstream="http://127.0.0.1:1", judge_agreement_threshold=threshold)
     assert Settings(upstream="http://127.0.0.1:1").judge_agreement_threshold == 0.5
+
+
+# ---------------------------------------------------------------- panels and criteria (#29)
+
+
+def test_a_panel_reports_its_judges_agreement_and_each_criterion() -> None:
+    """Two groups judged by a panel on two criteria: `brief` ranks the attempts as the callers do (rho 1),
+    `polite` the other way round (rho -1); the panel's own agreement is the mean of the groups'."""
+    caller = (0.0, 1.0, 2.0)
+    groups = [
+        JudgedGroup(
+            f"g{k}",
+            "openai/a + openai/b x2",
+            "R",
+            caller,
+            (0.2, 0.5, 0.9),
+            {"brief": (0.1, 0.4, 0.8), "polite": (0.9, 0.5, 0.2)},
+            agreement,
+        )
+        for k, agreement in enumerate((0.5, 0.9))
+    ]
+    (rubric,) = judge_report("my-agent", groups, threshold=0.5).rubrics
+    assert rubric.judge_model == "openai/a + openai/b x2"
+    assert rubric.judges_agreement == pytest.approx(0.7)
+    assert [(c.name, c.ranked_groups, c.spearman_mean) for c in rubric.criteria] == [
+        ("brief", 2, pytest.approx(1.0)),
+        ("polite", 2, pytest.approx(-1.0)),
+    ]
+
+
+def test_the_cli_prints_the_panels_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from artgw.cli import _print_judge_report
+
+    groups = [JudgedGroup("g", "openai/a + openai/b", "R", (0.0, 1.0), (0.2, 0.9), {"brief": (0.9, 0.1)}, 0.8)]
+    _print_judge_report(Console(width=120), judge_report("my-agent", groups, threshold=0.5))
+    out = capsys.readouterr().out
+    assert "panels: the judges among themselves" in out
+    row = next(line for line in out.splitlines() if "brief" in line)
+    assert "+0.800" in row and "-1.000" in row
