@@ -297,7 +297,15 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         rollouts = RolloutService(store.rollouts, recorder)
         tracing = start_tracing("artgw-gateway")  # None unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
         tracer = tracing.tracer("artgw.gateway") if tracing is not None else None
-        scorer = Scorer(store.engine, store.rollouts, store.judge_cache, metrics, webhooks, tracer=tracer)
+        scorer = Scorer(
+            store.engine,
+            store.rollouts,
+            store.judge_cache,
+            metrics,
+            webhooks,
+            max_concurrent_judges=settings.max_concurrent_judges,
+            tracer=tracer,
+        )
         # The splicer's renders wait as long as a call's engine request would.
         splicer = (
             Splicer(

@@ -335,8 +335,7 @@ class RecordingSettings:
 
 @dataclass(frozen=True)
 class PromotionSettings:
-    """Which committed step `NAME` serves (gateway/promotion/): the policy, the gate, the canary, and the judge
-    report's bar."""
+    """Which committed step `NAME` serves (gateway/promotion/): the policy, the gate, the canary."""
 
     promotion: Promotion = field(
         default="always",
@@ -369,13 +368,6 @@ class PromotionSettings:
     eval_concurrency: int = field(
         default=8, metadata={"help": "eval scenarios answered at once while a step is evaluated"}
     )
-    judge_agreement_threshold: float = field(
-        default=0.5,
-        metadata={
-            "help": "a RULER rubric and judge whose mean per-group Spearman correlation with the callers' own "
-            "rewards is below this is flagged (GET /v1/art/models/NAME/judge-report, -1 to 1)"
-        },
-    )
 
     def check_promotion(self) -> None:
         _one_of("--promotion", self.promotion, Promotion)
@@ -389,16 +381,38 @@ class PromotionSettings:
             raise ValueError("--canary needs --promotion gated: with `always` every step is promoted at once")
         _at_least(2, ("--canary-min-rewards", self.canary_min_rewards))
         _at_least(1, ("--eval-concurrency", self.eval_concurrency))
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """RULER's judges (gateway/groups/scorer.py): how many judge calls run at once, and the judge report's bar."""
+
+    max_concurrent_judges: int = field(
+        default=4,
+        metadata={"help": "RULER judge calls running at once, every group's and judge's together (a panel's too)"},
+    )
+    judge_agreement_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "a RULER rubric and judge whose mean per-group Spearman correlation with the callers' own "
+            "rewards is below this is flagged (GET /v1/art/models/NAME/judge-report, -1 to 1)"
+        },
+    )
+
+    def check_judges(self) -> None:
+        _at_least(1, ("--max-concurrent-judges", self.max_concurrent_judges))
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too
             raise ValueError(
                 f"--judge-agreement-threshold must be a correlation (-1 to 1), got {self.judge_agreement_threshold}"
             )
 
 
-# The sections' fields in this order: the models first, promotion last (a dataclass collects its bases' fields
+# The sections' fields in this order: the models first, the judges last (a dataclass collects its bases' fields
 # from the last base to the first).
 @dataclass(frozen=True)
-class Settings(PromotionSettings, RecordingSettings, AuthSettings, EngineSettings, ServerSettings, ModelSettings):
+class Settings(
+    JudgeSettings, PromotionSettings, RecordingSettings, AuthSettings, EngineSettings, ServerSettings, ModelSettings
+):
     """Everything `artgw serve` is told, in sections; each option declared once, on its section."""
 
     def __post_init__(self) -> None:
@@ -408,6 +422,7 @@ class Settings(PromotionSettings, RecordingSettings, AuthSettings, EngineSetting
         self.check_auth()
         self.check_recording()
         self.check_promotion()
+        self.check_judges()
         if self.auth == "off" and self.host not in LOOPBACK_HOSTS:
             raise ValueError(
                 f"--auth off is for a gateway on loopback only; it listens on {self.host!r} (use --auth required)"
