@@ -81,28 +81,15 @@ def spread(values: Sequence[float]) -> float:
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
-def _ranks(values: Sequence[float]) -> list[float]:
-    """Average ranks (ties share the mean of their ranks), 1-based."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman's rank correlation of two score lists; None when either is constant (no ranking to compare)."""
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = math.fsum(ra) / len(ra), math.fsum(rb) / len(rb)
-    cov = math.fsum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    va, vb = math.fsum((x - ma) ** 2 for x in ra), math.fsum((y - mb) ** 2 for y in rb)
-    return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
+    """Spearman's rank correlation of two score lists (ties share ranks); None when either is constant (no
+    ranking to compare: scipy would answer NaN with a warning)."""
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    # scipy.stats takes about a second to import: the first panel pays it, not every import of ruler.
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
 
 
 def agreement(judgements: Sequence[Sequence[float]]) -> float | None:
