@@ -44,6 +44,16 @@ def post_group(gateway, body: dict, **headers) -> httpx.Response:
     return httpx.post(f"{gateway.base_url}/art/groups", json=body, headers={**gateway.admin, **headers}, timeout=30)
 
 
+def scored(gateway, group_id: str, seconds: float) -> dict:
+    """The group once RULER is done with it (ready or failed)."""
+
+    def done() -> dict | None:
+        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", headers=gateway.admin).json()
+        return None if group["state"] == "scoring" else group
+
+    return poll(done, seconds, f"RULER to score group {group_id}", every=0.25)
+
+
 def error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
     return r.json()["error"]
@@ -297,11 +307,7 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     assert "sk-secret" not in r.text
     group_id = r.json()["id"]
 
-    def scored() -> dict | None:
-        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).json()
-        return None if group["state"] == "scoring" else group
-
-    group = poll(scored, 120, f"RULER to score group {group_id}", every=0.5)
+    group = scored(engine_gateway, group_id, 120)
     # A random judge may fail validation on every retry; then the group says so and why.
     assert group["state"] in ("ready", "failed"), group
     if group["state"] == "failed":
@@ -351,13 +357,7 @@ def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_
         }
         r = post_group(stub_gateway, body)
         assert r.status_code == 201, r.text
-        group_id = r.json()["id"]
-
-        def done() -> dict | None:
-            group = httpx.get(f"{stub_gateway.base_url}/art/groups/{group_id}", headers=stub_gateway.admin).json()
-            return None if group["state"] == "scoring" else group
-
-        return poll(done, 60, f"the panel to score {group_id}", every=0.2)
+        return scored(stub_gateway, r.json()["id"], 60)
 
     judges = [
         {"judge_model": "openai/a", "litellm_params": agree_a.params},
@@ -443,11 +443,7 @@ def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_
     assert "sk-secret" not in r.text
     group_id = r.json()["id"]
 
-    def scored() -> dict | None:
-        group = httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).json()
-        return None if group["state"] == "scoring" else group
-
-    group = poll(scored, 300, f"the panel to score group {group_id}", every=0.5)
+    group = scored(engine_gateway, group_id, 300)
     assert group["state"] == "ready", group.get("failure_reason")
     members = group["rollouts"]
     for member in members:
