@@ -337,6 +337,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     from store.access import EVERYTHING
     from store.calls import RolloutFilter
+    from store.groups import memberships
     from store.provide import open_store
 
     chosen = _build(ExportOptions, args)
@@ -348,7 +349,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
         # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
         async with open_store(_store_url(args)) as store:
             async for trajectory in store.rollouts.export(where, grant=EVERYTHING):  # the store's holder: all
-                sys.stdout.buffer.write(encoder.encode(trajectory) + b"\n")
+                async with store.engine.connect() as conn:
+                    groups = (await memberships(conn, [trajectory.rollout_id])).get(trajectory.rollout_id, [])
+                # Each line: the trajectory, and the groups it is in with its rewards (criteria, spread, checks).
+                line = encoder.encode(trajectory)[:-1] + b',"groups":' + encoder.encode(groups) + b"}"
+                sys.stdout.buffer.write(line + b"\n")
                 count += 1
         sys.stdout.flush()
         print(f"exported {count} trajectories", file=sys.stderr)

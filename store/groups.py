@@ -160,6 +160,32 @@ async def load_groups(conn: AsyncConnection, group_ids: Sequence[str], *, grant:
     return [msgspec.convert({**rows[g], "members": members[g]}, GroupRow) for g in group_ids if g in rows]
 
 
+class Membership(msgspec.Struct, frozen=True):
+    """A rollout (or one choice of it) in a group: what it was rewarded and how (an export's `groups`)."""
+
+    group_id: str
+    rollout_ref: str
+    reward: float | None
+    caller_reward: float | None
+    ruler_score: float | None
+    ruler_criteria: dict[str, float] | None
+    ruler_spread: float | None
+    checks: list[CheckOutcome] | None
+
+
+async def memberships(conn: AsyncConnection, rollout_ids: Sequence[str]) -> dict[str, list[Membership]]:
+    """rollout id -> the groups its rollout (or a choice of it) is in, with the members' rewards."""
+    if not rollout_ids:
+        return {}
+    columns = [group_members.c.rollout_id, *(group_members.c[name] for name in Membership.__struct_fields__)]
+    query = sa.select(*columns).where(group_members.c.rollout_id.in_(rollout_ids)).order_by(group_members.c.rollout_ref)
+    found: dict[str, list[Membership]] = {}
+    for row in await conn.execute(query):
+        data = _plain(row)
+        found.setdefault(data.pop("rollout_id"), []).append(msgspec.convert(data, Membership))
+    return found
+
+
 async def taken_refs(conn: AsyncConnection, rollout_ids: Sequence[str]) -> dict[str, str]:
     """rollout_ref -> group id, for every member of any group that uses one of these rollouts."""
     query = sa.select(group_members.c.rollout_ref, group_members.c.group_id).where(

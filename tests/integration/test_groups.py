@@ -6,13 +6,15 @@ exercise the groups API, not generation. RULER and n > 1 groups run against the 
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import uuid
 
 import httpx
 import pytest
 
-from tests.conftest import QUOTE_TOKEN, metric, poll, start_stub, stop_group
+from tests.conftest import ARTGW, QUOTE_TOKEN, metric, poll, start_stub, stop_group
 
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -379,6 +381,15 @@ def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_
     assert split["failure_reason"].startswith("the judges disagree: spread ")
     assert split["judge_spread"] > 0.1 and split["judge_agreement"] == pytest.approx(-0.2)  # 9 pairs opposed, 6 alike
     assert all(m["ruler_score"] is not None and m["ruler_spread"] > 0 for m in split["rollouts"])
+    # `artgw export`: each rollout's line carries the groups it is in, with what it was rewarded and how.
+    exported = subprocess.run(
+        [ARTGW, "export", "--data-dir", str(stub_gateway.data_dir)], capture_output=True, text=True, check=True
+    )
+    lines = {line["rollout_id"]: line for line in map(json.loads, exported.stdout.splitlines())}
+    (membership,) = lines[rollouts[0]]["groups"]
+    assert membership["group_id"] == split["id"] and membership["rollout_ref"] == rollouts[0]
+    assert membership["ruler_score"] == split["rollouts"][0]["ruler_score"]
+    assert membership["ruler_spread"] == split["rollouts"][0]["ruler_spread"] > 0
 
 
 @pytest.mark.parametrize(
