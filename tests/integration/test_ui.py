@@ -219,14 +219,19 @@ def test_a_page_without_a_key_is_refused(site: Site, browser: Any) -> None:
 
 
 def _click_to_next_page(driver: Any, button: str) -> None:
-    """Click what loads the list's next page, then wait until the old list is gone (a click may return first)."""
+    """Click what loads the list's next page, then wait until a new document has loaded (a click may return
+    first). The old page is marked and the wait is for a complete document without the mark: asking an old
+    element whether it is stale (`staleness_of`) can itself fail while the page is replaced (Chromium answers
+    "Node with given id does not belong to the document", not a stale-element error)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
-    table = driver.find_element(By.ID, "rollouts")
+    driver.execute_script("window.artgwOldPage = true")
     driver.find_element(By.CSS_SELECTOR, button).click()
-    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(table))
+    WebDriverWait(driver, 30, ignored_exceptions=(WebDriverException,)).until(
+        lambda d: d.execute_script("return window.artgwOldPage === undefined && document.readyState === 'complete'")
+    )
 
 
 def _listed(driver: Any) -> list[str]:
