@@ -158,10 +158,19 @@ class RulerScoreOptions:
     litellm_params: str | None = field(
         default=None, metadata={"help": 'JSON object passed to litellm, e.g. \'{"api_base": "http://..."}\''}
     )
+    samples: int = field(
+        default=1,
+        metadata={
+            "help": "judgements per group, each showing the group in another order (position bias cancels "
+            "when it is a multiple of the group's size); the score is their mean"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.judge:
             raise ValueError("--judge must name a litellm model")
+        if not 1 <= self.samples <= 16:
+            raise ValueError(f"--samples must be between 1 and 16, got {self.samples}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
         if self.litellm_params is not None:
@@ -715,22 +724,30 @@ def _cmd_ruler_score(args: argparse.Namespace) -> int:
     rubric = chosen.rubric.read_text() if chosen.rubric else ruler.DEFAULT_RUBRIC
     params = json.loads(chosen.litellm_params) if chosen.litellm_params else {}
     console = Console()
-    table = Table("group", "rollout", "score", "explanation", title=f"RULER scores by {chosen.judge}")
+    title = f"RULER scores by {chosen.judge}" + (f", {chosen.samples} samples" if chosen.samples > 1 else "")
+    table = Table("group", "rollout", "score", "spread", "explanation", title=title)
 
     async def run() -> int:
         failed = 0
         for name, members in groups.items():
             trajectories = [ruler.Trajectory(messages=m["messages"], tools=m.get("tools")) for m in members]
             try:
-                result = await ruler.score_group(
-                    trajectories, judge_model=chosen.judge, rubric=rubric, litellm_params=params
+                result = await ruler.judge_group(
+                    trajectories,
+                    judges=[ruler.Judge(chosen.judge, params)],
+                    samples=chosen.samples,
+                    key=name,
+                    rubric=rubric,
                 )
             except ruler.RulerError as exc:
                 failed += 1
-                table.add_row(name, "-", "-", f"[red]{exc}[/red]")
+                table.add_row(name, "-", "-", "-", f"[red]{exc}[/red]")
                 continue
-            for member, score in zip(members, result.scores, strict=True):
-                table.add_row(name, str(member.get("rollout_id", "?")), f"{score.score:.3f}", score.explanation[:80])
+            for member, score, spread in zip(members, result.scores, result.spread, strict=True):
+                shown = f"{spread:.3f}" if chosen.samples > 1 else "-"
+                table.add_row(
+                    name, str(member.get("rollout_id", "?")), f"{score.score:.3f}", shown, score.explanation[:80]
+                )
             console.print(
                 f"group {name}: {result.usage.judge_calls} judge calls, {result.usage.prompt_tokens} prompt tokens, "
                 f"cost {result.usage.cost_usd if result.usage.cost_usd is not None else 'unknown'}"
