@@ -103,7 +103,7 @@ def agreement(judgements: Sequence[Sequence[float]]) -> float | None:
     return math.fsum(pairs) / len(pairs) if pairs else None
 
 
-def _total(usages: Sequence[JudgeUsage]) -> JudgeUsage:
+def _total(usages: Sequence[JudgeUsage], judgements: int) -> JudgeUsage:
     costs = [u.cost_usd for u in usages]
     return JudgeUsage(
         prompt_tokens=sum(u.prompt_tokens for u in usages),
@@ -111,6 +111,7 @@ def _total(usages: Sequence[JudgeUsage]) -> JudgeUsage:
         cost_usd=None if any(c is None for c in costs) else math.fsum(c for c in costs if c is not None),
         judge_calls=sum(u.judge_calls for u in usages),
         cache_hits=sum(u.cache_hits for u in usages),
+        judgements=judgements,
     )
 
 
@@ -177,7 +178,7 @@ async def judge_group(
         for position, index in enumerate(order):
             scores[index] = result.scores[position]
         judgements.append(Judgement(j, s, order, [score for score in scores if score is not None]))
-    usage = _total([task.result().usage for task in asked.values()])
+    usage = _total([task.result().usage for task in asked.values()], len(plan))
     return _aggregate(judgements, criteria, usage)
 
 

@@ -50,6 +50,7 @@ class JudgeUsage(msgspec.Struct, frozen=True):
     cost_usd: float | None
     judge_calls: int
     cache_hits: int
+    judgements: int = 1  # a panel's judges x samples (judge_group); one for score_group
 
 
 class ScoreResult(msgspec.Struct, frozen=True):

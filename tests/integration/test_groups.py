@@ -469,7 +469,7 @@ def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_
     assert group["judge_spread"] is not None and group["judge_spread"] >= 0
     # Four judgements (2 judges x 2 orders), each one call unless a random judge's answer had to be asked again.
     usage = group["judge_usage"]
-    assert usage["judge_calls"] + usage["cache_hits"] >= 4 and usage["prompt_tokens"] > 0
+    assert usage["judgements"] == 4 and usage["judge_calls"] + usage["cache_hits"] >= 4 and usage["prompt_tokens"] > 0
     assert group["ruler"]["samples"] == 2 and [j["judge_model"] for j in group["ruler"]["judges"]] == [
         "hosted_vllm/tiny",
         "openai/tiny",

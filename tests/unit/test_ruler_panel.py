@@ -109,7 +109,7 @@ async def test_two_judges_their_disagreement_and_the_trimmed_mean(stand_in) -> N
     result = await judge_group(
         trajectories, judges=[long_judge.judge("long"), short_judge.judge("short")], samples=3, key="g"
     )
-    assert len(result.judgements) == 6 and result.usage.judge_calls == 6
+    assert len(result.judgements) == 6 and result.usage.judge_calls == 6 and result.usage.judgements == 6
     assert result.agreement == pytest.approx((3 * 3 * -1.0 + 3 * 1.0 + 3 * 1.0) / 15)  # 9 opposed pairs, 6 alike
     # Six judgements: each trajectory's highest and lowest dropped, the four in the middle averaged.
     for i, score in enumerate(result.scores):
