@@ -24,7 +24,8 @@ CMD ["postgres"]
 
 FROM services AS prometheus
 # the official image: /bin/prometheus as nobody, data in /prometheus, the config at /etc/prometheus/prometheus.yml
-RUN mkdir -p /prometheus && chown nobody:nogroup /prometheus && ln -sf /usr/bin/prometheus /bin/prometheus
+# (/bin is /usr/bin on bookworm: /bin/prometheus is there already)
+RUN mkdir -p /prometheus && chown nobody:nogroup /prometheus
 USER nobody
 WORKDIR /prometheus
 LABEL org.artgw.local-standin="prom/prometheus"
