@@ -460,6 +460,9 @@ def test_vllm_reads_checkpoints_at_the_path_the_trainer_writes_them(compose: dic
     vllm_mounts = {target: (source, ro) for source, target, ro in mounts(services["vllm"])}
     assert trainer_mounts.get(root) == "checkpoints"
     assert vllm_mounts.get(root) == ("checkpoints", True), "vLLM mounts the checkpoints read-only at the same path"
+    # the gateway checks a step's checkpoint (adapter_config.json) before it hands vLLM the path: it must see it too
+    gateway_mounts = {target: (source, ro) for source, target, ro in mounts(services["gateway"])}
+    assert gateway_mounts.get(root) == ("checkpoints", True), "the gateway mounts the checkpoints read-only there too"
 
 
 def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: dict[str, Any]) -> None:
@@ -484,7 +487,8 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
     assert option(vllm, "--model") == option(trainer, "--base-model")
     for flag, value in {"--served-model-name": "base", "--max-lora-rank": "16", "--tool-call-parser": "hermes"}.items():
         assert option(vllm, flag) == value
-    assert {"--enable-lora", "--enable-auto-tool-choice"} <= set(vllm)
+    # --enable-scale-out: the token-level chat a continuing call goes through (gateway/continuation.py)
+    assert {"--enable-lora", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(vllm)
     assert environment(services["vllm"])["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--no-migrate" not in gateway, "migrations run on start by default"
     published = {str(p).rsplit(":", 1)[-1] for s in services.values() for p in s.get("ports") or []}
