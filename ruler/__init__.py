@@ -3,7 +3,7 @@
 A standalone library: it knows nothing about the gateway or the trainer.
 """
 
-from ruler._panel import Judge, Judgement, PanelResult, agreement, judge_group, judges_of, orders, spearman
+from ruler._panel import Judge, Judgement, PanelResult, agreement, judge_group, orders, spearman
 from ruler._prompt import (
     DEFAULT_RUBRIC,
     build_judge_messages,
@@ -45,7 +45,6 @@ __all__ = [
     "check_judge_model",
     "common_prefix_length",
     "judge_group",
-    "judges_of",
     "orders",
     "parse_judge_answer",
     "score_group",

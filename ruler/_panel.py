@@ -21,7 +21,8 @@ import asyncio
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ from opentelemetry.trace import Tracer
 
 from ruler._prompt import DEFAULT_RUBRIC, check_criteria, weighted_score
 from ruler._score import score_group
-from ruler._types import Criterion, JudgeCache, JudgeUsage, Score, Trajectory
+from ruler._types import Criterion, JudgeCache, JudgeUsage, Score, ScoreResult, Trajectory
 
 TRIM_FROM = 5  # judgements from which the highest and lowest score of a trajectory are dropped
 
@@ -72,13 +73,7 @@ def orders(n: int, samples: int, key: str) -> list[list[int]]:
 
 def robust_mean(values: Sequence[float]) -> float:
     """The mean, without the highest and the lowest value once there are TRIM_FROM or more."""
-    kept = sorted(values)[1:-1] if len(values) >= TRIM_FROM else list(values)
-    return math.fsum(kept) / len(kept)
-
-
-def spread(values: Sequence[float]) -> float:
-    mean = math.fsum(values) / len(values)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+    return statistics.fmean(sorted(values)[1:-1] if len(values) >= TRIM_FROM else values)
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -146,9 +141,9 @@ async def judge_group(
     n = len(trajectories)
     shown = orders(n, samples, key) if permute and samples > 1 else [list(range(n))] * samples
     slots = slots or asyncio.Semaphore(max_concurrent)
-    asked: dict[tuple[int, tuple[int, ...]], asyncio.Task[Any]] = {}
+    asked: dict[tuple[int, tuple[int, ...]], asyncio.Task[ScoreResult]] = {}
 
-    async def one(judge: Judge, order: list[int]) -> Any:
+    async def one(judge: Judge, order: list[int]) -> ScoreResult:
         async with slots:
             return await score_group(
                 [trajectories[i] for i in order],
@@ -173,11 +168,9 @@ async def judge_group(
             task.cancel()
     judgements = []
     for j, s, order in plan:
+        shown_at = {index: position for position, index in enumerate(order)}  # the inverse of the order
         result = asked[(j, tuple(order))].result()
-        scores: list[Score | None] = [None] * n
-        for position, index in enumerate(order):
-            scores[index] = result.scores[position]
-        judgements.append(Judgement(j, s, order, [score for score in scores if score is not None]))
+        judgements.append(Judgement(j, s, order, [result.scores[shown_at[i]] for i in range(n)]))
     usage = _total([task.result().usage for task in asked.values()], len(plan))
     return _aggregate(judgements, criteria, usage)
 
@@ -187,15 +180,16 @@ def _aggregate(judgements: list[Judgement], criteria: Sequence[Criterion], usage
     per_trajectory = [[jd.scores[i].score for jd in judgements] for i in range(n)]
     scores = []
     for i in range(n):
-        score = robust_mean(per_trajectory[i])
-        by_criterion = None
-        if criteria:  # each criterion aggregated alike; the score is their weighted mean, as for one judgement
-            by_criterion = {
-                c.name: robust_mean([(jd.scores[i].criteria or {})[c.name] for jd in judgements]) for c in criteria
-            }
-            score = weighted_score(by_criterion, criteria)
-        scores.append(Score(score, judgements[0].scores[i].explanation, by_criterion))
-    spreads = [spread(values) for values in per_trajectory]
+        explanation = judgements[0].scores[i].explanation
+        if not criteria:
+            scores.append(Score(robust_mean(per_trajectory[i]), explanation))
+            continue
+        # Each criterion aggregated alike; the score is their weighted mean, as for one judgement.
+        by_criterion = {
+            c.name: robust_mean([(jd.scores[i].criteria or {})[c.name] for jd in judgements]) for c in criteria
+        }
+        scores.append(Score(weighted_score(by_criterion, criteria), explanation, by_criterion))
+    spreads = [statistics.pstdev(values) for values in per_trajectory]
     return PanelResult(
         scores=scores,
         spread=spreads,
@@ -204,14 +198,3 @@ def _aggregate(judgements: list[Judgement], criteria: Sequence[Criterion], usage
         judgements=judgements,
         usage=usage,
     )
-
-
-def judges_of(
-    judge_model: str | None, litellm_params: Mapping[str, Any] | None, judges: Sequence[Judge]
-) -> list[Judge]:
-    """The panel a request names: its `judges`, or the single `judge_model` form."""
-    if judges:
-        return list(judges)
-    if judge_model is None:
-        raise ValueError("give judge_model or judges")
-    return [Judge(judge_model, dict(litellm_params or {}))]

@@ -31,10 +31,12 @@ log = logging.getLogger("artgw.groups")
 
 
 def judges_of(spec: RulerIn) -> list[ruler.Judge]:
-    """The panel a group asks for: its `judges`, or the one `judge_model`."""
-    return ruler.judges_of(
-        spec.judge_model, spec.litellm_params, [ruler.Judge(j.judge_model, j.litellm_params) for j in spec.judges]
-    )
+    """The panel a group asks for: its `judges`, or the one `judge_model` (the service checked it is one)."""
+    if spec.judges:
+        return [ruler.Judge(j.judge_model, j.litellm_params) for j in spec.judges]
+    if spec.judge_model is None:
+        raise ValueError("a group's ruler names judge_model or judges")
+    return [ruler.Judge(spec.judge_model, spec.litellm_params)]
 
 
 def criteria_of(spec: RulerIn) -> list[ruler.Criterion]:

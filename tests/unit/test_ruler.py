@@ -161,7 +161,6 @@ def test_public_api_is_pinned() -> None:
         "check_judge_model",
         "common_prefix_length",
         "judge_group",
-        "judges_of",
         "orders",
         "parse_judge_answer",
         "score_group",
