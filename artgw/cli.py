@@ -341,13 +341,17 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+EXPORT_BATCH = 200  # trajectories whose groups `artgw export` reads in one query
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import msgspec
 
     from store.access import EVERYTHING
     from store.calls import RolloutFilter
     from store.groups import memberships
-    from store.provide import open_store
+    from store.provide import Store, open_store
+    from store.trajectories import Trajectory
 
     chosen = _build(ExportOptions, args)
     where = RolloutFilter(model=chosen.model, since=chosen.since, key_id=chosen.key_id)
@@ -355,15 +359,30 @@ def _cmd_export(args: argparse.Namespace) -> int:
     async def run() -> int:
         encoder = msgspec.json.Encoder()
         count = 0
+        pending: list[Trajectory] = []
+
+        async def write(store: Store) -> None:
+            """The pending lines: each trajectory and the groups it is in, with its rewards (criteria, spread,
+            checks), read for all of them at once."""
+            if not pending:
+                return
+            async with store.engine.connect() as conn:
+                groups = await memberships(conn, [t.rollout_id for t in pending])
+            for trajectory in pending:
+                found = groups.get(trajectory.rollout_id, [])
+                # The trajectory's JSON object with one more member: its closing brace replaced.
+                line = encoder.encode(trajectory)[:-1] + b',"groups":' + encoder.encode(found) + b"}"
+                sys.stdout.buffer.write(line + b"\n")
+            pending.clear()
+
         # open_store raises StoreMissing (one line) for no store or an unmigrated one, and creates nothing.
         async with open_store(_store_url(args)) as store:
             async for trajectory in store.rollouts.export(where, grant=EVERYTHING):  # the store's holder: all
-                async with store.engine.connect() as conn:
-                    groups = (await memberships(conn, [trajectory.rollout_id])).get(trajectory.rollout_id, [])
-                # Each line: the trajectory, and the groups it is in with its rewards (criteria, spread, checks).
-                line = encoder.encode(trajectory)[:-1] + b',"groups":' + encoder.encode(groups) + b"}"
-                sys.stdout.buffer.write(line + b"\n")
+                pending.append(trajectory)
                 count += 1
+                if len(pending) == EXPORT_BATCH:
+                    await write(store)
+            await write(store)
         sys.stdout.flush()
         print(f"exported {count} trajectories", file=sys.stderr)
         return 0
