@@ -13,6 +13,18 @@ from pathlib import Path
 from tests.conftest import ARTGW
 
 
+def ruler_score(export: Path, answer: dict, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`artgw ruler score` of an export, the judge answering `answer` every time (litellm's mock)."""
+    params = json.dumps({"mock_response": json.dumps(answer), "api_key": "sk-test"})
+    return subprocess.run(
+        [ARTGW, "ruler", "score", str(export), "--judge", "openai/gpt-4o-mini", "--litellm-params", params, *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        timeout=120,
+    )
+
+
 def test_ruler_score_prints_a_table_per_group(tmp_path: Path) -> None:
     lines = [
         {
@@ -25,22 +37,7 @@ def test_ruler_score_prints_a_table_per_group(tmp_path: Path) -> None:
     export = tmp_path / "t.jsonl"
     export.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     answer = {"scores": {"1": {"explanation": "right", "score": 0.9}, "2": {"explanation": "wrong", "score": 0.1}}}
-    out = subprocess.run(
-        [
-            ARTGW,
-            "ruler",
-            "score",
-            str(export),
-            "--judge",
-            "openai/gpt-4o-mini",
-            "--litellm-params",
-            json.dumps({"mock_response": json.dumps(answer), "api_key": "sk-test"}),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-        timeout=120,
-    )
+    out = ruler_score(export, answer)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "│" in line and ("r0" in line or "r3" in line)]
     assert any("g1" in r and "r0" in r and "0.900" in r for r in rows), out.stdout
@@ -61,25 +58,7 @@ def test_ruler_score_with_samples_shows_the_spread(tmp_path: Path) -> None:
     export = tmp_path / "t.jsonl"
     export.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     answer = {"scores": {"1": {"explanation": "first", "score": 0.9}, "2": {"explanation": "second", "score": 0.1}}}
-    params = json.dumps({"mock_response": json.dumps(answer), "api_key": "sk-test"})
-    out = subprocess.run(
-        [
-            ARTGW,
-            "ruler",
-            "score",
-            str(export),
-            "--judge",
-            "openai/gpt-4o-mini",
-            "--litellm-params",
-            params,
-            "--samples",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-        timeout=120,
-    )
+    out = ruler_score(export, answer, "--samples", "2")
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "│" in line and ("r0" in line or "r1" in line)]
     assert len(rows) == 2 and all("0.500" in r and "0.400" in r for r in rows), out.stdout
