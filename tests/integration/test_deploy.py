@@ -203,7 +203,8 @@ def mounts(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
         if isinstance(entry, dict):
             out.append((str(entry.get("source", "")), str(entry["target"]), bool(entry.get("read_only"))))
             continue
-        parts = str(entry).split(":")
+        # a variable's default stands for it (`${PROMETHEUS_CONFIG:-./deploy/...}:/etc/...`)
+        parts = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}", r"\1", str(entry)).split(":")
         if len(parts) == 1:
             out.append(("", parts[0], False))
         else:
@@ -351,7 +352,7 @@ def test_prometheus_scrapes_the_gateway_and_vllm_services() -> None:
         for dns in job.get("dns_sd_configs") or []:
             assert dns["type"] == "A"
             targets |= {f"{name}:{dns['port']}" for name in dns["names"]}
-    services = load_compose(COMPOSE)["services"]
+    services = resolved(["docker-compose.yml"])
     vllm_port = option(as_args(services["vllm"]["command"]), "--port") or "8000"
     gateway_port = option(as_args(services["gateway"]["command"]), "--port") or "8000"
     # no trainer target: trainer metrics come through the gateway's /metrics (derived from committed steps)
@@ -471,13 +472,9 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
     trainer = as_args(services["trainer"]["command"])
     vllm = as_args(services["vllm"]["command"])
     assert gateway[0] == "serve" and trainer[0] == "train"
-    assert option(gateway, "--upstream") == f"http://vllm:{option(vllm, '--port') or 8000}"
-    assert option(gateway, "--host") == "0.0.0.0"
-    assert option(trainer, "--gateway") == f"http://gateway:{option(gateway, '--port')}"
+    # the addresses (service names, ports) are checked as Compose resolves them: test_services_reach_each_other...
     assert option(gateway, "--db") == option(trainer, "--db")
-    assert str(option(gateway, "--db")).startswith("postgresql+asyncpg://") and "@postgres:5432/" in str(
-        option(gateway, "--db")
-    )
+    assert str(option(gateway, "--db")).startswith("postgresql+asyncpg://")
     # On 0.0.0.0 every call needs a key; said explicitly, although it is the default off loopback.
     assert option(gateway, "--auth") == "required"
     # The model list (one name or a comma list) by environment: a flag would take "a,b" as one name.
@@ -491,8 +488,77 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
     assert {"--enable-lora", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(vllm)
     assert environment(services["vllm"])["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--no-migrate" not in gateway, "migrations run on start by default"
-    published = {str(p).rsplit(":", 1)[-1] for s in services.values() for p in s.get("ports") or []}
-    assert published == {"8000", "3000", "9090"}
+
+
+def resolved(files: list[str], **env: str) -> dict[str, Any]:
+    """The services as `docker compose config` resolves them (variables interpolated, files merged)."""
+    keys = {"ARTGW_ADMIN_KEY": "admin-key-0123456789", "ARTGW_METRICS_KEY": "metrics-key-0123456789"}
+    result = compose_config(files, "config", "--format", "json", **{**keys, **env})
+    assert result.returncode == 0, result.stderr
+    services: dict[str, Any] = json.loads(result.stdout)["services"]
+    return services
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
+def test_services_reach_each_other_by_name_and_listen_on_every_address(files: list[str]) -> None:
+    services = resolved(files)
+    gateway, trainer, vllm = (as_args(services[name]["command"]) for name in ("gateway", "trainer", "vllm"))
+    prometheus = as_args(services["prometheus"]["command"])
+    assert option(vllm, "--host") == option(gateway, "--host") == "0.0.0.0"
+    assert option(gateway, "--upstream") == f"http://vllm:{option(vllm, '--port')}" == "http://vllm:8000"
+    assert option(trainer, "--gateway") == f"http://gateway:{option(gateway, '--port')}" == "http://gateway:8000"
+    assert "@postgres:5432/" in str(option(gateway, "--db")) and option(gateway, "--db") == option(trainer, "--db")
+    assert option(prometheus, "--web.listen-address") == "0.0.0.0:9090"
+    # each healthcheck asks the port its service listens on; the published ports map to them
+    assert "127.0.0.1:8000/health" in " ".join(services["vllm"]["healthcheck"]["test"])
+    assert "127.0.0.1:8000/readyz" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert "127.0.0.1:9090/-/ready" in " ".join(services["prometheus"]["healthcheck"]["test"])
+    published = {(p["published"], p["target"]) for s in services.values() for p in s.get("ports") or []}
+    assert published == {("8000", 8000), ("9090", 9090), ("3000", 3000)}, published
+
+
+# A sample of the variables scripts/compose-up writes (its env file), for the local override's check below.
+LOCAL_ADDRESSES = {
+    "LISTEN_HOST": "127.0.0.1",
+    "VLLM_HOST": "127.0.0.1",
+    "POSTGRES_HOST": "127.0.0.1",
+    "GATEWAY_HOST": "127.0.0.1",
+    "GATEWAY_LISTEN_PORT": "41001",
+    "VLLM_LISTEN_PORT": "41002",
+    "POSTGRES_LISTEN_PORT": "41003",
+    "PROMETHEUS_LISTEN_PORT": "41004",
+    "PROMETHEUS_CONFIG": "/var/tmp/artgw-compose-x/prometheus.yml",
+}
+
+
+def test_the_local_override_only_rewires_addresses() -> None:
+    """deploy/local/compose.yml (this machine: no bridge, scripts/compose-up) changes where services listen and
+    how they reach each other, nothing else: with every address and port masked, each service's command,
+    entrypoint, environment, healthcheck, volumes and restart policy are the CPU deployment's."""
+    real = resolved(["docker-compose.yml", "docker-compose.cpu.yml"])
+    local = resolved(["docker-compose.yml", "docker-compose.cpu.yml", "deploy/local/compose.yml"], **LOCAL_ADDRESSES)
+    assert set(local) == set(real) - {"grafana"}, "Grafana only with --profile grafana (no image here)"
+    names = "|".join(["0\\.0\\.0\\.0", "127\\.0\\.0\\.1", *real])
+    ports = "|".join(["8000", "9090", "5432", *(v for k, v in LOCAL_ADDRESSES.items() if k.endswith("_PORT"))])
+    address = re.compile(rf"\b(?:{names})\b(?::(?:{ports})\b)?|\b(?:{ports})\b")
+
+    def masked(value: Any) -> Any:
+        text = json.dumps(value, sort_keys=True).replace(LOCAL_ADDRESSES["PROMETHEUS_CONFIG"], "CONFIG")
+        return address.sub("ADDRESS", text.replace(str(PROMETHEUS), "CONFIG"))
+
+    for name, service in local.items():
+        assert service["network_mode"] == "host" and not service.get("ports"), name
+        original = real[name]
+        if name == "postgres":  # the official image listens on every address (its config file): told here
+            assert as_args(service["command"])[:1] == ["postgres"] and not original.get("command")
+            assert service["environment"].pop("PGPORT") == LOCAL_ADDRESSES["POSTGRES_LISTEN_PORT"]
+        else:
+            assert masked(service.get("command")) == masked(original.get("command")), name
+        for key in ("entrypoint", "environment", "healthcheck", "volumes", "restart", "image", "secrets"):
+            assert masked(service.get(key)) == masked(original.get(key)), (name, key)
+    # the generated Prometheus config, the same jobs with static 127.0.0.1 targets, is the only file that differs
+    mounts_of = {v["target"]: v["source"] for v in local["prometheus"]["volumes"] if v["type"] == "bind"}
+    assert mounts_of["/etc/prometheus/prometheus.yml"] == LOCAL_ADDRESSES["PROMETHEUS_CONFIG"]
 
 
 def test_gpu_reservations_only_without_the_cpu_override() -> None:
