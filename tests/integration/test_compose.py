@@ -31,10 +31,10 @@ import openai
 import pytest
 
 from client import ArtClient
-from store.api import GroupCreate, KeyCreate, ModelStatus, RolloutIn
+from store.api import GroupCreate, ModelStatus, RolloutIn
 from store.trajectories import Trajectory
 from tests.conftest import poll
-from tests.integration.test_deploy import METRIC_NAME, dashboard_expressions
+from tests.dashboard import METRIC_NAME, dashboard_expressions
 
 # The engine tests' worker, one after another: these containers run a vLLM and a trainer of their own.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
@@ -173,9 +173,14 @@ def deployment() -> Iterator[Deployment]:
 def test_an_openai_client_with_a_client_key_gets_answers_through_the_gateway_container(
     deployment: Deployment,
 ) -> None:
-    with deployment.art() as admin:
-        created = admin.create_key(KeyCreate(name="compose-test", models=[MODEL], scopes=["infer", "reward", "read"]))
-    deployment.client_key = created.key
+    # as the README has a user make one: `artgw keys create` in the gateway's container, with the admin key of
+    # its environment (--port: the host network's port here; 8000, the default, on a compose network)
+    made = deployment.compose(
+        *("exec", "-T", "gateway", "artgw", "keys", "create", "--port", deployment.variables["GATEWAY_LISTEN_PORT"]),
+        *("--name", "compose-test", "--model", MODEL, "--scope", "infer", "--scope", "reward", "--scope", "read"),
+    )
+    deployment.client_key = made.strip()
+    assert deployment.client_key.startswith("sk-art-"), made
 
     answer = deployment.chat("compose-hello")
     assert answer.model == MODEL

@@ -29,13 +29,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.dashboard import DASHBOARD, METRIC_NAME, dashboard, dashboard_expressions
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_CPU = ROOT / "docker-compose.cpu.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
-DASHBOARD = GRAFANA / "dashboards" / "art-gateway.json"
 
 SERVICES = {"postgres", "vllm", "gateway", "trainer", "prometheus", "grafana"}
 GPU_SERVICES = {"vllm", "trainer"}
@@ -79,7 +80,6 @@ GATEWAY_METRICS = {
     "artgw_grouped_rollout_sequences_total",
     "artgw_sequence_splits_total",
 }
-METRIC_NAME = re.compile(r"\b(?:artgw_[a-z0-9_]+|vllm:[a-zA-Z0-9_:]+)")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -279,29 +279,6 @@ def prometheus_credentials_file() -> str:
     """Where Prometheus reads the key it scrapes the gateway with."""
     (job,) = [j for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"] if j["job_name"] == "artgw-gateway"]
     return str(job["authorization"]["credentials_file"])
-
-
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
-
-
-def dashboard_expressions() -> list[str]:
-    doc = dashboard()
-    exprs: list[str] = []
-
-    def panels(items: list[dict[str, Any]]) -> None:
-        for panel in items:
-            exprs.extend(t["expr"] for t in panel.get("targets") or [] if t.get("expr"))
-            panels(panel.get("panels") or [])
-
-    panels(doc.get("panels") or [])
-    # Prometheus annotations (promotions and rollbacks); Grafana's built-in one has no expression.
-    exprs.extend(a["expr"] for a in (doc.get("annotations") or {}).get("list") or [] if a.get("expr"))
-    for var in (doc.get("templating") or {}).get("list") or []:
-        query = var.get("query")
-        if var.get("type") == "query":
-            exprs.append(query["query"] if isinstance(query, dict) else str(query))
-    return exprs
 
 
 def dashboard_metric_names() -> set[str]:
