@@ -96,6 +96,27 @@ def poll(check: Callable[[], Any], timeout: float, what: str, *, every: float = 
         time.sleep(every)
 
 
+def poll_quietly(check: Callable[[], Any], timeout: float, *, every: float = 0.2) -> Any:
+    """`poll` that returns None at the deadline instead of failing (for a diagnostic that may not come)."""
+    try:
+        return poll(check, timeout, "", every=every)
+    except AssertionError:
+        return None
+
+
+def process_waits(pid: int) -> str:
+    """Each thread of a process, its state and the kernel function it sleeps in (/proc): where a process that
+    printed nothing is stuck, even before it could dump its Python stacks."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with suppress(OSError):
+            state = next(line for line in (task / "status").read_text().splitlines() if line.startswith("State:"))
+            lines.append(f"{task.name} {state.split(None, 1)[1]} wchan={(task / 'wchan').read_text() or '-'}")
+    with suppress(OSError):
+        lines.append("cmdline: " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+    return "; ".join(lines) or f"no /proc/{pid}"
+
+
 def holds(check: Callable[[], Any], duration: float, what: str, *, every: float = 0.1) -> None:
     """Assert that `check` stays truthy for `duration` seconds (something must not come back, e.g. a revoked key
     after the next refreshes); fails at the first falsy answer."""

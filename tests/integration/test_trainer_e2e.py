@@ -31,7 +31,16 @@ import pytest
 
 from artgw import demo_task
 from client import ArtClient
-from tests.conftest import Background, GatewayProcess, poll, start_gateway, start_trainer, stop_group
+from tests.conftest import (
+    Background,
+    GatewayProcess,
+    poll,
+    poll_quietly,
+    process_waits,
+    start_gateway,
+    start_trainer,
+    stop_group,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -113,10 +122,16 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     try:
         (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
     except AssertionError as exc:
-        if trainer.poll() is None:  # its every thread's stack into its log (faulthandler on SIGUSR1)
+        if trainer.poll() is None:
+            # where each thread waits in the kernel, then (once `artgw train` registered faulthandler on SIGUSR1,
+            # after its config: before that, the signal ends it) every thread's Python stack into its log
+            kernel = process_waits(trainer.pid)
             trainer.send_signal(signal.SIGUSR1)
             log = gateway.data_dir / "trainer.log"
-            poll(lambda: "most recent call first" in log.read_text(errors="replace"), 10, "the stack dump")
+            if not poll_quietly(lambda: "most recent call first" in log.read_text(errors="replace"), 10):
+                raise AssertionError(
+                    f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
+                ) from None
         raise AssertionError(f"{exc}; group states {states}") from None
     return served
 
