@@ -424,10 +424,11 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config = train_config(args)
     # `kill -USR1 <pid>` prints every thread's stack to stderr: where a trainer that seems stuck is waiting.
+    # First of all: a trainer was once stuck with no output before it (building the config imports torch).
     with contextlib.suppress(ValueError, AttributeError):  # stderr without a file descriptor (captured)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    config = train_config(args)
     from trainer.tracking import TrackingError
     from trainer.train import main  # torch and the model stack: only once the config is good
 

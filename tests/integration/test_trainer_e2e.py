@@ -124,7 +124,7 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     except AssertionError as exc:
         if trainer.poll() is None:
             # where each thread waits in the kernel, then (once `artgw train` registered faulthandler on SIGUSR1,
-            # after its config: before that, the signal ends it) every thread's Python stack into its log
+            # its first step: before that, the signal ends it) every thread's Python stack into its log
             kernel = process_waits(trainer.pid)
             trainer.send_signal(signal.SIGUSR1)
             log = gateway.data_dir / "trainer.log"
