@@ -708,6 +708,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every test that starts or uses a real vLLM engine runs on one xdist worker (`--dist loadgroup`), one after
     another: two engines never compete for this machine's two cores, and the session's shared engine is started
     once. The rest spread over the workers."""
+    # The deployment's test last: the whole suite builds its images in the background from the start (scripts/test),
+    # and the engine worker runs the other engine tests meanwhile instead of waiting for the build.
+    items.sort(key=lambda item: item.path.name == "test_compose.py")
     if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups to make (nor their marker)
         return
     for item in items:

@@ -8,9 +8,11 @@ that loses the store. The tests run in order against one deployment: an OpenAI c
 container; a step trained by the trainer container and served; Prometheus's scrapes and every dashboard
 expression; `compose down` and `up` again; the gateway's process killed.
 
-scripts/compose-up builds everything from nothing (about 5 minutes here: README "Deployment"); its failure,
-the container engine's above all, fails the test with what it said. `ARTGW_COMPOSE_KEEP=1` leaves the deployment
-up after the tests (scripts/compose-down removes it), and a later run reuses what is built and running.
+scripts/compose-up builds everything from nothing (about 5 minutes here: README "Deployment"; the whole suite
+starts that build in the background, scripts/test); its failure, the container engine's above all, fails the test
+with what it said. `ARTGW_COMPOSE_KEEP=1` leaves the deployment up after the tests, to look at; the tests expect a
+fresh one: `scripts/compose-down --keep-images` before the next run keeps only the images (built again when the
+sources change).
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ class Deployment:
 
     @property
     def gateway(self) -> str:
-        return f"http://127.0.0.1:{self.variables['GATEWAY_LISTEN_PORT']}"
+        return f"http://127.0.0.1:{self.variables['ARTGW_GATEWAY_LISTEN_PORT']}"
 
     @property
     def prometheus(self) -> str:
-        return f"http://127.0.0.1:{self.variables['PROMETHEUS_LISTEN_PORT']}"
+        return f"http://127.0.0.1:{self.variables['ARTGW_PROMETHEUS_LISTEN_PORT']}"
 
     @property
     def admin_key(self) -> str:
@@ -148,18 +150,25 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
     started = time.monotonic()
-    up = subprocess.run(
+    # in a session of its own: at the timeout, the script and everything it runs (compose, docker build) end
+    up = subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "compose-up")],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=1500,
-        check=False,
+        start_new_session=True,
     )
-    state = Path(up.stdout.strip().splitlines()[-1]) if up.stdout.strip() else None
     try:
+        try:
+            out, err = up.communicate(timeout=1500)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            out, err = up.communicate()
+            err += "\n(killed after 1500 s)"
+        state = Path(out.strip().splitlines()[-1]) if out.strip() else None
         assert up.returncode == 0 and state is not None, (
-            f"scripts/compose-up failed (exit {up.returncode}): the deployment could not be made\n{up.stderr[-6000:]}"
+            f"scripts/compose-up failed (exit {up.returncode}): the deployment could not be made\n{err[-6000:]}"
         )
         variables = dict(line.split("=", 1) for line in (state / "compose.env").read_text().splitlines() if "=" in line)
         timings = (state / "timings").read_text() if (state / "timings").exists() else ""
@@ -176,7 +185,16 @@ def test_an_openai_client_with_a_client_key_gets_answers_through_the_gateway_con
     # as the README has a user make one: `artgw keys create` in the gateway's container, with the admin key of
     # its environment (--port: the host network's port here; 8000, the default, on a compose network)
     made = deployment.compose(
-        *("exec", "-T", "gateway", "artgw", "keys", "create", "--port", deployment.variables["GATEWAY_LISTEN_PORT"]),
+        *(
+            "exec",
+            "-T",
+            "gateway",
+            "artgw",
+            "keys",
+            "create",
+            "--port",
+            deployment.variables["ARTGW_GATEWAY_LISTEN_PORT"],
+        ),
         *("--name", "compose-test", "--model", MODEL, "--scope", "infer", "--scope", "reward", "--scope", "read"),
     )
     deployment.client_key = made.strip()
@@ -336,7 +354,9 @@ def test_a_killed_gateway_is_restarted_and_no_acknowledged_call_is_lost(deployme
     caller.start()
     try:
         poll(lambda: len(answered) >= 3, 120, "calls answered before the kill")
-        os.kill(int(deployment.inspect(gateway, "{{.State.Pid}}")), signal.SIGKILL)
+        pid = int(deployment.inspect(gateway, "{{.State.Pid}}"))
+        assert pid > 0, "the gateway's container is not running"  # kill(0) would end this test's process group
+        os.kill(pid, signal.SIGKILL)
         killed_at = len(answered)
 
         def back() -> bool:
