@@ -173,6 +173,17 @@ class _RecorderCollector(Collector):
             "Records the journal could not take (disk full, I/O error): their calls were refused with 503.",
             value=r.journal_errors,
         )
+        yield CounterMetricFamily(
+            "artgw_journal_damaged",
+            "Damaged stretches of the record journal skipped on reading (each usually one entry; the entries after "
+            "it are read on, and its segment is kept in DATA/journal/damaged/).",
+            value=r.journal.damaged_stretches,
+        )
+        yield CounterMetricFamily(
+            "artgw_journal_damaged_bytes",
+            "Bytes of the record journal skipped as damaged (see artgw_journal_damaged).",
+            value=r.journal.damaged_bytes,
+        )
         yield GaugeMetricFamily(
             "artgw_journal_up",
             "1 while the journal takes records; 0 from a failed append until the disk takes writes again.",

@@ -8,8 +8,15 @@ per call id, so a crash between a store commit and the trim that follows it dupl
 Layout: `DATA/journal/seg-<seq>.log` segment files, the newest one appended to and rotated at a size.
 An entry is `<u32 length><u32 crc32>` followed by `length` bytes of the msgspec-JSON `CallRecord` (JSON,
 not msgpack: a request holds whatever JSON the client sent, integers beyond 64 bits included). One
-`os.write` per entry. A reader stops at the first entry that is short or fails its checksum: that is the
-torn tail a crash mid-write leaves (its call was never acknowledged), and it is skipped.
+`os.write` per entry.
+
+An entry that is short or fails its checksum is skipped, and only it: the reader resynchronises on the next
+offset where a whole entry passes its checksum (a payload is a JSON object, so only a header followed by `{`
+is tried: scanning costs about a `find` over the damaged stretch). An entry cut short at the end, with no
+whole entry after it, is the torn tail a crash mid-write leaves (its call was never acknowledged): skipped
+quietly. Anything else skipped is damage (a flipped byte, a bad sector): logged with its byte range, counted
+(`damaged_stretches`, `damaged_bytes`: the `artgw_journal_damaged*` metrics), and its segment is never
+deleted: once replayed it is moved to `journal/damaged/`, where the skipped bytes can still be looked at.
 
 An append the disk refuses (full, I/O error) raises OSError and leaves no part of its entry behind; the
 recorder then refuses the call (recording/recorder.py).
@@ -23,12 +30,13 @@ the disk: `fsync="always"` syncs before `append`'s caller acknowledges, `"interv
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import msgspec
 
@@ -40,6 +48,7 @@ FsyncPolicy = Literal["always", "interval", "never"]
 
 _HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
 _PREFIX, _SUFFIX = "seg-", ".log"
+DAMAGED_DIR = "damaged"  # under the journal's directory: segments with damage, kept once replayed
 _encode = msgspec.json.Encoder().encode
 _decoder = msgspec.json.Decoder(CallRecord)
 
@@ -56,6 +65,12 @@ class Entry(msgspec.Struct, frozen=True):
 
     end: Position
     size: int
+
+
+class _Gap(msgspec.Struct, frozen=True):
+    """Bytes of a segment a reader skipped (damage or a torn tail): the read goes on at `end`."""
+
+    end: int
 
 
 class Journal:
@@ -78,6 +93,12 @@ class Journal:
         self._bytes = sum(self._path(s).stat().st_size for s in self.segments)
         self._dirty = False  # written since the last fsync
         self.appended = 0
+        # Damage found by reads (skipped stretches that are not a torn tail): counted once each, and their
+        # segments kept aside instead of deleted. Reads run in a worker thread, trims on the event loop.
+        self.damaged_stretches = 0
+        self.damaged_bytes = 0
+        self._damage_seen: set[tuple[int, int]] = set()  # (segment, offset): a re-read does not count it again
+        self._damaged_segments: set[int] = set()
 
     # -- appending (the event loop's thread only)
 
@@ -153,7 +174,7 @@ class Journal:
     ) -> tuple[list[tuple[CallRecord | None, Position, int]], Position]:
         """Entries from `start` up to `stop` (at most `max_records`, and `max_bytes` unless that leaves none),
         as (record, its end, size) with None for an entry that passed its checksum but does not decode; and
-        where the next read starts. A torn or corrupt entry ends its segment: the read goes on at the next."""
+        where the next read starts. A damaged entry is skipped and the read goes on at the next whole one."""
         out: list[tuple[CallRecord | None, Position, int]] = []
         taken = 0
         seq, offset = start.segment, start.offset
@@ -162,7 +183,11 @@ class Journal:
             if seq > start.segment:
                 offset = 0
             limit = stop.offset if seq == stop.segment else None
-            for record, end, size in self._entries(seq, offset, limit):
+            for item in self._entries(seq, offset, limit):
+                if isinstance(item, _Gap):
+                    offset = item.end
+                    continue
+                record, end, size = item
                 if out and (len(out) >= max_records or taken + size > max_bytes):
                     return out, Position(seq, offset)
                 out.append((record, Position(seq, end), size))
@@ -172,27 +197,31 @@ class Journal:
                 return out, Position(seq, offset)
         return out, stop
 
-    def _entries(self, seq: int, offset: int, limit: int | None) -> Iterator[tuple[CallRecord | None, int, int]]:
+    def _entries(self, seq: int, offset: int, limit: int | None) -> Iterator[tuple[CallRecord | None, int, int] | _Gap]:
         path = self._path(seq)
         try:
             f = path.open("rb")
         except FileNotFoundError:
             return
         with f:
+            size = os.fstat(f.fileno()).st_size
+            end = size if limit is None else min(limit, size)  # past `limit`: appends still under way
             f.seek(offset)
-            while limit is None or offset < limit:
-                header = f.read(_HEADER.size)
-                if len(header) < _HEADER.size:
-                    if header:
-                        log.warning("journal %s: torn entry at byte %d skipped", path.name, offset)
-                    return
-                length, crc = _HEADER.unpack(header)
-                payload = f.read(length)
-                if len(payload) < length or zlib.crc32(payload) != crc:
-                    log.warning(
-                        "journal %s: torn or corrupt entry at byte %d: rest of segment skipped", path.name, offset
-                    )
-                    return
+            while offset < end:
+                header = f.read(_HEADER.size) if end - offset >= _HEADER.size else b""
+                length, crc = _HEADER.unpack(header) if header else (0, 0)
+                payload = f.read(length) if 0 < length <= end - offset - _HEADER.size else b""
+                if not payload or zlib.crc32(payload) != crc:
+                    resume = self._next_entry(f, offset + 1, end)
+                    torn = resume is None and (not header or offset + _HEADER.size + length > end)
+                    self._skipped(seq, offset, end if resume is None else resume, torn=torn)
+                    if resume is None:
+                        yield _Gap(end)
+                        return
+                    offset = resume
+                    f.seek(offset)
+                    yield _Gap(offset)
+                    continue
                 try:
                     record: CallRecord | None = _decoder.decode(payload)
                 except msgspec.DecodeError as exc:
@@ -200,6 +229,46 @@ class Journal:
                     record = None
                 offset += _HEADER.size + length
                 yield record, offset, _HEADER.size + length
+
+    @staticmethod
+    def _next_entry(f: BinaryIO, start: int, end: int) -> int | None:
+        """The first offset in [start, end) where a whole entry passes its checksum, or None. Only offsets
+        followed, a header later, by the `{` a payload starts with are tried; in JSON text a header's length
+        read from text bytes is over 512 MiB, so nearly every false one is refused without a checksum."""
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            at = start
+            while True:
+                brace = view.find(b"{", at + _HEADER.size, end)
+                if brace < 0:
+                    return None
+                at = brace - _HEADER.size
+                length, crc = _HEADER.unpack_from(view, at)
+                if 0 < length <= end - brace and zlib.crc32(view[brace : brace + length]) == crc:
+                    return at
+                at += 1
+
+    def _skipped(self, seq: int, start: int, stop: int, *, torn: bool) -> None:
+        """Say what a read skipped, once however often it is read again."""
+        if (seq, start) in self._damage_seen:
+            return
+        self._damage_seen.add((seq, start))
+        name = self._path(seq).name
+        if torn:  # a crash cut the last write short: its call was never acknowledged
+            log.warning("journal %s: torn entry at byte %d (%d bytes) skipped", name, start, stop - start)
+            return
+        self._damaged_segments.add(seq)
+        self.damaged_stretches += 1
+        self.damaged_bytes += stop - start
+        log.error(
+            "journal %s: damaged entry at bytes %d-%d skipped (%d bytes, failed its checksum); read on from byte %d. "
+            "The segment is kept in %s once replayed",
+            name,
+            start,
+            stop,
+            stop - start,
+            stop,
+            self.directory / DAMAGED_DIR,
+        )
 
     def raw(self, seq: int, offset: int, size: int) -> bytes:
         """The payload of one entry (for setting aside one that does not decode)."""
@@ -218,8 +287,7 @@ class Journal:
                 seq == committed.segment and seq != self._seq and committed.offset >= self._file_size(seq)
             )
             if done:
-                self._bytes -= self._file_size(seq)
-                self._path(seq).unlink(missing_ok=True)
+                self._retire(seq)
             else:
                 keep.append(seq)
         self.segments = keep
@@ -232,13 +300,29 @@ class Journal:
             os.close(self._fd)
             self._fd = -1
         if all_committed or self._size == 0:  # an empty segment is noise for the next start
-            self._path(self._seq).unlink(missing_ok=True)
+            self._retire(self._seq)
             self.segments = [s for s in self.segments if s != self._seq]
-            self._bytes -= self._size
             self._size = 0
         if all_committed:
             self.trim(Position(self._seq + 1, 0))
         self._seq += 1
+
+    def _retire(self, seq: int) -> None:
+        """A segment all of whose records are committed goes; one with damage is moved aside, never deleted."""
+        path = self._path(seq)
+        self._bytes -= self._file_size(seq)
+        if seq not in self._damaged_segments or not path.exists():
+            path.unlink(missing_ok=True)
+            return
+        aside = self.directory / DAMAGED_DIR
+        aside.mkdir(mode=0o700, exist_ok=True)
+        target, n = aside / path.name, 0
+        while target.exists():  # numbers restart once a journal has emptied: never overwrite one kept earlier
+            n += 1
+            target = aside / f"{path.stem}.{n}{_SUFFIX}"
+        path.rename(target)
+        self._damaged_segments.discard(seq)
+        log.warning("journal %s: replayed but for its damage; kept as %s", path.name, target)
 
     # -- sizes (metrics)
 

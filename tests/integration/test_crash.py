@@ -5,8 +5,9 @@ JSON body, or a stream ending in `data: [DONE]`) is in the store exactly once (r
 The short form (CI) runs `ARTGW_CRASH_ROUNDS` = 3 kill rounds, the second one during a store stall;
 by hand, e.g. `ARTGW_CRASH_ROUNDS=20 ARTGW_CRASH_CONCURRENCY=128 pytest tests/integration/test_crash.py`.
 
-Also a memory test: calls of several MB while the store is locked keep the gateway's RSS under a bound
-(`RSS_GROWTH_BOUND` over its idle RSS) and lose nothing.
+Also a flipped byte in the journal of a gateway SIGKILLed during a stall: only that entry is lost. And a memory
+test: calls of several MB while the store is locked keep the gateway's RSS under a bound (`RSS_GROWTH_BOUND` over
+its idle RSS) and lose nothing.
 
 The upstream is the stand-in engine (tests/stub_engine.py): fixed answers and streams (a role event, three token
 events, usage, [DONE], a few ms apart), cheap enough that the gateway is the bottleneck.
@@ -23,7 +24,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.conftest import apoll, ticks
+from recording.journal import Journal, Position
+from tests.conftest import apoll, metric, ticks
 from tests.load_helpers import Gateway, load, one_call, recorded, wait_recorded
 
 ROUNDS = int(os.environ.get("ARTGW_CRASH_ROUNDS", "3"))
@@ -92,6 +94,53 @@ async def test_sigkill_under_load_loses_no_acknowledged_call(tmp_path: Path, ups
     assert not lost, f"{len(lost)} answered calls not recorded: {lost[:10]}"
     assert not twice, f"{len(twice)} calls recorded more than once: {twice[:10]}"
     assert set(counts) <= set(started)
+
+
+async def test_a_flipped_journal_byte_costs_only_its_entry(tmp_path: Path, upstream: str) -> None:
+    """#40: SIGKILLed during a store stall with ~150 calls answered (all of them in the journal only), one byte of
+    the segment flipped 10% into it, restarted: every intact entry reaches the store, the damaged one is counted
+    and logged, and its segment is kept in journal/damaged/ (it was deleted, and every entry after the damaged one
+    lost with it)."""
+    gateway = Gateway(tmp_path / "data", upstream)
+    journal_dir = gateway.data_dir / "journal"
+    complete: set[str] = set()
+    started: list[str] = []
+    try:
+        gateway.start()
+        holder = stall(gateway.db)  # from the first call: nothing reaches the store before the kill
+        stop = asyncio.Event()
+        task = asyncio.create_task(load(gateway.url, "flip", stop, complete, started, 16))
+        await answered_more(complete, 150)
+        gateway.kill()
+        stop.set()
+        await task
+        holder.rollback()
+        holder.close()
+        (segment,) = journal_dir.glob("seg-*.log")
+        journal = Journal(journal_dir)
+        entries, _ = journal.read(Position(0, 0), Position(journal.segments[-1] + 1, 0), 100_000, 1 << 40)
+        flipped = segment.stat().st_size // 10
+        data = bytearray(segment.read_bytes())
+        data[flipped] ^= 0x01
+        segment.write_bytes(bytes(data))
+        (damaged,) = [r for r, end, size in entries if r is not None and end.offset - size <= flipped < end.offset]
+        intact = {r.rollout_id for r, _, _ in entries if r is not None} - {damaged.rollout_id}
+        assert complete - {damaged.rollout_id} <= intact  # every answered call was journaled
+        gateway.start()  # the journal is replayed
+        await asyncio.to_thread(wait_recorded, gateway.db, intact, 60)
+        counted = metric(gateway.url, "artgw_journal_damaged_total")
+        gateway.stop()  # graceful: the replayed segment is done with
+    finally:
+        gateway.stop()
+    counts = recorded(gateway.db)
+    print(f"{len(complete)} answered, {len(entries)} journaled, {len(counts)} recorded; byte {flipped} flipped")
+    assert len(entries) >= 150
+    assert not sorted(intact - set(counts)), "intact entries lost"
+    assert damaged.rollout_id not in counts and set(counts) == intact
+    assert counted == 1
+    assert "damaged entry at bytes" in gateway.log_path.read_text()
+    assert not list(journal_dir.glob("seg-*.log"))
+    assert (journal_dir / "damaged" / segment.name).read_bytes() == bytes(data)
 
 
 async def test_large_calls_against_a_locked_store_keep_memory_bounded(tmp_path: Path, upstream: str) -> None:

@@ -1,5 +1,6 @@
-"""The record journal (recording/journal.py): append, read back, a torn tail skipped, rotation and trim, and
-the recorder's replay of what a crashed run left, exactly once."""
+"""The record journal (recording/journal.py): append, read back, a torn tail skipped, a damaged entry skipped
+alone (its segment kept aside), rotation and trim, and the recorder's replay of what a crashed run left, exactly
+once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import msgspec
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -70,6 +72,71 @@ def test_a_corrupt_entry_ends_its_segment_and_the_next_segment_is_read(tmp_path:
     data[-2] ^= 0xFF  # a flipped byte: the checksum fails
     first.write_bytes(bytes(data))
     assert read_all(journal) == records[1:]
+
+
+def flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+# Where in the fourth entry the byte flips: its length, its checksum, the payload's first byte, its middle, its last.
+@pytest.mark.parametrize("where", [0, 3, 5, 8, "middle", -1])
+def test_a_damaged_entry_costs_that_entry_only(tmp_path: Path, where: int | str) -> None:
+    """The read skips the damaged entry and resynchronises on the next whole one (#40: the rest of the segment
+    was lost); the skip is counted once, however often that stretch is read again."""
+    journal = Journal(tmp_path / "j")
+    records = [record(size=i * 37) for i in range(10)]
+    entries = [journal.append(r) for r in records]
+    start, size = entries[2].end.offset, entries[3].size
+    offset = {"middle": size // 2, -1: size - 1}.get(where, where)
+    assert isinstance(offset, int)
+    (segment,) = (tmp_path / "j").glob("seg-*.log")
+    flip(segment, start + offset)
+    assert read_all(journal) == records[:3] + records[4:]
+    assert (journal.damaged_stretches, journal.damaged_bytes) == (1, size)
+    # Read again, two records at a time: the same entries, the damage counted once.
+    got, at = [], Position(0, 0)
+    while at < journal.end():
+        batch, at = journal.read(at, journal.end(), 2, 1 << 30)
+        got += [r for r, _, _ in batch]
+    assert got == records[:3] + records[4:]
+    assert journal.damaged_stretches == 1
+
+
+def test_damage_at_the_start_at_the_end_and_in_a_row(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j")
+    records = [record() for _ in range(8)]
+    entries = [journal.append(r) for r in records]
+    (segment,) = (tmp_path / "j").glob("seg-*.log")
+    for i in (0, 3, 4, 7):  # the first, two in a row (one stretch), the last
+        flip(segment, entries[i].end.offset - entries[i].size // 2)
+    assert read_all(journal) == [records[i] for i in (1, 2, 5, 6)]
+    assert journal.damaged_stretches == 3
+    assert journal.damaged_bytes == sum(entries[i].size for i in (0, 3, 4, 7))
+
+
+def test_a_damaged_segment_is_kept_aside_and_a_torn_one_goes(tmp_path: Path) -> None:
+    """Once everything readable in it is committed, a segment with damage is moved to journal/damaged/, never
+    deleted; a segment whose only fault is a torn tail (a crash mid-append) is deleted as usual."""
+    crashed = Journal(tmp_path / "j", segment_bytes=1_500)
+    entries = [crashed.append(record(size=300)) for _ in range(8)]
+    first, second = sorted((tmp_path / "j").glob("seg-*.log"))[:2]
+    flip(first, 20)
+    data = second.read_bytes()
+    second.write_bytes(data[:-5])  # a torn tail
+    kept = first.read_bytes()
+    again = Journal(tmp_path / "j")
+    again.seal()
+    got, after = again.read(Position(0, 0), again.end(), 1_000, 1 << 30)
+    assert after == again.end() and len(got) == len(entries) - 2
+    assert again.damaged_stretches == 1  # the torn tail is not damage
+    again.trim(after)
+    again.close(all_committed=True)
+    assert not list((tmp_path / "j").glob("seg-*.log"))
+    assert [p.name for p in (tmp_path / "j" / "damaged").iterdir()] == [first.name]
+    assert (tmp_path / "j" / "damaged" / first.name).read_bytes() == kept
+    assert (tmp_path / "j" / "damaged").stat().st_mode & 0o777 == 0o700
 
 
 def test_rotation_and_trim_free_committed_segments(tmp_path: Path) -> None:
