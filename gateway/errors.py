@@ -150,6 +150,13 @@ def decode_body(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | N
     value = decode_json(body, kind, decoder)
     if json_too_deep(body):
         raise too_deep()
+    # A struct's decoder skips unknown fields without reading their strings: invalid UTF-8 there must not pass
+    # (the body is recorded). ASCII, nearly every body, is checked at C speed without a decode.
+    if not body.isascii():
+        try:
+            body.decode()
+        except UnicodeDecodeError:
+            raise not_utf8() from None
     return value
 
 
@@ -162,9 +169,13 @@ def decode_json(body: bytes, kind: type[T], decoder: msgspec.json.Decoder[T] | N
     except msgspec.DecodeError as exc:
         raise invalid_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
     except UnicodeDecodeError:
-        raise invalid_request("Request body is not valid UTF-8.", code="invalid_json") from None
+        raise not_utf8() from None
     except RecursionError:
         raise too_deep() from None
+
+
+def not_utf8() -> OpenAIError:
+    return invalid_request("Request body is not valid UTF-8.", code="invalid_json")
 
 
 def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:

@@ -203,6 +203,34 @@ def test_invalid_utf8_and_too_deep_are_400_on_every_json_endpoint(gateway) -> No
         assert (r.status_code, r.json()) == (400, {"error": TOO_DEEP}), path
 
 
+MESSAGES = b'{"model": "my-agent", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]'
+RESPONSES = b'{"model": "my-agent", "input": "hi"'
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # #40: count_tokens answered 500 to these two (a traceback in the log) ...
+        ("/messages/count_tokens", MESSAGES + b', "system": "\xff"}'),
+        ("/messages/count_tokens", MESSAGES + b', "zz": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"),
+        # ... and the others served invalid UTF-8 in a field they do not know (200): their struct skips it unread.
+        ("/messages", MESSAGES + b', "zz": "\xc3("}'),
+        ("/messages/count_tokens", MESSAGES + b', "zz": {"k": "\xff"}}'),
+        ("/responses", RESPONSES + b', "zz": ["\xff"]}'),
+        ("/completions", b'{"model": "my-agent", "prompt": "hi", "zz": "\xff"}'),
+    ],
+    ids=["count-utf8", "count-10000-deep", "messages-unknown", "count-unknown", "responses-unknown", "completions"],
+)
+def test_invalid_utf8_anywhere_and_too_deep_are_400_in_the_apis_shape(gateway, path: str, body: bytes) -> None:
+    r = post(gateway, path, body)
+    assert r.status_code == 400, r.text
+    if path.startswith("/messages"):
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert "UTF-8" in r.text or "nested too deeply" in r.text, r.text
+    else:
+        assert r.json()["error"]["code"] == "invalid_json", r.text
+
+
 def test_a_body_at_the_depth_limit_is_recorded_and_reads_back_over_http_and_export(gateway) -> None:
     body = chat_at_depth(MAX_JSON_DEPTH)
     r = post(gateway, "/chat/completions", body, **{"X-ART-Rollout-Id": "deep-1"})

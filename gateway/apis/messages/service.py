@@ -27,8 +27,8 @@ def _with_max_tokens(body: bytes) -> bytes:
     """A count_tokens body as a Messages request: the same fields, and a `max_tokens` (none is sent)."""
     try:
         fields = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body  # parse_request says what is wrong with it
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # not JSON, not UTF-8, nested too deep
+        return body  # parse_request says what is wrong with it (a 400 in Anthropic's shape)
     if isinstance(fields, dict):
         fields.setdefault("max_tokens", 1)
         return _encode(fields)
