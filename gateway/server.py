@@ -1,5 +1,8 @@
 """uvicorn's HTTP/1.1 protocol with the read timeouts and the head size bound it lacks: a connection can't be
 held forever, nor its headers fill memory (a head over `max_head_bytes` gets a 431 and the connection closes).
+The head bound holds however the head arrives: counted from the raw bytes while a head is incomplete (a header
+that never ends), and from the parsed request line and headers as the parser hands them over (a whole head in
+one read, which the app would otherwise be started for).
 
 uvicorn closes a keep-alive connection that sits idle after a response (`timeout_keep_alive`), but it has no
 timeout for a connection that never sends a request, for a request head that trickles in (slowloris), or
@@ -76,7 +79,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
         self._deadline = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
-        self._head_bytes = 0  # of the request head being received
+        self._head_bytes = 0  # raw bytes of the request head being received, while it is incomplete
+        self._head_parsed = 0  # bytes of its URL and headers the parser has handed over
+        self._head_refused = False  # a 431 was sent: the parser's callbacks for the rest of the read do nothing
 
     # ------------------------------------------------------------ deadlines
 
@@ -142,25 +147,51 @@ class TimedHttpProtocol(HttpToolsProtocol):
         # A head still incomplete after these bytes: bounded, as its headers pile up in memory until it ends.
         if self._phase == _HEAD:
             self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
-                self._phase = _NOTHING
-                message = f"Request head over {self.max_head_bytes} bytes (request line and headers)."
-                self.transport.write(
-                    _error_response(b"431 Request Header Fields Too Large", message, "header_too_large")
-                )
-                self.transport.close()
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        """A 431 and the connection closes (no response of ours in the middle of one the app is sending)."""
+        if self._head_refused or self.transport.is_closing():
+            return
+        self._head_refused = True
+        self._phase = _NOTHING
+        if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
+            message = f"Request head over {self.max_head_bytes} bytes (request line and headers)."
+            self.transport.write(_error_response(b"431 Request Header Fields Too Large", message, "header_too_large"))
+        self.transport.close()
 
     def on_message_begin(self) -> None:
-        self._head_bytes = 0
+        self._head_bytes = self._head_parsed = 0
         super().on_message_begin()
         self.scope[HANG_UP] = HangUp()  # type: ignore[literal-required]  # read by gateway/proxy.py
         self._expect(_HEAD, self.header_timeout)
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._head_parsed += len(url)
+        if self._head_parsed > self.max_head_bytes:
+            self._refuse_head()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._head_parsed += len(name) + len(value) + 4  # ": " and CRLF
+        if self._head_parsed > self.max_head_bytes:
+            self._refuse_head()
+
     def on_headers_complete(self) -> None:
+        if self._head_refused:  # the app is never started for a refused head
+            return
         super().on_headers_complete()
         self._expect(_BODY, self.body_timeout)
 
+    def on_body(self, body: bytes) -> None:
+        if not self._head_refused:  # uvicorn's would read a request cycle the refused head never had
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._head_refused:
+            return
         self._phase = _NOTHING  # before super(): it returns early when the app already answered
         super().on_message_complete()
 
