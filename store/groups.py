@@ -6,11 +6,14 @@ A group is several recorded attempts at one task with their rewards: the unit GR
        │                  ▲                 │  │
        └──scoring_failed──┼──▶ failed ◀─drop┘  │ (a lease that runs out: claimable again)
                           └────release─────────┘
+    trained ──retrain_lost──▶ ready (its step's checkpoint no longer loads: the trainer resumed before it)
 
 `scoring`: RULER is judging it (the gateway's scorer); `ready`: every reward known; `training`: claimed
 by a trainer under a lease; `trained`: a committed adapter step learned from it (or it had no signal);
 `failed`: with the reason. Each transition is one guarded UPDATE (`WHERE state IN <allowed sources>`,
-and the lease owner where a trainer holds it), so a group is trained at most once and never lost.
+and the lease owner where a trainer holds it), so a group is trained at most once into a model's line of
+adapters and never lost: when a trainer resumes past steps whose checkpoints no longer load, their update is in
+no adapter it builds on, and their groups are trained again (`retrain_lost`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from store.types import GroupState
 # Which states each state may be entered from: the whole life cycle in one table.
 TRANSITIONS: dict[GroupState, tuple[GroupState, ...]] = {
     "scoring": (),  # only by creation
-    "ready": ("scoring", "training"),  # scored; released by a trainer whose step failed
+    "ready": ("scoring", "training", "trained"),  # scored; released by a step that failed; its step was lost
     "training": ("ready", "training"),  # claimed; re-claimed once the previous claim's lease ran out
     "trained": ("training",),
     "failed": ("scoring", "training"),  # the judge failed; the trainer dropped it (too stale)
@@ -368,6 +371,17 @@ async def release_earlier_attempts(conn: AsyncConnection, models: Sequence[str],
         .returning(groups.c.id)
     )
     return list(result.scalars())
+
+
+async def retrain_lost(conn: AsyncConnection, model: str, kept: int) -> list[str]:
+    """trained → ready for `model`'s groups trained by a step after `kept` (0: the base weights): a trainer resumes
+    from step `kept` because the newer ones' checkpoints no longer load, so their update is lost with them and their
+    groups are trained again. Returns their ids."""
+    lost = sa.select(groups.c.id).where(
+        groups.c.model == model, groups.c.state == "trained", groups.c.trained_step > kept
+    )
+    ids = list((await conn.execute(lost)).scalars())
+    return await _move(conn, ids, "ready", source=("trained",), trained_step=None, **_NO_LEASE)
 
 
 async def drop_groups(conn: AsyncConnection, group_ids: Sequence[str], owner: str, reason: str) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from store.adapters import AdapterRow
-from trainer.checkpoints import restore
+from trainer import distributed
+from trainer.checkpoints import discard_uncommitted, restore, resume_point
 from trainer.config import TrainConfig
 from trainer.console import console
 from trainer.model import Policy
@@ -107,3 +108,34 @@ def open_lineage(
     loads; None: the base)."""
     policy, optimizer = restore(config, device, committed)
     return Lineage(name, policy, optimizer, step, committed)
+
+
+def resume_lineages(config: TrainConfig, store: TrainerStore, device: torch.device) -> list[Lineage]:
+    """Each model's lineage as its committed steps left it: from its newest committed checkpoint that loads (newer
+    uncommitted ones deleted). Committed steps newer than that one no longer load (trainer/checkpoints.py): their
+    update is lost, so their groups go back to `ready` and are trained again into the next step, which builds on
+    the checkpoint that loads. (Left `trained`, the lineage would go on without them, silently.) Rank 0's side: the
+    other ranks open theirs from what it shares (trainer/ranks.py).
+
+    Memory: each lineage loads a base copy of its own, simple and fine for a few small models; PEFT's several
+    adapters on one base (set_adapter per step) would share it."""
+    resume_points = distributed.share({name: resume_point(name, store.committed_steps(name)) for name in config.models})
+    lineages: list[Lineage] = []
+    for name, (step, committed) in resume_points.items():
+        discarded = discard_uncommitted(config, name, step)
+        if discarded:
+            console.print(f"[yellow]{name}: discarded uncommitted checkpoints {discarded}[/yellow]")
+        kept = committed.step if committed is not None else 0
+        again = store.retrain_lost(name, kept) if kept < step else []
+        if again:  # (none on a later start: they were given back by the first)
+            lost = f"steps {kept + 1}-{step}" if kept + 1 < step else f"step {step}"
+            console.print(
+                f"[yellow]{name}: {lost} lost with {'their checkpoints' if kept + 1 < step else 'its checkpoint'}: "
+                f"{len(again)} groups they trained are ready again, for step {step + 1}[/yellow]",
+                soft_wrap=True,
+            )
+        lineages.append(open_lineage(config, device, name, step, committed))
+        trainable = sum(p.numel() for p in lineages[-1].policy.model.parameters() if p.requires_grad)
+        weights = f"step {committed.step}" if committed is not None else "the base"
+        console.print(f"  model={name} resume_step={step} weights={weights} trainable_params={trainable:,}")
+    return lineages

@@ -28,6 +28,7 @@ from store.groups import (
     release_earlier_attempts,
     release_groups,
     renew_lease,
+    retrain_lost,
 )
 from store.provide import open_store
 from store.rollouts import RolloutReader
@@ -85,6 +86,10 @@ class TrainerStore:
 
     def release_earlier_attempts(self, models: Sequence[str], prefix: str, owner: str) -> list[str]:
         return self._write(release_earlier_attempts, models, prefix, owner)
+
+    def retrain_lost(self, model: str, kept: int) -> list[str]:
+        """Back to `ready`: the groups of `model`'s steps after `kept`, whose checkpoints no longer load."""
+        return self._write(retrain_lost, model, kept)
 
     def drop(self, group_id: str, owner: str, reason: str) -> None:
         """To `failed`, with why: never trained."""

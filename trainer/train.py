@@ -35,12 +35,12 @@ from store.api import AdapterLoad
 from store.tracing import traced
 from store.types import StepMetrics
 from trainer import distributed
-from trainer.checkpoints import discard_uncommitted, restore, resume_point, save_checkpoint
+from trainer.checkpoints import restore, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.console import console
 from trainer.data import load_step_data
 from trainer.grammar import GrammarMasks
-from trainer.lineage import Lineage, Turns, give_back, open_lineage
+from trainer.lineage import Lineage, Turns, give_back, resume_lineages
 from trainer.model import pad_token_id, pick_device
 from trainer.ranks import Order, follow, process_line, tell
 from trainer.step import train_step
@@ -91,19 +91,9 @@ def train(
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
 
-    # ---- resume and models, one lineage per model: each from its own newest committed step, never from an
-    # uncommitted checkpoint. Memory: each lineage loads a base copy of its own, simple and fine for a few
-    # small models; PEFT's several adapters on one base (set_adapter per step) would share it.
-    resume_points = distributed.share({name: resume_point(name, store.committed_steps(name)) for name in config.models})
-    lineages: list[Lineage] = []
-    for name, (step, committed) in resume_points.items():
-        discarded = discard_uncommitted(config, name, step)
-        if discarded:
-            console.print(f"[yellow]{name}: discarded uncommitted checkpoints {discarded}[/yellow]")
-        lineages.append(open_lineage(config, device, name, step, committed))
-        trainable = sum(p.numel() for p in lineages[-1].policy.model.parameters() if p.requires_grad)
-        weights = f"step {committed.step}" if committed is not None else "the base"
-        console.print(f"  model={name} resume_step={step} weights={weights} trainable_params={trainable:,}")
+    # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
+    # from an uncommitted checkpoint (trainer/lineage.py).
+    lineages = resume_lineages(config, store, device)
     pad_id = pad_token_id(config)
     # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
     grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None

@@ -1,20 +1,25 @@
 """Where `artgw train` resumes when a committed checkpoint is damaged (#24): from the newest committed step whose
-checkpoint loads, or the base weights, with one line saying so; never a traceback. Real checkpoints of the tiny
-model (PEFT, as the trainer saves them), committed in a real store (SQLite and PostgreSQL)."""
+checkpoint loads, or the base weights, with one line saying so; never a traceback; and the groups of the steps it
+resumes past are trained again (#40). Real checkpoints of the tiny model (PEFT, as the trainer saves them),
+committed in a real store (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 import torch
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.adapters import AdapterRow, commit_step, committed_steps
+from store.tables import groups
 from trainer.checkpoints import restore, resume_point
 from trainer.config import TrainConfig
 from trainer.console import console
+from trainer.lineage import resume_lineages
 from trainer.model import load_policy, make_optimizer
+from trainer.store_view import TrainerStore
 
 
 @pytest.fixture
@@ -101,3 +106,42 @@ async def test_a_damaged_optimizer_state_starts_fresh_with_a_warning(
         _, optimizer = restore(config, torch.device("cpu"), committed)
     assert "optimizer.pt does not load" in said.get() and "optimizer state fresh" in said.get()
     assert optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("lost", [1, 2])
+async def test_the_groups_of_a_lost_step_are_trained_again(
+    engine: AsyncEngine, store_url: str, tiny_model: Path, tmp_path: Path, lost: int
+) -> None:
+    """#40: a newest checkpoint truncated, the trainer resumed from the step before it while that step's groups
+    stayed `trained`: their update silently gone from the lineage. Now they are `ready` again, and one line says
+    so; the groups of the steps that still load (and of another model) stay trained."""
+    config = TrainConfig(base_model=str(tiny_model), db=store_url, checkpoints=tmp_path / "ckpt", models=("m",))
+    steps = {step: save_step(config, tmp_path, step) for step in (1, 2, 3)}
+    for step, path in steps.items():
+        await commit(engine, step, path)
+    trained = [("g1", "m", 1), ("g2", "m", 2), ("g3a", "m", 3), ("g3b", "m", 3), ("other", "o", 3)]
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.insert(groups),
+            [
+                {"id": i, "model": m, "state": "trained", "trained_step": s, "request_hash": i, "created_at": 1.0}
+                | {"updated_at": 1.0}
+                for i, m, s in trained
+            ],
+        )
+    for step in range(4 - lost, 4):
+        damaged(steps[step], "truncated")
+    with TrainerStore.open(store_url) as store, console.capture() as said:
+        (lineage,) = resume_lineages(config, store, torch.device("cpu"))
+    assert lineage.step == 3 and lineage.committed is not None and lineage.committed.step == 3 - lost
+    async with engine.connect() as conn:
+        states = {i: state for i, state in await conn.execute(sa.select(groups.c.id, groups.c.state))}
+    again = {"g2", "g3a", "g3b"} if lost == 2 else {"g3a", "g3b"}
+    assert states == {i: "ready" if i in again else "trained" for i, _, _ in trained}
+    (line,) = [x for x in said.get().splitlines() if "ready again" in x]
+    what = "steps 2-3 lost with their checkpoints" if lost == 2 else "step 3 lost with its checkpoint"
+    assert line == f"m: {what}: {len(again)} groups they trained are ready again, for step 4"
+    # Resumed again: nothing more to give back, and nothing said of it.
+    with TrainerStore.open(store_url) as store, console.capture() as said:
+        resume_lineages(config, store, torch.device("cpu"))
+    assert "ready again" not in said.get()
