@@ -13,6 +13,8 @@ Scenarios (`--only` takes their keys), in order:
   rounds: answered calls missing from the store, and calls stored twice.
 - locked-kill: the SQLite store locked (a connection holding BEGIN EXCLUSIVE) for 5 s under the same load,
   then SIGKILL, lock released, restart: answered calls lost.
+- flipped-journal: the SQLite store locked under the same load, SIGKILL, one byte of the journal's segment
+  flipped 10% into it, restart (#40): intact entries lost, the damaged one counted, the segment kept aside.
 - locked-load: the SQLite store locked for 10 s while 2,000 calls are made: what the clients got (status,
   latency) and what was lost once the lock is gone and the gateway is stopped.
 - big: 400 calls of 4 MB each while the store is locked: the gateway's peak RSS (psutil, the process and its
@@ -22,8 +24,9 @@ Scenarios (`--only` takes their keys), in order:
   `/readyz`. With $ARTGW_TEST_PG_URL set (`export ARTGW_TEST_PG_URL=$(bash scripts/postgres | tail -n 1)`),
   pg-down: the same with PostgreSQL cut off (a TCP relay that drops every connection), and its recovery.
 - input: malformed and out-of-bounds input (invalid UTF-8, JSON nested 10,000 and 975 deep on chat and groups,
-  role "wizard", a tool with an invalid schema, n=10000, an admin adapter load with step=2**70), and a body at
-  the nesting limit, which must be recorded and read back (HTTP and `artgw export`).
+  role "wizard", a tool with an invalid schema, n=10000, an admin adapter load with step=2**70; #40's
+  count_tokens, unknown-field UTF-8 and whole 100 KiB head), and a body at the nesting limit, which must be
+  recorded and read back (HTTP and `artgw export`).
 - hangup: a client that hangs up on a non-streamed call while the engine works (stub --delay 30): the call's
   recorded status and whether the engine saw its request aborted (the stub's /stats).
 - engine-4xx: the engine's own 400 (the stub's answer to temperature -1): the artgw_requests_total label.
@@ -83,6 +86,7 @@ from rich.text import Text
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from recording.journal import Journal, Position  # noqa: E402
 from tests.conftest import (  # noqa: E402
     ARTGW,
     GatewayProcess,
@@ -102,6 +106,7 @@ from tests.load_helpers import Gateway, one_call, recorded, wait_recorded  # noq
 SCENARIOS = (
     "kill",
     "locked-kill",
+    "flipped-journal",
     "locked-load",
     "big",
     "store-down",
@@ -387,6 +392,46 @@ async def scenario_locked_kill(b: Bench, upstream: str) -> None:
         f"{len(twice)} stored twice",
         "0 lost",
         not lost and not twice,
+    )
+
+
+async def scenario_flipped_journal(b: Bench, upstream: str) -> None:
+    gateway = b.crash_gateway("flipped-journal", upstream)
+    start(gateway)
+    holder = stall(gateway.db, 4.0)  # from before the first call: every answered call is in the journal only
+    stop = asyncio.Event()
+    load = Load()
+    task = asyncio.create_task(paced_load(gateway.url, "fj", b.rate, b.concurrency, stop, load))
+    await asyncio.sleep(1.5 if b.quick else 3.0)
+    gateway.kill()
+    stop.set()
+    await task
+    await asyncio.to_thread(holder.join)
+    journal_dir = gateway.data_dir / "journal"
+    (segment,) = journal_dir.glob("seg-*.log")
+    journal = Journal(journal_dir)
+    entries, _ = journal.read(Position(0, 0), Position(journal.segments[-1] + 1, 0), 1_000_000, 1 << 40)
+    flipped = segment.stat().st_size // 10
+    data = bytearray(segment.read_bytes())
+    data[flipped] ^= 0x01
+    segment.write_bytes(bytes(data))
+    damaged = {r.rollout_id for r, end, size in entries if r and end.offset - size <= flipped < end.offset}
+    intact = {r.rollout_id for r, _, _ in entries if r is not None} - damaged
+    start(gateway)  # the journal is replayed
+    await asyncio.to_thread(wait_recorded, gateway.db, intact, 120)
+    counted = metric(gateway.url, "artgw_journal_damaged_total")
+    gateway.stop()
+    stored = set(recorded(gateway.db))
+    lost = intact - stored
+    kept = (journal_dir / "damaged" / segment.name).exists()
+    b.add(
+        "SIGKILL during a store stall, one journal byte flipped 10% into the segment, restart",
+        "163 of 181 intact entries lost (18 stored), the segment deleted (#40)",
+        f"{len(lost)} of {n(len(intact))} intact entries lost ({n(len(load.complete))} answered, {n(len(entries))} "
+        f"journaled; the damaged one {'stored?!' if damaged & stored else 'not stored'}); "
+        f"artgw_journal_damaged_total {counted:.0f}; segment {'kept in journal/damaged/' if kept else 'gone'}",
+        "0 intact entries lost (only the damaged one); counted 1; segment kept in journal/damaged/",
+        not lost and len(damaged) == 1 and not damaged & stored and counted == 1 and kept,
     )
 
 
@@ -774,6 +819,7 @@ async def scenario_input(b: Bench) -> None:
             "200, reads back equal over HTTP and export",
             r.status_code == 200 and same and exported,
         )
+        await input_rows_of_40(b, gateway, client)
         errors = metric(gateway.url, "artgw_requests_total", status="internal_error")
         loras = (await client.get(f"{stub}/loras")).json()
         b.add(
@@ -785,6 +831,48 @@ async def scenario_input(b: Bench) -> None:
             errors == 0 and loras["calls"] == [],
         )
     gateway.stop()
+
+
+async def input_rows_of_40(b: Bench, gateway: GatewayProcess, client: httpx.AsyncClient) -> None:
+    """#40's input rows: count_tokens' 500s, invalid UTF-8 in a field a typed body skips, a whole 100 KiB head."""
+    messages = b'{"model": "my-agent", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]'
+    cases = [
+        ("messages/count_tokens: invalid UTF-8", "/messages/count_tokens", "500, a traceback in the log",
+         messages + b', "system": "\xff"}'),
+        ("messages/count_tokens: JSON nested 10,000 deep", "/messages/count_tokens", "500, a traceback in the log",
+         messages + b', "zz": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"),
+        ("messages: invalid UTF-8 in an unknown field", "/messages", "200", messages + b', "zz": "\xff"}'),
+        ("responses: invalid UTF-8 in an unknown field", "/responses", "200",
+         b'{"model": "my-agent", "input": "hi", "zz": "\xff"}'),
+    ]  # fmt: skip
+    for fault, path, before, body in cases:
+        r, s = await timed(
+            client, "POST", f"{gateway.base_url}{path}", content=body, headers={"content-type": "application/json"}
+        )
+        anthropic = path.startswith("/messages")
+        shaped = r.status_code != 200 and (r.json().get("type") == "error") == anthropic
+        b.add(
+            fault,
+            f"{before} (#40)",
+            f"{r.status_code} in {secs(s)}, {'Anthropic' if r.json().get('type') == 'error' else 'OpenAI'}'s shape",
+            f"400 in {'Anthropic' if anthropic else 'OpenAI'}'s shape",
+            r.status_code == 400 and shaped,
+        )
+    parts = urlsplit(gateway.url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    big = b"X-Big: " + b"a" * (100 << 10)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n" + big + b"\r\nConnection: close\r\n\r\n")
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    b.add(
+        "a whole 100 KiB request head in one write",
+        "served (#40: the 64 KiB bound was checked only on an incomplete head)",
+        answer.split(b"\r\n", 1)[0].decode(errors="replace"),
+        "HTTP/1.1 431 (header_too_large)",
+        answer.startswith(b"HTTP/1.1 431 ") and answer.count(b"HTTP/1.1 ") == 1,
+    )
 
 
 # ---------------------------------------------------------------- 7, 8: hang-up, engine 4xx
@@ -1094,7 +1182,7 @@ async def run(b: Bench, only: list[str]) -> None:
     upstream = None
     for key in only:
         console.log(f"[bold]{key}[/]")
-        if key in ("kill", "locked-kill", "locked-load", "big", "full-disk", "broken-adapter"):
+        if key in ("kill", "locked-kill", "flipped-journal", "locked-load", "big", "full-disk", "broken-adapter"):
             upstream = upstream or b.upstream()
         started = time.monotonic()
         try:
@@ -1102,6 +1190,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_kill(b, upstream)  # type: ignore[arg-type]
             elif key == "locked-kill":
                 await scenario_locked_kill(b, upstream)  # type: ignore[arg-type]
+            elif key == "flipped-journal":
+                await scenario_flipped_journal(b, upstream)  # type: ignore[arg-type]
             elif key == "locked-load":
                 await scenario_locked_load(b, upstream)  # type: ignore[arg-type]
             elif key == "big":
