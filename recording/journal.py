@@ -260,13 +260,13 @@ class Journal:
         self.damaged_stretches += 1
         self.damaged_bytes += stop - start
         log.error(
-            "journal %s: damaged entry at bytes %d-%d skipped (%d bytes, failed its checksum); read on from byte %d. "
-            "The segment is kept in %s once replayed",
+            "journal %s: damaged entry at bytes %d-%d skipped (%d bytes that fail their checksum); %s. The segment "
+            "is kept in %s once replayed",
             name,
             start,
             stop,
             stop - start,
-            stop,
+            "nothing whole after it" if stop >= self._file_size(seq) else f"read on from byte {stop}",
             self.directory / DAMAGED_DIR,
         )
 
