@@ -4,8 +4,10 @@ once."""
 
 from __future__ import annotations
 
+import struct
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -114,6 +116,29 @@ def test_damage_at_the_start_at_the_end_and_in_a_row(tmp_path: Path) -> None:
     assert read_all(journal) == [records[i] for i in (1, 2, 5, 6)]
     assert journal.damaged_stretches == 3
     assert journal.damaged_bytes == sum(entries[i].size for i in (0, 3, 4, 7))
+
+
+def test_resync_on_a_hand_made_segment(tmp_path: Path) -> None:
+    """Entries packed by hand with garbage between them: bytes that look like headers (a plausible length before a
+    `{`, its checksum wrong), a length far past the file, and a zero-filled tail (what a file system can leave after
+    a power loss). Every whole entry is read; each stretch between them is one skip."""
+    records = [record() for _ in range(4)]
+
+    def entry(r: CallRecord) -> bytes:
+        payload = msgspec.json.encode(r)
+        return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+    fake = struct.pack("<II", 40, 12345) + b'{"call_id": "not a real entry", "x": 1}'
+    garbage = [fake + b"\xff{{{", struct.pack("<II", 1 << 31, 0) + b'{"a":', b"\x00" * 64]
+    (tmp_path / "j").mkdir()
+    segment = tmp_path / "j" / "seg-000000000001.log"
+    segment.write_bytes(entry(records[0]) + garbage[0] + entry(records[1]) + entry(records[2]) + garbage[1])
+    with segment.open("ab") as f:
+        f.write(entry(records[3]) + garbage[2])
+    journal = Journal(tmp_path / "j")
+    journal.seal()
+    assert read_all(journal) == records
+    assert (journal.damaged_stretches, journal.damaged_bytes) == (3, sum(len(g) for g in garbage))
 
 
 def test_a_damaged_segment_is_kept_aside_and_a_torn_one_goes(tmp_path: Path) -> None:
