@@ -147,9 +147,10 @@ def test_a_reward_key_cannot_send_the_gateways_provider_key_to_an_address_it_nam
     carry an endpoint, a key or headers: each attempt is a 400 naming the parameter, and nothing reaches the
     listener, while the operator's judge scores a group that picks it by name."""
     members = rollouts(site)
-    elsewhere = f"{site.intruder.params['api_base']}"
+    elsewhere = site.intruder.params["api_base"]
     attempts = [
-        ({"judge_model": "openai/gpt-4o-mini", "litellm_params": {"api_base": elsewhere}}, "judge_model", "unknown_judge"),
+        ({"judge_model": "openai/gpt-4o-mini", "litellm_params": {"api_base": elsewhere}}, "judge_model",
+         "unknown_judge"),
         ({"judge_model": HOUSE, "litellm_params": {"api_base": elsewhere}}, "litellm_params.api_base", None),
         ({"judge_model": HOUSE, "litellm_params": {"base_url": elsewhere}}, "litellm_params.base_url", None),
         ({"judge_model": HOUSE, "litellm_params": {"api_key": "sk-mine"}}, "litellm_params.api_key", None),
