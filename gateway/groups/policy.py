@@ -21,9 +21,17 @@ import msgspec
 import ruler
 from store.api import RulerIn
 
-# What a caller may still choose of a judge's call: how it samples and how long it may answer. Everything
-# else (api_base, api_key, extra_headers, base_url, custom_llm_provider, ...) is the operator's, deny by default.
-CALLER_PARAMS = frozenset({"temperature", "top_p", "max_tokens", "max_completion_tokens", "seed"})
+# What a caller may still choose of a judge's call, and the JSON type each takes: how it samples and how long it
+# may answer. Everything else (api_base, api_key, extra_headers, base_url, custom_llm_provider, ...) is the
+# operator's, deny by default.
+_CALLER_TYPES: dict[str, type | tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "seed": int,
+}
+CALLER_PARAMS = frozenset(_CALLER_TYPES)
 _CALLER_CHOICES = ", ".join(sorted(CALLER_PARAMS))
 JUDGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
 _RESERVED = frozenset({"model", "messages", "response_format", "stream"})  # ruler.score_group sets these
@@ -130,13 +138,20 @@ class RulerPolicy:
                 field=f"{prefix}judge_model",
                 code="unknown_judge",
             )
-        for key in sorted(params):
+        for key, value in sorted(params.items()):
             if key not in CALLER_PARAMS:
                 raise Refused(
                     f"`litellm_params.{key}` is not a judge parameter a group may set: a judge's endpoint, keys "
                     f"and headers are its operator's (--judges-file). A group may set {_CALLER_CHOICES}.",
                     field=f"{prefix}litellm_params.{key}",
                     code="judge_param_not_allowed",
+                )
+            if isinstance(value, bool) or not isinstance(value, _CALLER_TYPES[key]):
+                kind = "an integer" if _CALLER_TYPES[key] is int else "a number"
+                raise Refused(
+                    f"`litellm_params.{key}` must be {kind}, got {type(value).__name__}.",
+                    field=f"{prefix}litellm_params.{key}",
+                    code="invalid_value",
                 )
         # Precedence: the caller's sampling choice, then the operator's parameters, then litellm's defaults.
         return ruler.Judge(judge.model, {**judge.litellm_params, **params})

@@ -279,7 +279,7 @@ class GroupService:
                         f"Metric `{name}` of `{item.rollout_id}` is not finite.", param=f"rollouts[{i}].metrics"
                     )
         if spec.ruler is not None:
-            _check_ruler(spec.ruler, self.scorer.policy)
+            _check_ruler(spec.ruler, self.scorer.policy)  # the scorer's: what is accepted is what is judged
 
     async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> list[Trajectory]:
         """The members' trajectories, once each is known, of the group's model, trainable and in no group."""

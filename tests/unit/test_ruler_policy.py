@@ -43,6 +43,10 @@ def test_a_group_picks_the_operators_judge_and_may_set_only_sampling_parameters(
         ({"judges": [{"judge_model": "house"}, {"judge_model": "house", "litellm_params": {"headers": {}}}]},
          "judges[1].litellm_params.headers", "judge_param_not_allowed"),
         ({"judges": [{"judge_model": "elsewhere"}]}, "judges[0].judge_model", "unknown_judge"),
+        ({"judge_model": "house", "litellm_params": {"temperature": {"api_base": "x"}}},
+         "litellm_params.temperature", "invalid_value"),
+        ({"judge_model": "house", "litellm_params": {"max_tokens": 1.5}}, "litellm_params.max_tokens",
+         "invalid_value"),
     ],
 )  # fmt: skip
 def test_anything_else_is_refused_naming_where(spec: dict[str, Any], field: str, code: str) -> None:
