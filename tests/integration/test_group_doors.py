@@ -10,6 +10,7 @@ gateway without them ignores: there these tests show the doors open instead of f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -17,11 +18,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from store import create_engine
+from store.groups import NewGroup, NewMember, insert_group
 from tests.conftest import GatewayProcess, poll, start_gateway, start_stub, stop_group
 from tests.stand_in_judge import StandInJudge, write_judges
 
@@ -235,3 +239,65 @@ def test_a_checks_error_tells_a_reader_nothing_about_the_address(site: Site) -> 
         assert member["reward"] == 0.0  # a failed hard check zeroes it
     log = site.gateway.log()
     assert "HTTP 401" in log and "ConnectError" in log  # the operator still learns why
+
+
+async def leave_scoring(db_path: Path, group_id: str, rollout_ids: list[str], ruler: dict[str, Any]) -> None:
+    """A group left `scoring` in the store with this `ruler`, as a gateway before #40 stored what a caller sent."""
+    engine = create_engine(f"sqlite+aiosqlite:///{db_path}")
+    try:
+        async with engine.begin() as conn:
+            members = [NewMember(i, rid, rid, None, None, None, None) for i, rid in enumerate(rollout_ids)]
+            await insert_group(conn, NewGroup(group_id, "my-agent", "scoring", "h", None, ruler, None, members))
+    finally:
+        await engine.dispose()
+
+
+def test_a_stored_group_is_not_judged_where_its_caller_said_after_a_restart(tmp_path: Path) -> None:
+    """A group a gateway before #40 accepted with a caller's `api_base`, left `scoring` by a stop: the restarted
+    gateway judges it only with what its operator allows now, so it fails, says why, and the listener it names
+    gets nothing (before: judged there, with the gateway's provider key)."""
+    house, intruder = StandInJudge(by_length), StandInJudge(by_length)
+    env = {
+        "OPENAI_API_KEY": PROVIDER_KEY,
+        "ARTGW_JUDGES_FILE": str(write_judges(tmp_path / "judges.json", {HOUSE: house})),
+    }
+    url, stub = start_stub()
+    try:
+        first = start_gateway(tmp_path, "--upstream", url, env=env, isolated=True)
+        try:
+            made = []
+            for i in range(2):
+                rid = f"stored-{i}-{uuid.uuid4().hex[:8]}"
+                chat = {"model": "my-agent", "messages": [{"role": "user", "content": "hi" + "!" * 40 * i}]}
+                r = httpx.post(f"{first.base_url}/chat/completions", json=chat, headers=rid_header(rid), timeout=30)
+                assert r.status_code == 200, r.text
+                made.append(rid)
+            poll(lambda: all(recorded(first, rid) for rid in made), 30, "the calls in the store")
+        finally:
+            first.stop()
+        ruler = {"judge_model": "openai/gpt-4o-mini", "litellm_params": {"api_base": intruder.params["api_base"]}}
+        asyncio.run(leave_scoring(first.db_path, "g-stored", made, ruler))
+        again = start_gateway(tmp_path, "--upstream", url, "--data-dir", str(first.data_dir), env=env, isolated=True)
+
+        def judged() -> dict[str, Any] | None:
+            group = httpx.get(f"{again.base_url}/art/groups/g-stored", headers=first.admin, timeout=10).json()
+            return None if group["state"] == "scoring" else group
+
+        try:
+            group = poll(judged, 60, "the restarted gateway to judge the stored group", every=0.25)
+        finally:
+            again.stop()
+    finally:
+        stop_group(stub)
+        house.close()
+        intruder.close()
+    assert group["state"] == "failed" and "Unknown judge `openai/gpt-4o-mini`" in group["failure_reason"], group
+    assert (intruder.calls, intruder.authorizations) == (0, [])
+
+
+def rid_header(rollout_id: str) -> dict[str, str]:
+    return {"X-ART-Rollout-Id": rollout_id}
+
+
+def recorded(gateway: GatewayProcess, rollout_id: str) -> bool:
+    return httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin).status_code == 200
