@@ -322,7 +322,8 @@ def add_options(
         if option.is_bool:
             target.add_argument(*option.flags, action=argparse.BooleanOptionalAction, **common)
         elif option.repeat:
-            target.add_argument(*option.flags, action="append", type=option.parse, metavar="NAME", **common)
+            metavar = option.flag.rsplit("-", 1)[-1].upper()  # the flag names one value: --model-name NAME
+            target.add_argument(*option.flags, action="append", type=option.parse, metavar=metavar, **common)
         else:
             metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.name.upper()
             target.add_argument(*option.flags, type=option.parse, metavar=metavar, **common)

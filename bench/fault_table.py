@@ -38,6 +38,10 @@ Scenarios (`--only` takes their keys), in order:
   gateway restarted: what `my-agent` answers from, how soon, and what the status and metrics say.
 - damaged-checkpoint: steps 1 and 2 of the tiny model committed (PEFT checkpoints), step 2's weights cut short,
   a real `artgw train` started: where it resumes, what it says, whether it goes on (builds the tiny model).
+- judges-webhooks (#40): a `reward` key of a gateway with OPENAI_API_KEY set, a judges file and one allowed webhook
+  endpoint: a group whose judge's `api_base` (or whose check's webhook) is a listener on 127.0.0.1, and webhook
+  checks at allowed endpoints that refuse, answer 401 and answer nonsense: what the listener got, and what the
+  checks' errors tell a `read` key.
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
@@ -61,6 +65,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -100,8 +105,10 @@ from tests.conftest import (  # noqa: E402
 from tests.integration.test_adapter_fallback import adapter, cut_short  # noqa: E402
 from tests.integration.test_adapter_fallback import load as load_adapter  # noqa: E402
 from tests.integration.test_faults import TcpProxy  # noqa: E402
+from tests.integration.test_group_doors import Listener, by_length  # noqa: E402
 from tests.integration.test_input_limits import chat_at_depth  # noqa: E402
 from tests.load_helpers import Gateway, one_call, recorded, wait_recorded  # noqa: E402
+from tests.stand_in_judge import StandInJudge, write_judges  # noqa: E402
 
 SCENARIOS = (
     "kill",
@@ -118,6 +125,7 @@ SCENARIOS = (
     "full-disk",
     "broken-adapter",
     "damaged-checkpoint",
+    "judges-webhooks",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -1160,6 +1168,90 @@ async def scenario_damaged_checkpoint(b: Bench) -> None:
     )
 
 
+# ---------------------------------------------------------------- #40: judges and webhooks from a reward key
+
+
+async def scenario_judges_webhooks(b: Bench) -> None:
+    secret = "sk-the-gateways-own-provider-key"
+    house, intruder, hook, other = StandInJudge(by_length), StandInJudge(by_length), Listener(), Listener()
+    b.cleanups += [house.close, intruder.close, hook.close, other.close]
+    held = socket.socket()  # bound, never listening: an allowed endpoint that refuses connections
+    held.bind(("127.0.0.1", 0))
+    b.cleanups.append(held.close)
+    closed = f"http://127.0.0.1:{held.getsockname()[1]}/reward"
+    judges = write_judges(b.tmp / "judges.json", {"house": house})
+    gateway = start_gateway(
+        b.tmp,
+        *("--upstream", b.stub(), "--auth", "required", "--judges-file", str(judges)),
+        *("--group-webhook", f"{hook.url}/reward", "--group-webhook", closed, "--log-level", "warning"),
+        env={"OPENAI_API_KEY": secret},
+    )
+    b.procs.append(gateway.proc)
+    async with httpx.AsyncClient(timeout=30) as client:
+        made = await client.post(
+            f"{gateway.base_url}/art/keys",
+            headers=gateway.admin,
+            json={"name": "tenant", "models": ["my-agent"], "scopes": ["infer", "reward", "read"]},
+        )
+        tenant = {"Authorization": f"Bearer {made.json()['key']}"}
+
+        async def group(ruler: dict[str, Any]) -> httpx.Response:
+            members = []
+            for i in range(2):
+                rollout = f"doors-{random.randrange(10**12)}"
+                chat = {**CHAT, "messages": [{"role": "user", "content": "hi" + "!" * 40 * i}]}
+                await client.post(f"{gateway.base_url}/chat/completions", json=chat, headers={**tenant, **rid(rollout)})
+                members.append({"rollout_id": rollout})
+            body = {"model": "my-agent", "rollouts": members, "ruler": ruler}
+            return await client.post(f"{gateway.base_url}/art/groups", json=body, headers=tenant)
+
+        async def scored(answer: httpx.Response) -> dict[str, Any]:
+            async def done() -> dict[str, Any] | None:
+                url = f"{gateway.base_url}/art/groups/{answer.json()['id']}"
+                state = (await client.get(url, headers=tenant)).json()
+                return None if state["state"] == "scoring" else state
+
+            return await until(done, 60, every=0.25)  # type: ignore[no-any-return]
+
+        elsewhere = {"api_base": intruder.params["api_base"]}
+        tries = [
+            await group({"judge_model": "openai/gpt-4o-mini", "litellm_params": elsewhere}),
+            await group({"judge_model": "house", "litellm_params": elsewhere}),
+        ]
+        await scored(await group({"judge_model": "house"}))  # a legitimate group, judged: the queue has run
+        refused = ", ".join(f"{r.status_code} {error_code(r)}" for r in tries)
+        b.add(
+            "provider keys from a reward key: a judge's api_base at a listener (OPENAI_API_KEY set)",
+            "201; the listener got `Authorization: Bearer <the gateway's key>` (#40)",
+            f"{refused}; the listener got {intruder.calls} calls, Authorization {sorted(set(intruder.authorizations))}",
+            "400 at the POST (unknown_judge, judge_param_not_allowed); the listener gets nothing",
+            all(r.status_code == 400 for r in tries) and intruder.calls == 0,
+        )
+
+        check = {"grader": {"type": "webhook", "url": f"{other.url}/admin", "retries": 0}}
+        aimed = await group({"judge_model": "house", "checks": [check]})
+        b.add(
+            "webhooks from a reward key: a check's url at a listener not allowed",
+            "201; the gateway posted the transcript there (the admin API, the engine's LoRA API) (#40)",
+            f"{aimed.status_code} {error_code(aimed)}; the listener got {len(other.requests)} requests",
+            "400 webhook_not_allowed at the POST; the listener gets nothing",
+            aimed.status_code == 400 and error_code(aimed) == "webhook_not_allowed" and not other.requests,
+        )
+
+        urls = (f"{hook.url}/reward/401", f"{hook.url}/reward/bad", closed)
+        checks = [{"grader": {"type": "webhook", "url": url, "retries": 0, "timeout_seconds": 5}} for url in urls]
+        judged = await scored(await group({"judge_model": "house", "checks": checks}))
+        errors = sorted({c["error"] for m in judged["rollouts"] for c in m.get("checks") or []})
+        b.add(
+            "checks[].error as a port scanner: allowed endpoints that answer 401, nonsense, or refuse",
+            "three errors that name the address and tell HTTP 401 / bad reply / ConnectError apart (#40)",
+            f"{judged['state']}; errors a read key sees: {errors}",
+            "one error, the same for all three, naming no address (the log says why)",
+            judged["state"] == "ready" and errors == ["webhook failed (the gateway's log says why)"],
+        )
+    gateway.stop()
+
+
 def render(rows: list[Row], markdown: bool) -> None:
     if markdown:
         print("| fault | what the issue measured before | measured now | expected |")
@@ -1214,6 +1306,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_broken_adapter(b, upstream)  # type: ignore[arg-type]
             elif key == "damaged-checkpoint":
                 await scenario_damaged_checkpoint(b)
+            elif key == "judges-webhooks":
+                await scenario_judges_webhooks(b)
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)

@@ -39,6 +39,7 @@ from gateway.apis.messages.service import MessagesService
 from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
 from gateway.continuation import Splicer
+from gateway.groups.policy import RulerPolicy, load_judges
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
 from gateway.judge_report import JudgeReportService
@@ -303,6 +304,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             store.judge_cache,
             metrics,
             webhooks,
+            RulerPolicy(load_judges(settings.judges_file) if settings.judges_file else {}, settings.group_webhooks),
             max_concurrent_judges=settings.max_concurrent_judges,
             tracer=tracer,
         )

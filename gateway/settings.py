@@ -385,11 +385,29 @@ class PromotionSettings:
 
 @dataclass(frozen=True)
 class JudgeSettings:
-    """RULER's judges (gateway/groups/scorer.py): how many judge calls run at once, and the judge report's bar."""
+    """RULER's judges (gateway/groups/): which judges and webhook endpoints groups may use (the operator's
+    choice, never a caller's), how many judge calls run at once, and the judge report's bar."""
 
     max_concurrent_judges: int = field(
         default=4,
         metadata={"help": "RULER judge calls running at once, every group's and judge's together (a panel's too)"},
+    )
+    judges_file: Path | None = field(
+        default=None,
+        metadata={
+            "help": 'JSON file naming the RULER judges groups may use: {"NAME": {"model": "<litellm model>", '
+            '"litellm_params": {api_base, api_key, extra_headers, ...}}}; a group picks them by NAME and may set only '
+            "sampling parameters (none: RULER groups are refused; keep it 0600 if it holds keys)"
+        },
+    )
+    group_webhooks: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "an endpoint (http(s)://host[:port][/path]) RULER groups' webhook checks may post to, at or under "
+            "its path; repeat for several (none: webhook checks are refused)",
+            "flag": "--group-webhook",
+            "repeat": True,
+        },
     )
     judge_agreement_threshold: float = field(
         default=0.5,
@@ -400,7 +418,15 @@ class JudgeSettings:
     )
 
     def check_judges(self) -> None:
+        from gateway.groups.policy import load_judges, webhook_endpoint_problem  # here: litellm loads slowly
+
         _at_least(1, ("--max-concurrent-judges", self.max_concurrent_judges))
+        if self.judges_file is not None:
+            load_judges(self.judges_file)
+        for url in self.group_webhooks:
+            problem = webhook_endpoint_problem(url)
+            if problem is not None:
+                raise ValueError(f"--group-webhook {url!r}: {problem}")
         if not -1.0 <= self.judge_agreement_threshold <= 1.0:  # written so NaN fails too
             raise ValueError(
                 f"--judge-agreement-threshold must be a correlation (-1 to 1), got {self.judge_agreement_threshold}"

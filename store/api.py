@@ -125,7 +125,8 @@ MAX_CHECKS = 16
 
 
 class JudgeIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One judge of a panel: a litellm model and its parameters (secrets never stored or echoed)."""
+    """One judge of a panel: a judge the gateway's operator named, and the sampling parameters a caller may set
+    (the gateway refuses any other: endpoints, keys and headers are the operator's)."""
 
     judge_model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     litellm_params: dict[str, Any] = {}
@@ -143,9 +144,9 @@ class RulerIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Who scores a posted group's members (RULER): one judge (`judge_model`) or a panel (`judges`), each
     `samples` times in permuted orders, on the whole task or on `criteria`, with rule `checks` beside them."""
 
-    judge_model: str | None = None  # any litellm model: "openai/gpt-4o", "hosted_vllm/<name>", ...
+    judge_model: str | None = None  # a judge the gateway's operator named (its --judges-file)
     rubric: str | None = None
-    litellm_params: dict[str, Any] = {}  # passed to litellm as is; secrets are never stored or echoed
+    litellm_params: dict[str, Any] = {}  # sampling only (temperature, max_tokens, ...): the gateway refuses others
     judges: Annotated[list[JudgeIn], msgspec.Meta(max_length=MAX_JUDGES)] = []  # instead of judge_model
     samples: Annotated[int, msgspec.Meta(ge=1, le=MAX_SAMPLES)] = 1  # judgements per judge, each its own order
     criteria: Annotated[list[CriterionIn], msgspec.Meta(max_length=MAX_CRITERIA)] = []

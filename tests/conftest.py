@@ -434,8 +434,18 @@ def gateway_factory(tmp_path: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def engine_gateway(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    """A gateway in front of the session's real vLLM (module-scoped: tests share its store)."""
-    gateway = start_gateway(tmp_path_factory.mktemp("gateway"), "--upstream", vllm_url)
+    """A gateway in front of the session's real vLLM (module-scoped: tests share its store), whose operator names
+    that vLLM as two RULER judges: `hosted_vllm/tiny` and `openai/tiny`."""
+    where = tmp_path_factory.mktemp("gateway")
+    tiny = {
+        "api_base": f"{vllm_url}/v1",
+        "api_key": "sk-secret-never-stored",
+        "max_tokens": 800,
+        "logit_bias": {str(QUOTE_TOKEN): 8},  # a random-weight judge rarely closes a JSON string otherwise
+    }
+    judges = {name: {"model": name, "litellm_params": tiny} for name in ("hosted_vllm/tiny", "openai/tiny")}
+    (where / "judges.json").write_text(json.dumps(judges))
+    gateway = start_gateway(where, "--upstream", vllm_url, "--judges-file", str(where / "judges.json"))
     yield gateway
     gateway.stop()
 

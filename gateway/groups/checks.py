@@ -4,14 +4,17 @@ A RULER group may carry `checks`, each one of the eval sets' graders (gateway/pr
 `regex`, `json_schema`, `tool_call`, `webhook`) applied to every rollout's final answer (its last assistant
 message). A check passes when the grader gives 1 (for a webhook: a reward above 0). A failed check either
 zeroes the rollout's reward (`on_fail: "zero"`, the default: a hard check) or takes `weight` off it
-(`"subtract"`, never below 0). A check that cannot run (a webhook that keeps failing) counts as failed and
-says why: an unchecked answer is never let through.
+(`"subtract"`, never below 0). A check that cannot run (a webhook that keeps failing, or one the operator no
+longer allows) counts as failed: an unchecked answer is never let through. A webhook's error says only that it
+failed, the why (address, status, reply) goes to the log: any `read` key sees a check's error, and telling a
+refused connection from a 401 would map the network behind the gateway for it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -30,8 +33,11 @@ from gateway.promotion.graders import (
 )
 from store.groups import CheckOutcome
 
+log = logging.getLogger("artgw.groups")
+
 CheckGrader = ExactGrader | RegexGrader | JsonSchemaGrader | ToolCallGrader | WebhookGrader
 MAX_CHECKS = 16
+WEBHOOK_FAILED = "webhook failed (the gateway's log says why)"
 
 
 class GroupCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,10 +67,12 @@ async def run_checks(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     http: httpx.AsyncClient,
+    allows_webhook: Callable[[str], bool],
     *,
     index: int,
 ) -> list[CheckOutcome]:
-    """Every check on one rollout (the `index`-th of its group), in the group's order."""
+    """Every check on one rollout (the `index`-th of its group), in the group's order; a webhook only where
+    `allows_webhook` (the operator's endpoints)."""
     answer = final_answer(messages)
     outcomes = []
     for check in checks:
@@ -73,9 +81,14 @@ async def run_checks(
         )
         error = None
         try:
+            if isinstance(check.grader, WebhookGrader) and not allows_webhook(check.grader.url):
+                raise GraderFailed("its endpoint is not one --group-webhook allows (any more)")
             passed = await grade(check.grader, scenario, answer, http, index=index) > 0
         except GraderFailed as exc:
             passed, error = False, str(exc)[:500]
+            if isinstance(check.grader, WebhookGrader):
+                log.warning("rollout %d: a group check's webhook failed: %s", index, exc)
+                error = WEBHOOK_FAILED
         outcomes.append(CheckOutcome(check.grader.__struct_config__.tag, passed, check.on_fail, check.weight, error))
     return outcomes
 

@@ -1,8 +1,8 @@
 """RULER in the background: groups created with a `ruler` request are judged here, a bounded number at
 a time, and move `scoring` → `ready` (scores become rewards) or `failed` (with the reason).
 
-Judge keys are passed through from the request and never stored; groups left `scoring` by a previous
-run are judged again on start, with keys from the environment.
+The judges and webhook endpoints are the operator's (policy.py): a group names them, and a group left
+`scoring` by a previous run is judged again on start only with what the operator allows now.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import ruler
 from gateway.groups.checks import GroupCheck, checked_reward, run_checks
+from gateway.groups.policy import Refused, RulerPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import scoring_ended, scoring_span
 from store.access import EVERYTHING
@@ -28,15 +29,6 @@ from store.judge_cache import StoreJudgeCache
 from store.rollouts import RolloutReader
 
 log = logging.getLogger("artgw.groups")
-
-
-def judges_of(spec: RulerIn) -> list[ruler.Judge]:
-    """The panel a group asks for: its `judges`, or the one `judge_model` (the service checked it is one)."""
-    if spec.judges:
-        return [ruler.Judge(j.judge_model, j.litellm_params) for j in spec.judges]
-    if spec.judge_model is None:
-        raise ValueError("a group's ruler names judge_model or judges")
-    return [ruler.Judge(spec.judge_model, spec.litellm_params)]
 
 
 def criteria_of(spec: RulerIn) -> list[ruler.Criterion]:
@@ -56,6 +48,7 @@ class Scorer:
         judge_cache: StoreJudgeCache,
         metrics: GatewayMetrics,
         http: httpx.AsyncClient,
+        policy: RulerPolicy,
         *,
         max_concurrent_judges: int = 4,
         tracer: Tracer | None = None,
@@ -66,6 +59,7 @@ class Scorer:
         self.judge_cache = judge_cache
         self.metrics = metrics
         self.http = http  # the webhook checks' client
+        self.policy = policy  # the judges and webhook endpoints the operator allows
         self.judge_slots = asyncio.Semaphore(max_concurrent_judges)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -102,7 +96,7 @@ class Scorer:
             started = time.monotonic()
             result = await ruler.judge_group(
                 trajectories,
-                judges=judges_of(spec),
+                judges=self.policy.panel(spec),
                 samples=spec.samples,
                 key=group_id,  # the orders a group is shown in follow from its id: the same on every run
                 rubric=spec.rubric or ruler.DEFAULT_RUBRIC,
@@ -124,7 +118,9 @@ class Scorer:
             checks = [msgspec.convert(check, GroupCheck) for check in spec.checks]
             scores = []
             for i, (member, score) in enumerate(zip(row.members, result.scores, strict=True)):
-                outcomes = await run_checks(checks, recorded[i].messages, recorded[i].tools, self.http, index=i)
+                outcomes = await run_checks(
+                    checks, recorded[i].messages, recorded[i].tools, self.http, self.policy.allows_webhook, index=i
+                )
                 scores.append(
                     MemberScore(
                         member.position,
@@ -156,7 +152,8 @@ class Scorer:
             raise
         except Exception as exc:  # whatever the judge or litellm raised: the group fails with the reason
             self.metrics.judge_errors.labels(row.model).inc()
-            reason = f"RULER failed: {exc}" if isinstance(exc, ruler.RulerError) else f"RULER failed: {exc!r}"
+            plain = isinstance(exc, ruler.RulerError | Refused)  # their messages are written for the caller
+            reason = f"RULER failed: {exc}" if plain else f"RULER failed: {exc!r}"
             log.warning("group %s: %s", group_id, reason)
             scoring_ended(len(row.members), usage, reason)
             async with self.engine.begin() as conn:

@@ -18,8 +18,10 @@ from gateway.adapters import AdapterRegistry
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.groups.checks import GroupCheck
+from gateway.groups.policy import Refused, RulerPolicy
 from gateway.groups.scorer import Scorer, criteria_of, no_signal
 from gateway.metrics import GatewayMetrics
+from gateway.promotion.graders import WebhookGrader
 from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
 from store.api import GroupCreate, GroupOut, GroupPage, GroupRolloutOut, RulerIn
@@ -27,8 +29,6 @@ from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
 from store.types import GROUP_ID, GROUP_STATES, GroupState
-
-_SECRET_PARAMS = {"api_key", "aws_secret_access_key", "aws_session_token", "azure_ad_token", "vertex_credentials"}
 
 
 def split_ref(ref: str) -> tuple[str, int | None]:
@@ -85,22 +85,17 @@ def group_out(row: GroupRow) -> GroupOut:
     )
 
 
-def _public_params(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if k not in _SECRET_PARAMS}
-
-
 def public_ruler(spec: RulerIn) -> dict[str, Any]:
-    """What is stored and shown of a RULER request: never a secret (a webhook check's headers are left out
-    too: a group judged again after a restart sends its checks none)."""
+    """What is stored and shown of a RULER request: the judges' names and the sampling parameters a caller
+    may set (policy.py: never an endpoint or a key), and never a webhook check's headers (a group judged again
+    after a restart sends its checks none)."""
     shown: dict[str, Any] = {
         "judge_model": spec.judge_model,
         "rubric": spec.rubric or ruler.DEFAULT_RUBRIC,
-        "litellm_params": _public_params(spec.litellm_params),
+        "litellm_params": spec.litellm_params,
     }
     if spec.judges:
-        shown["judges"] = [
-            {"judge_model": j.judge_model, "litellm_params": _public_params(j.litellm_params)} for j in spec.judges
-        ]
+        shown["judges"] = [{"judge_model": j.judge_model, "litellm_params": j.litellm_params} for j in spec.judges]
     if spec.samples > 1:
         shown["samples"] = spec.samples
     if spec.criteria:
@@ -128,36 +123,36 @@ def request_hash(spec: GroupCreate) -> str:
     return hashlib.sha256(msgspec.json.encode(data, order="sorted")).hexdigest()
 
 
-def _check_judge(spec: RulerIn) -> None:
-    """400 for a panel that cannot run: no judge or two ways of naming one, a model litellm does not know,
-    criteria that clash, a check that does not decode."""
+def _check_ruler(spec: RulerIn, policy: RulerPolicy) -> None:
+    """400 for a panel that cannot run: no judge or two ways of naming one, a judge or a judge parameter the
+    operator does not allow, criteria that clash, a check that does not decode or posts where it may not."""
     if (spec.judge_model is None) == (not spec.judges):
         raise invalid_request(
             "Name the judge with `judge_model`, or a panel with `judges`: one of the two.",
             param="ruler.judges" if spec.judges else "ruler.judge_model",
             code="invalid_judges",
         )
-    named = [("ruler.judge_model", spec.judge_model, spec.litellm_params)] if spec.judge_model is not None else []
-    named += [(f"ruler.judges[{i}].judge_model", j.judge_model, j.litellm_params) for i, j in enumerate(spec.judges)]
-    for param, model, params in named:
-        try:
-            ruler.check_judge_model(model, params)
-        except ruler.RulerError:
-            raise invalid_request(
-                f"Unknown judge model `{model}`: name it as litellm does, e.g. `openai/gpt-4o-mini` "
-                "or `hosted_vllm/<served name>` with litellm_params.api_base.",
-                param=param,
-                code="unknown_judge",
-            ) from None
+    try:
+        policy.panel(spec)
+    except Refused as exc:
+        raise invalid_request(exc.message, param=f"ruler.{exc.field}", code=exc.code) from None
     try:
         ruler.check_criteria(criteria_of(spec))
     except ValueError as exc:
         raise invalid_request(f"`ruler.criteria`: {exc}.", param="ruler.criteria") from None
     for i, check in enumerate(spec.checks):
         try:
-            msgspec.convert(check, GroupCheck)
+            grader = msgspec.convert(check, GroupCheck).grader
         except msgspec.ValidationError as exc:
             raise invalid_request(f"`ruler.checks[{i}]`: {exc}.", param=f"ruler.checks[{i}]") from None
+        if isinstance(grader, WebhookGrader) and not policy.allows_webhook(grader.url):
+            # The same answer whatever is at the address: refusing tells nothing about the network.
+            raise invalid_request(
+                "A group check's webhook may post only to an endpoint this gateway's operator allows "
+                "(--group-webhook); this `url` is not at or under one.",
+                param=f"ruler.checks[{i}].grader.url",
+                code="webhook_not_allowed",
+            )
 
 
 class GroupService:
@@ -284,7 +279,7 @@ class GroupService:
                         f"Metric `{name}` of `{item.rollout_id}` is not finite.", param=f"rollouts[{i}].metrics"
                     )
         if spec.ruler is not None:
-            _check_judge(spec.ruler)
+            _check_ruler(spec.ruler, self.scorer.policy)  # the scorer's: what is accepted is what is judged
 
     async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> list[Trajectory]:
         """The members' trajectories, once each is known, of the group's model, trainable and in no group."""

@@ -14,17 +14,31 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import ARTGW, QUOTE_TOKEN, metric, poll, start_stub, stop_group
+from tests.conftest import ARTGW, metric, poll, start_stub, stop_group
+from tests.stand_in_judge import StandInJudge, write_judges
 
 CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def stub_gateway(tmp_path_factory):
+def panel_judges():
+    """The stub gateway's judges, as its operator names them (--judges-file): stand-ins whose `answer` a test
+    sets (tests/stand_in_judge.py: no paid judge runs here)."""
+    judges = {name: StandInJudge(lambda blocks, _: {"scores": {}}) for name in ("a", "b", "contrary")}
+    yield judges
+    for judge in judges.values():
+        judge.close()
+
+
+@pytest.fixture(scope="module")
+def stub_gateway(tmp_path_factory, panel_judges):
     from tests.conftest import start_gateway
 
+    where = tmp_path_factory.mktemp("groups")
     url, proc = start_stub()
-    gateway = start_gateway(tmp_path_factory.mktemp("groups"), "--upstream", url)
+    gateway = start_gateway(
+        where, "--upstream", url, "--judges-file", str(write_judges(where / "judges.json", panel_judges))
+    )
     yield gateway
     gateway.stop()
     stop_group(proc)
@@ -283,24 +297,18 @@ def test_one_call_with_n_choices_is_a_group(engine_gateway) -> None:
 
 
 @pytest.mark.engine
-def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_url) -> None:
+def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway) -> None:
     """The plumbing is real end to end: litellm → vLLM's OpenAI server with JSON-schema structured output.
     The tiny random judge's scores mean nothing; that they are valid, stored and become rewards does."""
     rollouts = [record(engine_gateway) for _ in range(3)]
     body = {
         "model": "my-agent",
         "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)],
+        # The engine gateway's judges file names it (tests/conftest.py): endpoint, key and logit bias are its.
         "ruler": {
             "judge_model": "hosted_vllm/tiny",
             "rubric": "Prefer short answers.",
-            "litellm_params": {
-                "api_base": f"{vllm_url}/v1",
-                "api_key": "sk-secret-never-stored",
-                "max_tokens": 800,
-                "temperature": 1.0,
-                # A random-weight judge rarely closes a JSON string; favouring `"` keeps explanations short.
-                "logit_bias": {str(QUOTE_TOKEN): 8},
-            },
+            "litellm_params": {"temperature": 1.0},
         },
     }
     r = post_group(engine_gateway, body)
@@ -321,8 +329,7 @@ def test_ruler_scores_a_group_with_the_real_vllm_as_judge(engine_gateway, vllm_u
     assert [x["caller_reward"] for x in group["rollouts"]] == [0.0, 1.0, 2.0]
     assert all(x["ruler_explanation"] is not None for x in group["rollouts"])
     assert group["judge_usage"]["judge_calls"] >= 1 and group["judge_usage"]["prompt_tokens"] > 0
-    assert group["ruler"]["litellm_params"]["api_base"] == f"{vllm_url}/v1"
-    assert "api_key" not in group["ruler"]["litellm_params"]
+    assert group["ruler"]["litellm_params"] == {"temperature": 1.0}  # the caller's, never the operator's
     assert (
         "sk-secret"
         not in httpx.get(f"{engine_gateway.base_url}/art/groups/{group_id}", headers=engine_gateway.admin).text
@@ -342,11 +349,13 @@ def by_length(longer_is_better: bool):
     return answer
 
 
-def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_gateway, stand_in) -> None:
-    """Two stand-in judges (tests/stand_in_judge.py: no paid judge runs here) through litellm: when they agree the
-    group is ready with each rollout's spread and the panel's agreement; when they disagree past `max_spread` the
-    group fails, says why, and keeps its scores to look at."""
-    agree_a, agree_b, contrary = stand_in(by_length(True)), stand_in(by_length(True)), stand_in(by_length(False))
+def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_gateway, panel_judges) -> None:
+    """Two stand-in judges of the operator's (tests/stand_in_judge.py: no paid judge runs here) through litellm:
+    when they agree the group is ready with each rollout's spread and the panel's agreement; when they disagree
+    past `max_spread` the group fails, says why, and keeps its scores to look at."""
+    agree_a, agree_b, contrary = (panel_judges[name] for name in ("a", "b", "contrary"))
+    agree_a.answer, agree_b.answer, contrary.answer = by_length(True), by_length(True), by_length(False)
+    calls = agree_a.calls, agree_b.calls
     rollouts = [
         record(stub_gateway, messages=[{"role": "user", "content": "say hi" + " please" * (8 * i)}]) for i in range(3)
     ]
@@ -361,10 +370,7 @@ def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_
         assert r.status_code == 201, r.text
         return scored(stub_gateway, r.json()["id"], 60)
 
-    judges = [
-        {"judge_model": "openai/a", "litellm_params": agree_a.params},
-        {"judge_model": "openai/b", "litellm_params": agree_b.params},
-    ]
+    judges = [{"judge_model": "a"}, {"judge_model": "b", "litellm_params": {"temperature": 0}}]
     group = panel(judges, max_spread=0.1)
     assert group["state"] == "ready", group["failure_reason"]
     scores = [m["ruler_score"] for m in group["rollouts"]]
@@ -372,10 +378,10 @@ def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_
     assert [m["ruler_spread"] for m in group["rollouts"]] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
     assert group["judge_spread"] == pytest.approx(0.0, abs=1e-12) and group["judge_agreement"] == pytest.approx(1.0)
     assert group["judge_usage"]["judge_calls"] == 6  # 2 judges x 3 orders
-    assert agree_a.calls == 3 and agree_b.calls == 3
+    assert (agree_a.calls - calls[0], agree_b.calls - calls[1]) == (3, 3)
 
     rollouts = [record(stub_gateway, messages=[{"role": "user", "content": "hi" + "!" * (40 * i)}]) for i in range(3)]
-    judges[1] = {"judge_model": "openai/contrary", "litellm_params": contrary.params}
+    judges[1] = {"judge_model": "contrary"}
     split = panel(judges, max_spread=0.1)
     assert split["state"] == "failed"
     assert split["failure_reason"].startswith("the judges disagree: spread ")
@@ -396,25 +402,25 @@ def test_a_panel_on_the_stub_engine_scores_spreads_and_drops_a_split_group(stub_
     ("ruler", "param", "says"),
     [
         ({}, "ruler.judge_model", "one of the two"),
-        ({"judge_model": "openai/x", "judges": [{"judge_model": "openai/y"}]}, "ruler.judges", "one of the two"),
-        ({"judges": [{"judge_model": "no-such-provider/x"}]}, "ruler.judges[0].judge_model", "Unknown judge model"),
+        ({"judge_model": "a", "judges": [{"judge_model": "b"}]}, "ruler.judges", "one of the two"),
+        ({"judges": [{"judge_model": "openai/gpt-4o-mini"}]}, "ruler.judges[0].judge_model", "Unknown judge"),
+        ({"judge_model": "a", "litellm_params": {"api_base": "http://127.0.0.1:1"}}, "ruler.litellm_params.api_base",
+         "a judge's endpoint, keys and headers are its operator's"),
+        ({"judge_model": "a", "criteria": [{"name": "a", "description": "x", "weight": 0}]}, "ruler.criteria",
+         "weight > 0"),
+        ({"judge_model": "a", "checks": [{"grader": {"type": "ruler"}}]}, "ruler.checks[0]", "Invalid value 'ruler'"),
         (
-            {"judge_model": "openai/x", "criteria": [{"name": "a", "description": "x", "weight": 0}]},
-            "ruler.criteria",
-            "weight > 0",
-        ),
-        (
-            {"judge_model": "openai/x", "checks": [{"grader": {"type": "ruler"}}]},
-            "ruler.checks[0]",
-            "Invalid value 'ruler'",
-        ),
-        (
-            {"judge_model": "openai/x", "checks": [{"grader": {"type": "exact", "value": "x"}, "on_fail": "subtract"}]},
+            {"judge_model": "a", "checks": [{"grader": {"type": "exact", "value": "x"}, "on_fail": "subtract"}]},
             "ruler.checks[0]",
             "needs a `weight` above 0",
         ),
+        (
+            {"judge_model": "a", "checks": [{"grader": {"type": "webhook", "url": "http://127.0.0.1:1/reward"}}]},
+            "ruler.checks[0].grader.url",
+            "only to an endpoint this gateway's operator allows",
+        ),
     ],
-)
+)  # fmt: skip
 def test_a_panel_that_cannot_run_is_a_400(stub_gateway, ruler: dict, param: str, says: str) -> None:
     body = {"model": "my-agent", "rollouts": [{"rollout_id": "r-a"}, {"rollout_id": "r-b"}], "ruler": ruler}
     err = error(post_group(stub_gateway, body), 400)
@@ -422,7 +428,7 @@ def test_a_panel_that_cannot_run_is_a_400(stub_gateway, ruler: dict, param: str,
 
 
 @pytest.mark.engine
-def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_gateway, vllm_url) -> None:
+def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_gateway) -> None:
     """#29 end to end with the gateway's own tiny model as both judges (litellm → vLLM, schema-enforced): every
     rollout gets both criteria's scores and a spread, the reward is their weighted mean unless the hard
     `json_schema` check failed (then 0), and the usage counts every judgement. Only one rollout answered a JSON
@@ -431,15 +437,13 @@ def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_
                "additionalProperties": False}}}  # fmt: skip
     rollouts = [record(engine_gateway, max_tokens=24, response_format=as_json)]
     rollouts += [record(engine_gateway) for _ in range(2)]
-    params = {"api_base": f"{vllm_url}/v1", "api_key": "sk-secret-never-stored", "max_tokens": 800}
-    params["logit_bias"] = {str(QUOTE_TOKEN): 8}  # a random-weight judge rarely closes a JSON string otherwise
     body = {
         "model": "my-agent",
         "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(rollouts)],
         "ruler": {
-            "judges": [
-                {"judge_model": "hosted_vllm/tiny", "litellm_params": {**params, "temperature": 1.0}},
-                {"judge_model": "openai/tiny", "litellm_params": {**params, "temperature": 0.7}},
+            "judges": [  # both the engine gateway's judges file names (tests/conftest.py)
+                {"judge_model": "hosted_vllm/tiny", "litellm_params": {"temperature": 1.0}},
+                {"judge_model": "openai/tiny", "litellm_params": {"temperature": 0.7}},
             ],
             "samples": 2,
             "criteria": [

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import random
 import statistics
 import threading
@@ -160,8 +161,13 @@ def judge_answer(count: int) -> str:
 def test_calls_and_judge_calls_arrive_as_genai_spans(
     vllm_url: str, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, **FAST_BATCHES}
-    gateway = start_gateway(tmp_path_factory.mktemp("otel"), "--upstream", vllm_url, env=env)
+    where = tmp_path_factory.mktemp("otel")
+    judges = where / "judges.json"  # the operator's judge: litellm's mock answers for it, no call leaves
+    judges.write_text(
+        json.dumps({JUDGE: {"model": JUDGE, "litellm_params": {"mock_response": judge_answer(3), "api_key": "x"}}})
+    )
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "ARTGW_JUDGES_FILE": str(judges), **FAST_BATCHES}
+    gateway = start_gateway(where, "--upstream", vllm_url, env=env)
     try:
         chat_id, messages_id, responses_id = (f"otel-{api}-{uuid.uuid4().hex[:8]}" for api in ("c", "m", "r"))
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
@@ -190,7 +196,7 @@ def test_calls_and_judge_calls_arrive_as_genai_spans(
             json={
                 "model": MODEL,
                 "rollouts": [{"rollout_id": rid} for rid in (chat_id, messages_id, responses_id)],
-                "ruler": {"judge_model": JUDGE, "litellm_params": {"mock_response": judge_answer(3), "api_key": "x"}},
+                "ruler": {"judge_model": JUDGE},
             },
             timeout=30,
             headers=gateway.admin,

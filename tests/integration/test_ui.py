@@ -37,6 +37,7 @@ from tests.conftest import (
     start_trainer,
     stop_group,
 )
+from tests.stand_in_judge import StandInJudge, write_judges
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -408,6 +409,7 @@ class StubSite:
     gateway: GatewayProcess
     reader: str  # a client key of my-agent with `read`
     infer_only: str  # a client key of my-agent without it
+    judges: dict[str, StandInJudge]  # the operator's judges (--judges-file) by name: stand-ins a test answers for
 
     def get(self, path: str, key: str | None = None, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -427,22 +429,35 @@ def _chat(gateway: GatewayProcess, rollout_id: str, model: str, content: str) ->
 
 @pytest.fixture(scope="module")
 def stub_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StubSite]:
+    judges = {name: StandInJudge(lambda blocks, _: {"scores": {}}) for name in ("openai/one", "openai/two")}
+    where = tmp_path_factory.mktemp("ui-stub")
     url, stub = start_stub()
     try:
         gateway = start_gateway(
-            tmp_path_factory.mktemp("ui-stub"), "--upstream", url, "--auth", "required", models=(MODEL, "other")
+            where,
+            "--upstream",
+            url,
+            "--auth",
+            "required",
+            "--judges-file",
+            str(write_judges(where / "judges.json", judges)),
+            models=(MODEL, "other"),
         )
     except BaseException:
         stop_group(stub)
+        for judge in judges.values():
+            judge.close()
         raise
     try:
         for rollout_id, model in [("mine-0", MODEL), ("mine-1", MODEL), ("theirs", "other")]:
             _chat(gateway, rollout_id, model, f"hi {rollout_id}")
         reader = _make_key(gateway, "ui-reader", ["read"])["key"]
-        yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"])
+        yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"], judges)
     finally:
         gateway.stop()
         stop_group(stub)
+        for judge in judges.values():
+            judge.close()
 
 
 def test_pages_need_a_key_with_read(stub_site: StubSite) -> None:
@@ -600,17 +615,18 @@ def test_group_list_newest_first_by_model_and_state_in_pages(stub_site: StubSite
     assert bad.status_code == 400 and "must be one of scoring, ready, training" in bad.text
 
 
-def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite, stand_in: Any) -> None:
-    """A group scored by a panel (two stand-in judges over HTTP, tests/stand_in_judge.py: no paid judge runs
-    here) on two criteria with a hard check: its page shows each attempt's criterion scores, the judges' spread
-    and the check's outcome."""
+def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite) -> None:
+    """A group scored by a panel (the operator's two stand-in judges over HTTP, tests/stand_in_judge.py: no paid
+    judge runs here) on two criteria with a hard check: its page shows each attempt's criterion scores, the
+    judges' spread and the check's outcome."""
     gateway = stub_site.gateway
 
     def by_length(blocks: list[tuple[str, str]], _: dict[str, Any]) -> dict[str, Any]:
         return {"scores": {tid: {"explanation": "measured", "criteria": {"depth": min(1, len(text) / 300),
                 "focus": 0.5}} for tid, text in blocks}}  # fmt: skip
 
-    one, two = stand_in(by_length), stand_in(by_length)
+    for judge in stub_site.judges.values():
+        judge.answer = by_length
     rollout_ids = ["panel-0", "panel-1"]
     for k, rollout_id in enumerate(rollout_ids):
         _chat(gateway, rollout_id, MODEL, "tell me more" * (k * 10 + 1))
@@ -620,8 +636,8 @@ def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite
         "rollouts": [{"rollout_id": r} for r in rollout_ids],
         "ruler": {
             "judges": [
-                {"judge_model": "openai/one", "litellm_params": one.params},
-                {"judge_model": "openai/two", "litellm_params": two.params},
+                {"judge_model": "openai/one"},
+                {"judge_model": "openai/two"},
             ],
             "samples": 2,
             "criteria": [{"name": "depth", "description": "How deep?"}, {"name": "focus", "description": "On task?"}],
