@@ -74,14 +74,15 @@ class Caller:
 
 
 ADMIN = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset(SCOPES), admin=True)
-# --auth off, a request without a key: inference on every model, and nothing recorded to read or change.
-KEYLESS = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset({"infer"}), keyless=True)
+# --auth off, a request without a key: inference on every model, and nothing recorded to read or change; it
+# continues only rollouts and Responses made without a key, never a key's.
+KEYLESS = Caller(key_id=None, grant=Grant(None), scopes=frozenset({"infer"}), keyless=True)
 
 
 def client_caller(key: ApiKey) -> Caller:
     return Caller(
         key_id=key.id,
-        grant=Grant(frozenset(key.models) if key.models is not None else None),
+        grant=Grant(frozenset(key.models) if key.models is not None else None, owner=key.id),
         scopes=frozenset(key.scopes),
         rpm=key.rpm,
         tpm=key.tpm,
