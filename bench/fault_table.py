@@ -867,9 +867,9 @@ async def hold(host: str, port: int, kind: str, cap: float) -> tuple[float | Non
     opened = time.monotonic()
     received = b""
     if kind == "slow-header":
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Slow: ")
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
     elif kind == "slow-body":
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n")
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
         writer.write(b"Content-Length: 100000\r\n\r\n{")
     closed = None
     try:

@@ -60,17 +60,22 @@ class Caller:
 
     def check_scope(self, scope: Scope) -> None:
         if scope not in self.scopes and self.keyless:
-            raise OpenAIError(
-                401,
-                f"This endpoint needs an API key with the `{scope}` scope (or the admin key): without a key, "
-                "--auth off lets in inference only.",
-                code="invalid_api_key",
-            )
+            raise keyless_refused(scope)
         if scope not in self.scopes:
             has = ", ".join(sorted(self.scopes)) or "none"
             raise OpenAIError(
                 403, f"This API key lacks the `{scope}` scope needed here (it has: {has}).", code="missing_scope"
             )
+
+
+def keyless_refused(scope: Scope) -> OpenAIError:
+    """What --auth off tells a keyless caller where it needs a key."""
+    return OpenAIError(
+        401,
+        f"This endpoint needs an API key with the `{scope}` scope (or the admin key): without a key, "
+        "--auth off lets in inference only.",
+        code="invalid_api_key",
+    )
 
 
 ADMIN = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset(SCOPES), admin=True)

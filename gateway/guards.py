@@ -14,7 +14,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Scope
 
-from gateway.auth import Caller, KeyRing, bearer, same_secret
+from gateway.auth import Caller, KeyRing, bearer, keyless_refused, same_secret
 from gateway.errors import OpenAIError
 from gateway.provide import services_of
 
@@ -42,11 +42,7 @@ def keyed(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHand
     says. Keyless inference may keep Responses, but any page a browser loads could ask for them by id."""
     caller = _keys(connection).caller(connection.headers)
     if caller.keyless:
-        raise OpenAIError(
-            401,
-            "This endpoint needs an API key (or the admin key): without a key, --auth off lets in inference only.",
-            code="invalid_api_key",
-        )
+        raise keyless_refused(handler.opt["scope"])
     caller.check_scope(handler.opt["scope"])
     connection.scope[CALLER] = caller  # type: ignore[literal-required]
 
