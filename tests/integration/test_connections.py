@@ -24,6 +24,8 @@ from tests.conftest import GatewayProcess, poll, start_gateway, start_stub, stop
 TIMEOUT = 1.0  # each of --keep-alive-timeout, --header-timeout, --body-timeout
 BOUND = 15.0  # how long the test waits for a close: generous for a loaded 2-core CI machine
 CHAT = json.dumps({"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}).encode()
+# The gateway's own name and a JSON body: with --auth off it answers no other (gateway/local_only.py).
+HEADERS = "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,7 @@ def test_a_request_head_over_the_bound_is_a_431(gateway: GatewayProcess) -> None
 
 def test_a_half_sent_body_is_closed_with_408(gateway: GatewayProcess) -> None:
     sock = connect(gateway)
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\n{HEADERS}Content-Length: {len(CHAT)}\r\n\r\n"
     sock.sendall(head.encode() + CHAT[: len(CHAT) // 2])
     assert_408(read_until_closed(sock, gateway, "a slow-body connection to be closed"))
 
@@ -155,7 +157,7 @@ def test_a_half_sent_body_is_closed_with_408(gateway: GatewayProcess) -> None:
 def test_a_trickled_body_is_closed_too(gateway: GatewayProcess) -> None:
     """The body timeout is a total, not a gap between reads: a byte every 0.2 s does not keep it open."""
     sock = connect(gateway)
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\n{HEADERS}Content-Length: {len(CHAT)}\r\n\r\n"
     sock.sendall(head.encode())
     deadline = time.monotonic() + BOUND
     for byte in CHAT:
