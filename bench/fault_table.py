@@ -42,6 +42,10 @@ Scenarios (`--only` takes their keys), in order:
   endpoint: a group whose judge's `api_base` (or whose check's webhook) is a listener on 127.0.0.1, and webhook
   checks at allowed endpoints that refuse, answer 401 and answer nonsense: what the listener got, and what the
   checks' errors tell a `read` key.
+- keyless (#40): a gateway with --auth off asked as a web page would: a keyless DELETE of a stored Response,
+  a cross-site `text/plain` chat call, and one under a foreign `Host` (DNS rebinding): status, and whether the
+  Response is gone or the call recorded; and, with --auth required, another key of the same model naming a
+  key's rollout id.
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
@@ -126,6 +130,7 @@ SCENARIOS = (
     "broken-adapter",
     "damaged-checkpoint",
     "judges-webhooks",
+    "keyless",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -952,6 +957,77 @@ async def scenario_engine_4xx(b: Bench) -> None:
     )
 
 
+# ---------------------------------------------------------------- #40: what a keyless caller (or a web page) may do
+
+
+async def scenario_keyless(b: Bench) -> None:
+    gateway = b.gateway("--upstream", b.stub(), "--auth", "off")
+    port = gateway.url.rpartition(":")[2]
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def stored(rollout: str) -> bool:
+            r = await client.get(f"{gateway.base_url}/art/rollouts/{rollout}", headers=gateway.admin)
+            return r.status_code == 200
+
+        made = await client.post(f"{gateway.base_url}/responses", json={"model": "my-agent", "input": "hi"})
+        url = f"{gateway.base_url}/responses/{made.json()['id']}"
+        deleted = await client.delete(url)
+        kept = (await client.get(url, headers=gateway.admin)).status_code == 200
+        b.add(
+            "--auth off: keyless DELETE of a stored Response",
+            "200: deleted (any page could GET, list and DELETE any Response)",
+            f"{deleted.status_code} {error_code(deleted)}; still stored: {kept}",
+            "401; the Response kept",
+            deleted.status_code == 401 and kept,
+        )
+        body = json.dumps(CHAT).encode()
+        page = {"Content-Type": "text/plain;charset=UTF-8", "Origin": "https://evil.example", **rid("csrf")}
+        cross = await client.post(f"{gateway.base_url}/chat/completions", content=body, headers=page)
+        own = {**page, "Origin": gateway.url, **rid("csrf-own")}
+        plain = await client.post(f"{gateway.base_url}/chat/completions", content=body, headers=own)
+        recorded_any = await stored("csrf") or await stored("csrf-own")
+        b.add(
+            "--auth off: cross-site text/plain chat call (a page's simple POST)",
+            "200: served and recorded into the rollout it named",
+            f"{cross.status_code} {error_code(cross)}; from its own origin {plain.status_code} "
+            f"{error_code(plain)}; recorded: {recorded_any}",
+            "403 origin_not_allowed / 415 unsupported_media_type; nothing recorded",
+            cross.status_code == 403 and plain.status_code == 415 and not recorded_any,
+        )
+        rebound = {"Host": f"rebound.evil.example:{port}", **rid("rebound")}
+        foreign = await client.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers=rebound)
+        listed = await client.get(f"{gateway.base_url}/models", headers=rebound)
+        b.add(
+            "--auth off: foreign Host (DNS rebinding)",
+            "200: answered under any name (a rebound page had full keyless access)",
+            f"chat {foreign.status_code} {error_code(foreign)}, /v1/models {listed.status_code}; "
+            f"recorded: {await stored('rebound')}",
+            "403 host_not_allowed; nothing recorded",
+            foreign.status_code == 403 and listed.status_code == 403 and not await stored("rebound"),
+        )
+    gateway.stop()
+
+    gateway = b.gateway("--upstream", b.stub(), "--auth", "required")
+    async with httpx.AsyncClient(timeout=30) as client:
+        secrets = []
+        for name in ("owner", "neighbour"):
+            made = await client.post(
+                f"{gateway.base_url}/art/keys", json={"name": name, "models": ["my-agent"]}, headers=gateway.admin
+            )
+            secrets.append({"Authorization": f"Bearer {made.json()['key']}"})
+        url = f"{gateway.base_url}/chat/completions"
+        first = await client.post(url, json=CHAT, headers={**secrets[0], **rid("task-1")})
+        joined = await client.post(url, json=CHAT, headers={**secrets[1], **rid("task-1")})
+        b.add(
+            "another key of the same model names a key's rollout id",
+            "200: its call joined (spliced into) that rollout",
+            f"owner {first.status_code}; the other key {joined.status_code} {error_code(joined)}",
+            "409 rollout_id_taken, worded as for another model's key",
+            first.status_code == 200 and joined.status_code == 409,
+        )
+    gateway.stop()
+
+
 # ---------------------------------------------------------------- 9: connections
 
 
@@ -963,9 +1039,9 @@ async def hold(host: str, port: int, kind: str, cap: float) -> tuple[float | Non
     opened = time.monotonic()
     received = b""
     if kind == "slow-header":
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Slow: ")
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
     elif kind == "slow-body":
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n")
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
         writer.write(b"Content-Length: 100000\r\n\r\n{")
     closed = None
     try:
@@ -1308,6 +1384,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_damaged_checkpoint(b)
             elif key == "judges-webhooks":
                 await scenario_judges_webhooks(b)
+            elif key == "keyless":
+                await scenario_keyless(b)
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)

@@ -11,6 +11,7 @@ from litestar import Litestar, Response, get
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
@@ -26,6 +27,7 @@ from gateway.groups.service import GroupService
 from gateway.guards import INFER, metrics_reader, request_caller
 from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
+from gateway.local_only import LocalOnly
 from gateway.openapi import errors
 from gateway.promotion.service import PromotionService
 from gateway.provide import Services, provide_services, services_of
@@ -182,6 +184,8 @@ def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> Litestar:
         ],
         dependencies=DEPENDENCIES,
         lifespan=[lifespan],
+        # Keyless: only this machine's clients, never a web page they browse (gateway/local_only.py).
+        middleware=[] if settings.auth_required else [DefineMiddleware(LocalOnly, names=settings.local_host_names)],
         # Litestar's own errors (gateway/apis/routes.py): Anthropic's shape under /v1/messages, OpenAI's elsewhere.
         exception_handlers={**exception_handlers, HTTPException: inference.handle_http_exception},  # type: ignore[arg-type]
         request_max_body_size=settings.max_body_bytes,

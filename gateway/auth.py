@@ -60,12 +60,7 @@ class Caller:
 
     def check_scope(self, scope: Scope) -> None:
         if scope not in self.scopes and self.keyless:
-            raise OpenAIError(
-                401,
-                f"This endpoint needs an API key with the `{scope}` scope (or the admin key): without a key, "
-                "--auth off lets in inference only.",
-                code="invalid_api_key",
-            )
+            raise keyless_refused(scope)
         if scope not in self.scopes:
             has = ", ".join(sorted(self.scopes)) or "none"
             raise OpenAIError(
@@ -73,15 +68,26 @@ class Caller:
             )
 
 
+def keyless_refused(scope: Scope) -> OpenAIError:
+    """What --auth off tells a keyless caller where it needs a key."""
+    return OpenAIError(
+        401,
+        f"This endpoint needs an API key with the `{scope}` scope (or the admin key): without a key, "
+        "--auth off lets in inference only.",
+        code="invalid_api_key",
+    )
+
+
 ADMIN = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset(SCOPES), admin=True)
-# --auth off, a request without a key: inference on every model, and nothing recorded to read or change.
-KEYLESS = Caller(key_id=None, grant=EVERYTHING, scopes=frozenset({"infer"}), keyless=True)
+# --auth off, a request without a key: inference on every model, and nothing recorded to read or change; it
+# continues only rollouts and Responses made without a key, never a key's.
+KEYLESS = Caller(key_id=None, grant=Grant(None), scopes=frozenset({"infer"}), keyless=True)
 
 
 def client_caller(key: ApiKey) -> Caller:
     return Caller(
         key_id=key.id,
-        grant=Grant(frozenset(key.models) if key.models is not None else None),
+        grant=Grant(frozenset(key.models) if key.models is not None else None, owner=key.id),
         scopes=frozenset(key.scopes),
         rpm=key.rpm,
         tpm=key.tpm,

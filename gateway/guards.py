@@ -14,7 +14,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Scope
 
-from gateway.auth import Caller, KeyRing, bearer, same_secret
+from gateway.auth import Caller, KeyRing, bearer, keyless_refused, same_secret
 from gateway.errors import OpenAIError
 from gateway.provide import services_of
 
@@ -37,6 +37,16 @@ def scoped(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHan
     connection.scope[CALLER] = caller  # type: ignore[literal-required]
 
 
+def keyed(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """`scoped`, and a key always: what is stored (a Response) is read and deleted with a key, whatever --auth
+    says. Keyless inference may keep Responses, but any page a browser loads could ask for them by id."""
+    caller = _keys(connection).caller(connection.headers)
+    if caller.keyless:
+        raise keyless_refused(handler.opt["scope"])
+    caller.check_scope(handler.opt["scope"])
+    connection.scope[CALLER] = caller  # type: ignore[literal-required]
+
+
 def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """`/metrics`: open, unless --metrics-key is set; then that key or the admin key."""
     services = services_of(connection.app.state)
@@ -52,6 +62,8 @@ def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteH
 # An inference route's guard: a key with the `infer` scope (the data path's POSTs check theirs in
 # gateway/apis/routes.py, without a guard).
 INFER: dict[str, Any] = {"guards": [scoped], "opt": {"scope": "infer"}}
+# A stored Response's reads and delete: `infer`, with a key (never keyless).
+STORED: dict[str, Any] = {"guards": [keyed], "opt": {"scope": "infer"}}
 
 
 def request_caller(scope: Scope) -> Caller:

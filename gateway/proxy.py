@@ -283,7 +283,7 @@ class EngineCalls:
     async def route(self, requested: str, origin: CallOrigin) -> Route:
         """Where a call asking for `requested` goes: a rollout's calls to `NAME` go to the step its first call
         was served by, while that step is loaded (gateway/rollouts.py)."""
-        pin = await self.owners.pin(origin.rollout_id) if origin.explicit else None
+        pin = await self.owners.pin(origin.rollout_id, origin.caller.grant) if origin.explicit else None
         return self.registry.resolve(requested, origin.caller, origin.rollout_id, pin)
 
     async def run(self, call_in: EngineRequest, origin: CallOrigin, hang_up: HangUp | None) -> JSONBody | EventStream:
@@ -291,7 +291,7 @@ class EngineCalls:
         streamed notice the client hanging up while the engine works: the engine's request is then closed
         (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
         if origin.explicit:  # an id the gateway made up is new and random: nobody else's
-            await self.owners.claim(origin.rollout_id, call_in.route.model, call_in.route.step)
+            await self.owners.claim(origin.rollout_id, call_in.route.model, call_in.route.step, origin.caller.grant)
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, origin, call_in, time.time())
         self.recorder.begin(origin.rollout_id)

@@ -16,6 +16,7 @@ from gateway.adapters import Pin
 from gateway.auth import Caller
 from gateway.errors import OpenAIError
 from recording.recorder import Recorder
+from store.access import Grant
 from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owner
 from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound
@@ -32,18 +33,22 @@ class _Owner:
     model: str | None  # the trainable model whose rollout it is; None: none yet (unknown, or base calls only)
     step: int | None  # the step that served its first call of `model` (its pin); None: not known yet
     last_call: float  # when a call last joined it (the clock's monotonic seconds): an active rollout holds its step
+    taken: bool = False  # a call has joined it: it is `key_id`'s
+    key_id: str | None = None  # the key whose rollout it is (None: made by the admin, or without a key)
 
 
 class RolloutOwners:
     """A rollout belongs to the trainable model of its calls, and stays on the step that served its first call.
 
-    Tenants apart: a call of another trainable model that names a rollout is refused (409 `rollout_id_taken`)
-    before the engine sees it, so it never joins it: another key's calls can't be read, grouped or trained as
-    this model's, nor this model's as theirs. Calls of the base model (no trainable model; no model-scoped key
-    may make them) join any rollout, and a rollout of such calls only is taken by the first trainable model
-    that calls in it. Rollout ids are not namespaced per model: a tenant that can guess another's ids can take
-    them first (that one's calls then get the 409), so clients should use ids nobody can guess (a UUID in
-    them); the ones the gateway makes up are random.
+    Tenants apart: a rollout is the key's that made its first call. A call of another key (of the same model
+    too) or of another trainable model that names it is refused (409 `rollout_id_taken`, worded the same
+    either way) before the engine sees it, so it never joins it: another key's calls can't be spliced into
+    its sequence, read, grouped or trained as this key's, nor this key's as theirs. The admin joins any
+    rollout; a keyless caller (--auth off) only those made without a key. Calls of the base model (no
+    trainable model; no model-scoped key may make them) join any rollout their key may, and a rollout of such
+    calls only is taken by the first trainable model that calls in it. Rollout ids are one space: a tenant
+    that can guess another's ids learns they are taken, and can take them first (that one's calls then get the
+    409), so clients should use ids nobody can guess (a UUID in them); the ones the gateway makes up are random.
 
     One policy per rollout: a call to `NAME` in a rollout goes to the step its first call was served by (its
     pin) while that step is loaded, so a promotion between two turns does not mix two policies in one
@@ -71,26 +76,32 @@ class RolloutOwners:
         self.clock = clock
         self._owners: OrderedDict[str, _Owner] = OrderedDict()
 
-    async def pin(self, rollout_id: str) -> Pin | None:
+    async def pin(self, rollout_id: str, grant: Grant) -> Pin | None:
         """The model and step the rollout's first call was served by, once known (looked up in the store for
-        an id not seen here yet)."""
+        an id not seen here yet); none for a rollout `grant` may not join (`claim` refuses its call)."""
         owner = await self._owner(rollout_id)
-        return Pin(owner.model, owner.step) if owner.model is not None and owner.step is not None else None
+        if owner.model is None or owner.step is None or (owner.taken and not grant.owns(owner.key_id)):
+            return None
+        return Pin(owner.model, owner.step)
 
-    async def claim(self, rollout_id: str, model: str | None, step: int | None) -> None:
-        """Let a call of `model` served by `step` join `rollout_id` (the first trainable one makes it its own,
-        and its step the rollout's pin), or raise the 409."""
+    async def claim(self, rollout_id: str, model: str | None, step: int | None, grant: Grant) -> None:
+        """Let a call of `model` served by `step`, by a caller with `grant`, join `rollout_id` (the first call
+        makes it its key's, the first trainable one makes it its model's and its step the rollout's pin), or
+        raise the 409."""
         owner = await self._owner(rollout_id)
-        if owner.model is None and model is not None:
-            owner.model, owner.step = model, step
-        elif model is not None and model != owner.model:
+        if (owner.taken and not grant.owns(owner.key_id)) or (model is not None and owner.model not in (None, model)):
+            # One wording for another key's and another model's: a tenant learns no more than that it is taken.
             raise OpenAIError(
                 409,
-                f"Rollout `{rollout_id}` belongs to another model: all the calls of a rollout are of one model. "
+                f"Rollout `{rollout_id}` is taken: all the calls of a rollout are one key's, of one model. "
                 "Use another rollout id (one nobody can guess).",
                 param=ROLLOUT_HEADER,
                 code="rollout_id_taken",
             )
+        if not owner.taken:
+            owner.taken, owner.key_id = True, grant.owner
+        if owner.model is None and model is not None:
+            owner.model, owner.step = model, step
         elif owner.step is None:
             owner.step = step
         owner.last_call = self.clock.monotonic()
@@ -112,8 +123,14 @@ class RolloutOwners:
         stored = await self._lookup(rollout_id)
         owner = self._owners.get(rollout_id)  # another call may have claimed it while the store answered
         if owner is None:
-            known = (stored.model, stored.first_step) if stored is not None else (None, None)
-            owner = self._owners[rollout_id] = _Owner(*known, last_call=self.clock.monotonic())
+            owner = self._owners[rollout_id] = _Owner(None, None, last_call=self.clock.monotonic())
+            if stored is not None:
+                owner.model, owner.step, owner.taken, owner.key_id = (
+                    stored.model,
+                    stored.first_step,
+                    True,
+                    stored.key_id,
+                )
             if len(self._owners) > self.size:
                 self._owners.popitem(last=False)
         return owner

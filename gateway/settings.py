@@ -20,6 +20,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 AuthMode = Literal["required", "off"]
 Continuity = Literal["splice", "rerender"]  # how a call continuing its rollout reaches the engine (continuation.py)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?")  # a DNS name or IPv4 address, no port
 ADMIN_KEY_FILE = "admin_key"  # in the data dir, mode 0600: where `serve` keeps a key it made, and others find it
 
 
@@ -278,11 +279,25 @@ class AuthSettings:
         default=None,
         metadata={"help": "bearer key /metrics asks for (the admin key works too; none: /metrics is open)"},
     )
+    # With --auth off any web page could reach the gateway through a name it rebinds to 127.0.0.1: only these
+    # `Host` (and `Origin`) names are answered (gateway/local_only.py).
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "with --auth off, a Host name the gateway answers besides --host, localhost, 127.0.0.1 and "
+            "[::1] (e.g. a name in /etc/hosts for this machine); repeat for several",
+            "flag": "--allowed-host",
+            "repeat": True,
+        },
+    )
 
     def check_auth(self) -> None:
         for flag, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
             if key is not None and len(key) < 16:
                 raise ValueError(f"{flag} must be at least 16 characters")
+        for name in self.allowed_hosts:
+            if not HOST_NAME.fullmatch(name):
+                raise ValueError(f"--allowed-host must be a host name (letters, digits, '.-'), got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -457,6 +472,11 @@ class Settings(
     @property
     def auth_required(self) -> bool:
         return self.auth == "required" or (self.auth is None and self.host not in LOOPBACK_HOSTS)
+
+    @property
+    def local_host_names(self) -> frozenset[str]:
+        """The `Host` names a gateway with --auth off answers (lower case, no port, IPv6 without brackets)."""
+        return frozenset(name.lower() for name in (self.host, *LOOPBACK_HOSTS, *self.allowed_hosts))
 
     @property
     def admin_key_path(self) -> Path:

@@ -5,6 +5,10 @@ calls and exports, groups, stored Responses) takes the grant as a required argum
 in SQL where the read is a query; what a grant does not cover reads as if it did not exist. Deny by default:
 `NOTHING` sees nothing, and every-model access (`EVERYTHING`) is granted explicitly (the admin key, the local
 CLI that holds the store itself).
+
+A grant also names whose own things it may use: a rollout it may add calls to and a stored Response it may
+read, continue or delete are its key's (`owner`), whatever models it covers; another key of the same model
+is someone else. Every key's (`every_owner`) only where granted explicitly (the admin, the store's holders).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ class Grant(msgspec.Struct, frozen=True):
     """The models whose data a reader may see; `models=None` is every model, base-model calls included."""
 
     models: frozenset[str] | None
+    owner: str | None = None  # the key whose rollouts and stored Responses it may use (None: made without a key)
+    every_owner: bool = False  # every key's (the admin; explicit only)
+
+    def owns(self, key_id: str | None) -> bool:
+        """May it use (add calls to, read, continue, delete) what key `key_id` made, where it covers the model?"""
+        return self.every_owner or key_id == self.owner
 
     def covers(self, model: str | None) -> bool:
         """May it see (or use) `model`? Base-model data (`None`) only with every model."""
@@ -34,4 +44,4 @@ class Grant(msgspec.Struct, frozen=True):
 
 
 NOTHING = Grant(frozenset())
-EVERYTHING = Grant(None)
+EVERYTHING = Grant(None, every_owner=True)

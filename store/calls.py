@@ -56,41 +56,52 @@ def stray_rollout_id(rollout_id: str, model: str | None) -> str:
 
 
 class RolloutOwner(msgspec.Struct, frozen=True):
-    """Whose a recorded rollout is: its trainable model, and the step that served its first call of it."""
+    """Whose a recorded rollout is: its trainable model, the step that served its first call of it, and the key
+    whose it is."""
 
-    model: str
+    model: str | None  # None: base calls only so far
     first_step: int | None  # None: its first call of the model is not recorded yet (or had no step)
+    key_id: str | None  # the key of its first call made with one (None: the admin's, or made without a key)
 
 
 async def rollout_owner(conn: AsyncConnection, rollout_id: str) -> RolloutOwner | None:
-    """The trainable model a recorded rollout belongs to and its first step; None when it has no model
-    (unknown, or base calls only)."""
-    model = (await conn.execute(sa.select(rollouts.c.model).where(rollouts.c.id == rollout_id))).scalar()
-    if model is None:
+    """Whose a recorded rollout is; None when it is not recorded."""
+    row = (
+        await conn.execute(sa.select(rollouts.c.model, rollouts.c.key_id).where(rollouts.c.id == rollout_id))
+    ).one_or_none()
+    if row is None:
         return None
+    if row.model is None:
+        return RolloutOwner(None, None, row.key_id)
     first = (
         sa.select(calls.c.step)
-        .where(calls.c.rollout_id == rollout_id, calls.c.model == model)
+        .where(calls.c.rollout_id == rollout_id, calls.c.model == row.model)
         .order_by(calls.c.started_at, calls.c.id)
         .limit(1)
     )
-    return RolloutOwner(model, (await conn.execute(first)).scalar())
+    return RolloutOwner(row.model, (await conn.execute(first)).scalar(), row.key_id)
 
 
 def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:
-    """A rollout belongs to the trainable model of its calls (calls of the base model, `model` None, join any):
-    a record of another trainable model never joins it (its calls would be read, grouped and trained as the
+    """A rollout belongs to the trainable model of its calls (calls of the base model, `model` None, join any),
+    and to the key of its first call made with one (the admin's calls, no key, join any): a record of another
+    trainable model or another key never joins it (its calls would be read, grouped and trained as the
     owner's) but is kept, under `stray_rollout_id`."""
     ids = sorted({r.rollout_id for r in records})
-    found = conn.execute(sa.select(rollouts.c.id, rollouts.c.model).where(rollouts.c.id.in_(ids)))
-    owners: dict[str, str | None] = {row.id: row.model for row in found}
+    found = conn.execute(sa.select(rollouts.c.id, rollouts.c.model, rollouts.c.key_id).where(rollouts.c.id.in_(ids)))
+    owners: dict[str, tuple[str | None, str | None]] = {row.id: (row.model, row.key_id) for row in found}
     kept = []
     for record in records:
         owner = owners.get(record.rollout_id)
         if owner is None:
-            owners[record.rollout_id] = record.model
-        elif record.model is not None and record.model != owner:
+            owners[record.rollout_id] = (record.model, record.key_id)
+        elif (record.model is not None and owner[0] is not None and record.model != owner[0]) or (
+            record.key_id is not None and owner[1] is not None and record.key_id != owner[1]
+        ):
             record = msgspec.structs.replace(record, rollout_id=stray_rollout_id(record.rollout_id, record.model))
+            owners.setdefault(record.rollout_id, (record.model, record.key_id))
+        else:
+            owners[record.rollout_id] = (owner[0] or record.model, owner[1] or record.key_id)
         kept.append(record)
     return kept
 

@@ -25,6 +25,7 @@ class StoredResponse(msgspec.Struct, frozen=True):
     input_items: list[dict[str, Any]]  # the request's input, as items with ids
     messages: list[dict[str, Any]]  # chat messages: the history it continued, its input, its output
     created_at: float
+    key_id: str | None  # the API key that made it: only it (or the admin) may read, continue or delete it
 
 
 def response_not_found(response_id: str) -> NotFound:
@@ -40,10 +41,11 @@ class ResponseStore:
             await conn.execute(sa.insert(responses).values(**msgspec.structs.asdict(stored)))
 
     async def get(self, response_id: str, *, grant: Grant) -> StoredResponse:
-        """The stored response; not found when it is of a model `grant` does not cover, as if it did not exist."""
+        """The stored response; not found when `grant` does not own it (another key's, even of a model it covers,
+        or of a model it does not cover), as if it did not exist."""
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).one_or_none()
-        if row is None or not grant.covers_id(row.model):
+        if row is None or not (grant.covers_id(row.model) and grant.owns(row.key_id)):
             raise response_not_found(response_id)
         return msgspec.convert({str(k): v for k, v in row._asdict().items()}, StoredResponse)
 

@@ -211,6 +211,7 @@ responses = sa.Table(
     sa.Column("input_items", sa.JSON, nullable=False),
     sa.Column("messages", sa.JSON, nullable=False),  # chat messages: the history, this input, this output
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("key_id", sa.String(64), nullable=True),  # the API key that made it (its id; NULL: no key)
 )
 
 # The trainable models: the set every replica serves, added and retired at runtime (a retired model's data

@@ -24,7 +24,7 @@ from gateway.apis.responses.service import MAX_ITEMS_PAGE, ResponsesService
 from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
 from gateway.auth import Caller, KeyRing
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
-from gateway.guards import INFER
+from gateway.guards import STORED
 from gateway.openapi import (
     anthropic_errors,
     chat_operation,
@@ -105,21 +105,21 @@ async def create_response(request: Request[Any, Any, Any], rollout_id: str | Non
 RESPONSE_PATHS = ["/v1/responses/{response_id:str}", "/rollouts/{rollout_id:str}/v1/responses/{response_id:str}"]
 
 
-@get(RESPONSE_PATHS, responses=errors(400, 401, 403, 404, 500, 503), **INFER)
+@get(RESPONSE_PATHS, responses=errors(400, 401, 403, 404, 500, 503), **STORED)
 async def get_response(
     responses: ResponsesService, caller: Caller, response_id: str, rollout_id: str | None = None
 ) -> dict[str, Any]:
     return await responses.get(response_id, caller)
 
 
-@delete(RESPONSE_PATHS, status_code=200, responses=errors(400, 401, 403, 404, 500, 503), **INFER)
+@delete(RESPONSE_PATHS, status_code=200, responses=errors(400, 401, 403, 404, 500, 503), **STORED)
 async def delete_response(
     responses: ResponsesService, caller: Caller, response_id: str, rollout_id: str | None = None
 ) -> dict[str, Any]:
     return await responses.delete(response_id, caller)
 
 
-@get([path + "/input_items" for path in RESPONSE_PATHS], responses=errors(400, 401, 403, 404, 500, 503), **INFER)
+@get([path + "/input_items" for path in RESPONSE_PATHS], responses=errors(400, 401, 403, 404, 500, 503), **STORED)
 async def list_input_items(
     responses: ResponsesService,
     caller: Caller,
@@ -189,7 +189,8 @@ async def count_message_tokens(request: Request[Any, Any, Any], rollout_id: str 
     return Response(msgspec.json.encode(counted), media_type="application/json")
 
 
-def _under_messages(path: str) -> bool:
+def under_messages(path: str) -> bool:
+    """Is `path` under /v1/messages (its errors in Anthropic's shape)?"""
     return (
         path == "/v1/messages" or path.startswith("/v1/messages/") or "/v1/messages" in path.partition("/rollouts/")[2]
     )
@@ -199,7 +200,7 @@ def handle_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -
     """Litestar's own errors (an unknown path, a wrong method, a body too large): in Anthropic's shape under
     `/v1/messages` (Anthropic's SDK reads no other), OpenAI's elsewhere."""
     error = from_http_exception(request, exc)
-    if _under_messages(request.url.path):
+    if under_messages(request.url.path):
         return _in_anthropic_shape(error)
     return error.to_response()
 

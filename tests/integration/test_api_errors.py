@@ -404,7 +404,7 @@ def test_responses_engine_400_passes_through(gateway) -> None:
 
 @pytest.mark.parametrize("path", ["/responses/resp_nope", "/responses/resp_nope/input_items"])
 def test_get_of_an_unknown_response_is_404(gateway, path: str) -> None:
-    r = httpx.get(f"{gateway.base_url}{path}")
+    r = httpx.get(f"{gateway.base_url}{path}", headers=gateway.admin)
     assert r.status_code == 404
     assert r.json() == openai_error(
         "Response with id 'resp_nope' not found.", "response_id", "response_not_found", type="not_found_error"
@@ -412,7 +412,7 @@ def test_get_of_an_unknown_response_is_404(gateway, path: str) -> None:
 
 
 def test_delete_of_an_unknown_response_is_404(gateway) -> None:
-    r = httpx.delete(f"{gateway.base_url}/responses/resp_nope")
+    r = httpx.delete(f"{gateway.base_url}/responses/resp_nope", headers=gateway.admin)
     assert r.status_code == 404
     assert r.json() == openai_error(
         "Response with id 'resp_nope' not found.", "response_id", "response_not_found", type="not_found_error"
@@ -443,20 +443,24 @@ def stored(gateway) -> dict[str, Any]:
     ],
 )
 def test_input_items_refusals(gateway, stored, query: dict[str, Any], expected: dict[str, Any]) -> None:
-    r = httpx.get(f"{gateway.base_url}/responses/{stored['id']}/input_items", params=query)
+    r = httpx.get(f"{gateway.base_url}/responses/{stored['id']}/input_items", params=query, headers=gateway.admin)
     assert r.status_code == 400
     assert r.json() == expected
 
 
 @pytest.mark.parametrize("limit", [0, 101])
 def test_input_items_limit_out_of_range_has_a_code(gateway, stored, limit: int) -> None:
-    r = httpx.get(f"{gateway.base_url}/responses/{stored['id']}/input_items", params={"limit": limit})
+    r = httpx.get(
+        f"{gateway.base_url}/responses/{stored['id']}/input_items", params={"limit": limit}, headers=gateway.admin
+    )
     assert r.status_code == 400
     assert r.json() == openai_error("'limit' must be between 1 and 100.", "limit", "invalid_value")
 
 
 def test_input_items_non_integer_limit_names_the_param(gateway, stored) -> None:
-    r = httpx.get(f"{gateway.base_url}/responses/{stored['id']}/input_items", params={"limit": "ten"})
+    r = httpx.get(
+        f"{gateway.base_url}/responses/{stored['id']}/input_items", params={"limit": "ten"}, headers=gateway.admin
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "limit", "invalid_type")
@@ -500,7 +504,7 @@ def test_responses_stream_cut_short_ends_with_response_failed(cut_short) -> None
         }
     ]
     # A failed response is not kept: nothing to continue from or read back.
-    assert httpx.get(f"{cut_short.base_url}/responses/{failed['id']}").status_code == 404
+    assert httpx.get(f"{cut_short.base_url}/responses/{failed['id']}", headers=cut_short.admin).status_code == 404
 
 
 def test_response_round_trip(gateway) -> None:
@@ -511,21 +515,21 @@ def test_response_round_trip(gateway) -> None:
     assert created["output"][0]["content"][0]["text"] == "ok"  # the stub's answer, translated
     url = f"{gateway.base_url}/responses/{created['id']}"
 
-    r = httpx.get(url)
+    r = httpx.get(url, headers=gateway.admin)
     assert r.status_code == 200 and r.json() == created
 
-    items = httpx.get(f"{url}/input_items", params={"order": "asc"}).json()
+    items = httpx.get(f"{url}/input_items", headers=gateway.admin, params={"order": "asc"}).json()
     assert [(i["type"], i["role"], i["content"]) for i in items["data"]] == [
         ("message", "user", [{"type": "input_text", "text": "a"}]),
         ("message", "assistant", [{"type": "output_text", "text": "b", "annotations": [], "logprobs": []}]),
     ]
     first, last = (i["id"] for i in items["data"])
     assert (items["object"], items["first_id"], items["last_id"], items["has_more"]) == ("list", first, last, False)
-    newest_first = httpx.get(f"{url}/input_items").json()
+    newest_first = httpx.get(f"{url}/input_items", headers=gateway.admin).json()
     assert [i["id"] for i in newest_first["data"]] == [last, first]
-    page = httpx.get(f"{url}/input_items", params={"order": "asc", "limit": 1}).json()
+    page = httpx.get(f"{url}/input_items", headers=gateway.admin, params={"order": "asc", "limit": 1}).json()
     assert ([i["id"] for i in page["data"]], page["has_more"]) == ([first], True)
-    page = httpx.get(f"{url}/input_items", params={"order": "asc", "after": first}).json()
+    page = httpx.get(f"{url}/input_items", headers=gateway.admin, params={"order": "asc", "after": first}).json()
     assert ([i["id"] for i in page["data"]], page["has_more"]) == ([last], False)
 
     follow_up = {**RESPONSE, "previous_response_id": created["id"]}
@@ -534,13 +538,18 @@ def test_response_round_trip(gateway) -> None:
         == (created["id"])
     )
 
-    r = httpx.delete(url)
+    r = httpx.delete(url, headers=gateway.admin)
     assert r.status_code == 200
     assert r.json() == {"id": created["id"], "object": "response.deleted", "deleted": True}
     gone = openai_error(
         f"Response with id '{created['id']}' not found.", "response_id", "response_not_found", type="not_found_error"
     )
-    for again in (httpx.get(url), httpx.get(f"{url}/input_items"), httpx.delete(url)):
+    admin = gateway.admin  # a stored Response is read and deleted with a key (#40), the admin's reads any
+    for again in (
+        httpx.get(url, headers=admin),
+        httpx.get(f"{url}/input_items", headers=admin),
+        httpx.delete(url, headers=admin),
+    ):
         assert again.status_code == 404 and again.json() == gone
     r = post(gateway, "/responses", follow_up, rollout)
     assert answered(r, 404, rollout) == openai_error(
@@ -555,7 +564,7 @@ def test_unstored_response_is_not_kept(gateway) -> None:
     rollout = new_rollout()
     created = answered(post(gateway, "/responses", {**RESPONSE, "store": False}, rollout), 200, rollout)
     assert (created["status"], created["store"]) == ("completed", False)
-    r = httpx.get(f"{gateway.base_url}/responses/{created['id']}")
+    r = httpx.get(f"{gateway.base_url}/responses/{created['id']}", headers=gateway.admin)
     assert r.status_code == 404
     assert r.json() == openai_error(
         f"Response with id '{created['id']}' not found.", "response_id", "response_not_found", type="not_found_error"

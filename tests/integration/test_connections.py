@@ -24,6 +24,8 @@ from tests.conftest import GatewayProcess, poll, start_gateway, start_stub, stop
 TIMEOUT = 1.0  # each of --keep-alive-timeout, --header-timeout, --body-timeout
 BOUND = 15.0  # how long the test waits for a close: generous for a loaded 2-core CI machine
 CHAT = json.dumps({"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}).encode()
+# The gateway's own name and a JSON body: with --auth off it answers no other (gateway/local_only.py).
+HEADERS = "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def test_a_connection_that_never_sends_a_request_is_closed(gateway: GatewayProce
 
 def test_an_idle_keep_alive_connection_is_closed(gateway: GatewayProcess) -> None:
     sock = connect(gateway)
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     raw = read_until_closed(sock, gateway, "a keep-alive connection to be closed after its response")
     assert raw.startswith(b"HTTP/1.1 200 "), raw
     assert raw.endswith(b'{"status":"ok"}'), raw  # one complete response, then the close
@@ -106,7 +108,7 @@ def test_an_idle_keep_alive_connection_is_closed(gateway: GatewayProcess) -> Non
 def test_blank_lines_do_not_keep_a_connection_open(gateway: GatewayProcess) -> None:
     """Bytes that start no request (the parser skips blank lines) don't reset the idle timeout."""
     sock = connect(gateway)
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     deadline = time.monotonic() + BOUND
     received = b""
     while not received.endswith(b'{"status":"ok"}'):
@@ -123,7 +125,7 @@ def test_blank_lines_do_not_keep_a_connection_open(gateway: GatewayProcess) -> N
 
 def test_a_half_sent_request_head_is_closed_with_408(gateway: GatewayProcess) -> None:
     sock = connect(gateway)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Ty")
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
     assert_408(read_until_closed(sock, gateway, "a slow-header connection to be closed"))
 
 
@@ -134,7 +136,7 @@ def test_a_request_head_over_the_bound_is_a_431(gateway: GatewayProcess) -> None
     try:
         # Just over the bound: the server has read it all when it closes (unread bytes would make its close a reset,
         # which can drop the 431 before the client reads it).
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Big: " + b"a" * (80 << 10))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (80 << 10))
     except (BrokenPipeError, ConnectionResetError):
         pass  # closed while we were still sending: the answer was sent first
     answer = read_until_closed(sock, gateway, "a connection with a huge head to be closed")
@@ -171,7 +173,7 @@ def test_a_whole_head_over_the_bound_is_a_431_however_it_arrives(gateway: Gatewa
 
 def test_a_half_sent_body_is_closed_with_408(gateway: GatewayProcess) -> None:
     sock = connect(gateway)
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\n{HEADERS}Content-Length: {len(CHAT)}\r\n\r\n"
     sock.sendall(head.encode() + CHAT[: len(CHAT) // 2])
     assert_408(read_until_closed(sock, gateway, "a slow-body connection to be closed"))
 
@@ -179,7 +181,7 @@ def test_a_half_sent_body_is_closed_with_408(gateway: GatewayProcess) -> None:
 def test_a_trickled_body_is_closed_too(gateway: GatewayProcess) -> None:
     """The body timeout is a total, not a gap between reads: a byte every 0.2 s does not keep it open."""
     sock = connect(gateway)
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: {len(CHAT)}\r\n\r\n"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\n{HEADERS}Content-Length: {len(CHAT)}\r\n\r\n"
     sock.sendall(head.encode())
     deadline = time.monotonic() + BOUND
     for byte in CHAT:

@@ -103,8 +103,12 @@ class World:
         return r.json()  # type: ignore[no-any-return]
 
     def response(self, model: str) -> str:
-        """A stored Responses API response of `model`: its id."""
-        return self.admin("POST", "/v1/responses", json={"model": model, "input": "hi"}).json()["id"]  # type: ignore[no-any-return]
+        """A stored Responses API response of `model`, made by the key the table's "right" column sends (a
+        stored Response is its key's): its id."""
+        secret = self.keys["a:infer" if model == "a" else f"{model}:all"]["key"]
+        r = self.ask("POST", "/v1/responses", secret, json={"model": model, "input": "hi"})
+        assert r.status_code == 200, r.text
+        return r.json()["id"]  # type: ignore[no-any-return]
 
     def key_for(self, who: str, scope: str | None) -> str | None:
         """The secret a column of the table sends, for an endpoint needing `scope` (None: admin-only or open).
@@ -596,13 +600,16 @@ KEYLESS = Outcome(
 )
 
 
+STORED_RESPONSE = ("GET /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "DELETE /v1/responses/{id}")
+
+
 def auth_off(endpoint: str, who: str, required: Outcome) -> Outcome:
     """The table's cell with `--auth off`: no key, or a key never made, may infer (on every model) and nothing
-    more; a revoked key is refused as with `--auth required`, and so is everything else (#24: keyless callers
-    read every model's rollouts there)."""
+    more, stored Responses' reads and delete included; a revoked key is refused as with `--auth required`, and so
+    is everything else (#24: keyless callers read every model's rollouts there; #40: and any stored Response)."""
     if who in ("none", "bad") and required in (NO_KEY, BAD_KEY):
-        if ENDPOINTS[endpoint].scope != "infer":
-            return KEYLESS
+        if ENDPOINTS[endpoint].scope != "infer" or endpoint in STORED_RESPONSE:
+            return KEYLESS  # a stored Response too (#40): what is kept is read with a key, not by any page
         return EVERY_MODEL if ENDPOINTS[endpoint].listed else OK
     return required
 

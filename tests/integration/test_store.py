@@ -11,6 +11,7 @@ import asyncio
 import random
 from typing import Any
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -22,7 +23,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store import create_engine, downgrade, migrate
 from store.access import EVERYTHING, NOTHING, Grant
 from store.adapters import adapter_event_history, commit_step, record_failure, set_status
-from store.calls import RolloutFilter, count_calls, list_rollouts, rollout_calls, write_calls
+from store.calls import (
+    RolloutFilter,
+    RolloutOwner,
+    count_calls,
+    list_rollouts,
+    rollout_calls,
+    rollout_owner,
+    write_calls,
+)
 from store.codec import CallCache
 from store.db import alembic_config
 from store.errors import Invalid, NotFound
@@ -233,6 +242,24 @@ async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine
     }
 
 
+async def test_a_call_of_another_key_never_joins_a_rollout(engine: AsyncEngine) -> None:
+    """A rollout is also the key's that made its first call (#40): a call of another key of the same model naming
+    it (replicas that raced past the gateway's 409) is kept apart too; the admin's calls (no key) join it, and
+    `rollout_owner` says whose it is."""
+
+    def of(key_id: str | None, call_id: str, at: float) -> CallRecord:
+        return msgspec.structs.replace(call(call_id, "task", at), key_id=key_id)
+
+    await write(engine, [of("key_a", "k1", 1.0)])
+    await write(engine, [of("key_b", "k2", 2.0), of(None, "k3", 3.0)])
+    async with engine.connect() as conn:
+        kept = {rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("task", "task@agent")}
+        owner = await rollout_owner(conn, "task")
+        unknown = await rollout_owner(conn, "nobody's")
+    assert kept == {"task": ["k1", "k3"], "task@agent": ["k2"]}
+    assert (owner, unknown) == (RolloutOwner("agent", 3, "key_a"), None)
+
+
 # --- reading -----------------------------------------------------------------------------------------
 
 
@@ -438,7 +465,7 @@ async def test_every_read_of_recorded_data_sees_only_what_its_grant_covers(engin
         )
     responses = ResponseStore(engine)
     for rid, model in (("resp-a", "agent@3"), ("resp-b", "other")):
-        await responses.save(StoredResponse(rid, "r-a", model, {"id": rid}, [], [], 1.0))
+        await responses.save(StoredResponse(rid, "r-a", model, {"id": rid}, [], [], 1.0, None))
     reader = RolloutReader(engine)
 
     async def seen(grant: Grant) -> dict[str, list[str]]:

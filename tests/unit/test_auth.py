@@ -9,6 +9,7 @@ import pytest
 
 from gateway.auth import ADMIN, KEYLESS, Caller, RateLimits, bearer, load_admin_key, read_admin_key
 from gateway.errors import OpenAIError
+from gateway.local_only import host_name, is_json, origin_name
 from store.access import Grant
 from store.clock import SystemClock
 
@@ -29,7 +30,7 @@ def clock() -> Clock:
 
 
 def key(*, rpm: int | None = None, tpm: int | None = None, models: set[str] | None = None) -> Caller:
-    grant = Grant(frozenset(models) if models else None)
+    grant = Grant(frozenset(models) if models else None, owner="key_1")  # as client_caller makes it
     return Caller(key_id="key_1", grant=grant, scopes=frozenset({"infer"}), rpm=rpm, tpm=tpm)
 
 
@@ -109,3 +110,39 @@ def test_the_admin_key_file_is_made_once_with_mode_0600(tmp_path: Path) -> None:
     assert load_admin_key("k" * 20, tmp_path / "other") == ("k" * 20, False)
     assert not (tmp_path / "other").exists()  # a given key is never written anywhere
     assert read_admin_key(None, tmp_path / "missing") is None
+
+
+def test_what_a_caller_owns_is_its_keys_not_its_models() -> None:
+    """#40: a key covers its models' data to read, but owns (may join, read back, continue) only what it made;
+    the admin owns everything, a keyless caller only what was made without a key."""
+    mine = key(models={"a"})
+    neighbour = Caller(key_id="key_n", grant=Grant(frozenset({"a"}), owner="key_n"), scopes=frozenset({"infer"}))
+    assert mine.grant.owns(mine.key_id) and not neighbour.grant.owns(mine.key_id)
+    assert ADMIN.grant.owns(mine.key_id) and ADMIN.grant.owns(None)
+    assert KEYLESS.grant.owns(None) and not KEYLESS.grant.owns(mine.key_id)
+
+
+@pytest.mark.parametrize(
+    ("value", "name"),
+    [
+        ("127.0.0.1:8000", "127.0.0.1"),
+        ("[::1]:8000", "::1"),
+        ("LocalHost.:80", "localhost"),
+        ("evil.example", "evil.example"),
+    ],
+)
+def test_a_host_header_names_its_host(value: str, name: str) -> None:
+    assert host_name(value) == name
+
+
+def test_an_origin_names_its_host_and_null_names_none() -> None:
+    assert origin_name("http://127.0.0.1:8000") == "127.0.0.1"
+    assert origin_name("https://[::1]") == "::1"
+    assert origin_name("null") == "" and origin_name("file:///x") == ""
+
+
+def test_json_bodies_only() -> None:
+    assert (
+        is_json("application/json") and is_json("Application/JSON; charset=utf-8") and is_json("application/vnd.x+json")
+    )
+    assert not any(is_json(t) for t in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", ""))

@@ -87,6 +87,7 @@ class ResponsesWire:
             input_items=input_items(self.request, self.id),
             messages=[*self.history, *input_messages(self.request), *output_messages(kept)],
             created_at=self.created_at,
+            key_id=self.origin.caller.key_id,
         )
         try:
             await self.service.store.save(stored)
@@ -128,7 +129,8 @@ class ResponsesService:
         return await self.calls.run(spec, origin, hang_up)
 
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
-        """The stored response, if the caller's key covers its model; else not found, as if it did not exist."""
+        """The stored response, if the caller's key made it (or is the admin's); else not found, as if it did not
+        exist: another key of the same model can neither read nor continue it."""
         return await self.store.get(response_id, grant=caller.grant)
 
     async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
