@@ -424,10 +424,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a trainer that seems stuck is waiting.
-    # First of all: a trainer was once stuck with no output before it (building the config imports torch).
-    with contextlib.suppress(ValueError, AttributeError):  # stderr without a file descriptor (captured)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     config = train_config(args)
     from trainer.tracking import TrackingError
     from trainer.train import main  # torch and the model stack: only once the config is good
@@ -1001,6 +997,10 @@ def _user_error(exc: BaseException) -> tuple[int, str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a command that seems stuck (a trainer or a
+    # gateway silent at start) is. First of all, before the parser and the config (which imports torch).
+    with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor (captured)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     prog = getattr(args, "prog", "artgw")
     debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE

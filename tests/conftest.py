@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -105,15 +106,28 @@ def poll_quietly(check: Callable[[], Any], timeout: float, *, every: float = 0.2
 
 
 def process_waits(pid: int) -> str:
-    """Each thread of a process, its state and the kernel function it sleeps in (/proc): where a process that
-    printed nothing is stuck, even before it could dump its Python stacks."""
+    """Each thread of a process, its state, the kernel function it sleeps in and the CPU time it used (/proc), and
+    its native stacks where gdb is installed: where a process that printed nothing is stuck, even before it could
+    dump its Python stacks."""
     lines = []
     for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
         with suppress(OSError):
             state = next(line for line in (task / "status").read_text().splitlines() if line.startswith("State:"))
-            lines.append(f"{task.name} {state.split(None, 1)[1]} wchan={(task / 'wchan').read_text() or '-'}")
+            utime, stime = (task / "stat").read_text().rsplit(")", 1)[1].split()[11:13]
+            wchan = (task / "wchan").read_text() or "-"
+            lines.append(f"{task.name} {state.split(None, 1)[1]} wchan={wchan} utime={utime} stime={stime} ticks")
     with suppress(OSError):
         lines.append("cmdline: " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+    if shutil.which("gdb"):
+        with suppress(OSError, subprocess.TimeoutExpired):
+            gdb = subprocess.run(
+                ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            frames = [line for line in gdb.stdout.splitlines() if line.startswith(("#", "Thread"))]
+            lines.append("gdb: " + "\n".join(frames))
     return "; ".join(lines) or f"no /proc/{pid}"
 
 

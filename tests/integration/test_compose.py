@@ -8,11 +8,13 @@ that loses the store. The tests run in order against one deployment: an OpenAI c
 container; a step trained by the trainer container and served; Prometheus's scrapes and every dashboard
 expression; `compose down` and `up` again; the gateway's process killed.
 
-scripts/compose-up builds everything from nothing (about 5 minutes here: README "Deployment"; the whole suite
-starts that build in the background, scripts/test); its failure, the container engine's above all, fails the test
-with what it said. `ARTGW_COMPOSE_KEEP=1` leaves the deployment up after the tests, to look at; the tests expect a
-fresh one: `scripts/compose-down --keep-images` before the next run keeps only the images (built again when the
-sources change).
+scripts/compose-up starts the daemon and makes every image it does not find (about 5 minutes from nothing:
+README "Deployment"); its failure, the container engine's above all, fails the test with what it said. At the end
+the test runs `scripts/compose-down --keep-images`: containers, volumes and the daemon go, the images stay in the
+machine's state dir, so the next run (from any checkout) builds only the layers its sources change, as anyone's
+`docker compose up` would (`ARTGW_COMPOSE_PURGE=1`: remove them too). `ARTGW_COMPOSE_KEEP=1` leaves the deployment
+up after the tests, to look at; the tests expect a fresh one: `scripts/compose-down --keep-images` before the next
+run.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def deployment() -> Iterator[Deployment]:
         yield Deployment(state, variables)
     finally:
         if os.environ.get("ARTGW_COMPOSE_KEEP") != "1":
-            subprocess.run(["bash", str(ROOT / "scripts" / "compose-down")], cwd=ROOT, timeout=300, check=False)
+            keep = [] if os.environ.get("ARTGW_COMPOSE_PURGE") == "1" else ["--keep-images"]
+            subprocess.run(["bash", str(ROOT / "scripts" / "compose-down"), *keep], cwd=ROOT, timeout=300, check=False)
 
 
 def test_an_openai_client_with_a_client_key_gets_answers_through_the_gateway_container(

@@ -160,9 +160,10 @@ def test_a_killed_rank_costs_no_group(gateway: GatewayProcess, tiny_model: Path)
             alive=[trainer],
         )
     finally:
-        # SIGTERM stops the ranks together (rank 0 tells the others) within 20 s, not the launcher's SIGKILL 30 s
-        # later: past 20 s it is SIGKILLed here, and its returncode is not 0.
-        code = trainer.stop(grace=20)
+        # SIGTERM stops the ranks together (rank 0 tells the others) and the CLI exits 0. The grace only bounds a
+        # stop that never comes (SIGKILLed here: -9); a busy machine takes longer (20 s was once too short with
+        # other work beside the suite): it is no measure of speed.
+        code = trainer.stop(grace=180)
     assert code == 0, trainer.log()
 
     log = " ".join(trainer.log().split())

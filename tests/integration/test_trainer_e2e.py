@@ -123,8 +123,9 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
         (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
     except AssertionError as exc:
         if trainer.poll() is None:
-            # where each thread waits in the kernel, then (once `artgw train` registered faulthandler on SIGUSR1,
-            # its first step: before that, the signal ends it) every thread's Python stack into its log
+            # where each thread waits in the kernel (and its native stack), then every thread's Python stack into
+            # its log (`artgw` registers faulthandler on SIGUSR1 first thing in main(); before that, in the
+            # interpreter's start and the CLI's imports, the signal ends it)
             kernel = process_waits(trainer.pid)
             trainer.send_signal(signal.SIGUSR1)
             log = gateway.data_dir / "trainer.log"
@@ -132,6 +133,7 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
                 raise AssertionError(
                     f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
                 ) from None
+            raise AssertionError(f"{exc}; group states {states}; the trainer's threads: {kernel}") from None
         raise AssertionError(f"{exc}; group states {states}") from None
     return served
 
