@@ -37,7 +37,22 @@ def test_quick_demo_completes_writes_outputs_and_leaves_no_process(tmp_path: Pat
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [ARTGW, "demo", "--quick", "--out", str(out), "--data-dir", str(data)],
+            # --quick, with 3 of its 8 steps and half its held-out scenarios: what this test asserts (it completes,
+            # serves a trained step, writes its outputs, leaves no process) takes no more; that the steps learn is
+            # test_trainer_e2e's (the same task, trainer and gateway), and this saves ~2 minutes of the suite.
+            [
+                ARTGW,
+                "demo",
+                "--quick",
+                "--steps",
+                "3",
+                "--eval-scenarios",
+                "16",
+                "--out",
+                str(out),
+                "--data-dir",
+                str(data),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, MARKER: token, "COLUMNS": "100"},
@@ -78,7 +93,8 @@ def test_quick_demo_completes_writes_outputs_and_leaves_no_process(tmp_path: Pat
 
     # No process left: neither one it was seen to start nor anything carrying its environment.
     assert len(seen) >= 3, seen  # gateway, vLLM (and its engine core), trainer
-    # A process the demo stopped on its way out may take a moment to be reaped: a second, no more.
+    # A process the demo stopped on its way out may take a moment to be reaped (longer on a busy machine: the bound
+    # is generous, what counts is that none stays).
     leftovers: list[int] = []
 
     def none_left() -> bool:
@@ -86,7 +102,7 @@ def test_quick_demo_completes_writes_outputs_and_leaves_no_process(tmp_path: Pat
         return not leftovers
 
     try:
-        poll(none_left, 1, "every process of the demo to be gone")
+        poll(none_left, 30, "every process of the demo to be gone")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: still running {leftovers}") from None
 
