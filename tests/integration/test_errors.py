@@ -24,13 +24,33 @@ import pytest
 from store import create_engine
 from store.calls import rollout_calls
 from store.records import CallRecord
-from tests.conftest import free_port, metric, poll, start_stub, stop_group, wait_http
+from tests.conftest import (
+    GatewayProcess,
+    free_port,
+    metric,
+    poll,
+    start_gateway,
+    start_stub,
+    stop_group,
+    wait_http,
+)
 
 
 @pytest.fixture
 def stub() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     url, proc = start_stub()
     yield url, proc
+    stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """One gateway (before a stand-in engine) for the tests of requests it refuses before the engine sees them:
+    a refusal changes nothing, so they need no gateway of their own (each start is seconds of the suite)."""
+    url, proc = start_stub()
+    gateway = start_gateway(tmp_path_factory.mktemp("refusing"), "--upstream", url)
+    yield gateway
+    gateway.stop()
     stop_group(proc)
 
 
@@ -85,16 +105,18 @@ CHAT = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
         (b'{"model": "my-agent", "messages": [{"role": "user"}], "n": 0}', "n", "invalid_value"),
     ],
 )
-def test_invalid_requests_are_400_with_param(stub, gateway_factory, body: bytes, param: str | None, code: str) -> None:
-    gateway = gateway_factory("--upstream", stub[0])
+def test_invalid_requests_are_400_with_param(
+    refusing: GatewayProcess, body: bytes, param: str | None, code: str
+) -> None:
+    gateway = refusing
     r = httpx.post(f"{gateway.base_url}/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = error(r)
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
 
 
-def test_unknown_model_and_unknown_pinned_step_are_404(stub, gateway_factory) -> None:
-    gateway = gateway_factory("--upstream", stub[0])
+def test_unknown_model_and_unknown_pinned_step_are_404(refusing: GatewayProcess) -> None:
+    gateway = refusing
     for model in ("nope", "my-agent@7"):
         r = httpx.post(f"{gateway.base_url}/chat/completions", json={**CHAT, "model": model})
         assert r.status_code == 404
@@ -111,15 +133,15 @@ def test_oversize_body_is_413(stub, gateway_factory) -> None:
     assert error(r)["code"] == "request_too_large"
 
 
-def test_invalid_rollout_id_is_400(stub, gateway_factory) -> None:
-    gateway = gateway_factory("--upstream", stub[0])
+def test_invalid_rollout_id_is_400(refusing: GatewayProcess) -> None:
+    gateway = refusing
     r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": "bad id!"})
     assert r.status_code == 400
     assert error(r)["code"] == "invalid_rollout_id"
 
 
-def test_unknown_route_and_wrong_method(stub, gateway_factory) -> None:
-    gateway = gateway_factory("--upstream", stub[0])
+def test_unknown_route_and_wrong_method(refusing: GatewayProcess) -> None:
+    gateway = refusing
     r = httpx.post(f"{gateway.base_url}/nope", json={})
     assert r.status_code == 404
     assert error(r) == {
