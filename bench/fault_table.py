@@ -1331,6 +1331,8 @@ async def scenario_judges_webhooks(b: Bench) -> None:
             judged["state"] == "ready" and errors == ["webhook failed (the gateway's log says why)"],
         )
     gateway.stop()
+
+
 async def seeded_bursts(b: Bench, tiny: Path, bursts: int, *args: str) -> tuple[GatewayProcess, str, int]:
     """`artgw serve --base-model tiny *args`, then `bursts` bursts of four seeded calls with 3,600-token prompts
     (of max_model_len 4,096: a step budget of 8,192 splits the third): the gateway, what the calls got, deaths."""
