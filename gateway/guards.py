@@ -48,15 +48,20 @@ def keyed(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHand
 
 
 def metrics_reader(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """`/metrics`: open, unless --metrics-key is set; then that key or the admin key."""
+    """`/metrics`: the --metrics-key or the admin key. Open only with --auth off and no --metrics-key: its series
+    name every model, so where keys keep tenants apart they are nobody's to read without one."""
     services = services_of(connection.app.state)
-    expected = services.settings.metrics_key
-    if expected is None:
+    settings = services.settings
+    expected = settings.metrics_key
+    if expected is None and not settings.auth_required:
         return
     given = bearer(connection.headers)
-    if given is not None and (same_secret(given, expected) or services.keyring.admin_key_matches(given)):
+    if given is not None and (
+        (expected is not None and same_secret(given, expected)) or services.keyring.admin_key_matches(given)
+    ):
         return
-    raise OpenAIError(401, "/metrics needs `Authorization: Bearer <metrics key>`.", code="invalid_api_key")
+    wanted = "<metrics key>" if expected is not None else "<admin key> (or set --metrics-key for a scraper)"
+    raise OpenAIError(401, f"/metrics needs `Authorization: Bearer {wanted}`.", code="invalid_api_key")
 
 
 # An inference route's guard: a key with the `infer` scope (the data path's POSTs check theirs in

@@ -278,7 +278,10 @@ class AuthSettings:
     )
     metrics_key: str | None = field(
         default=None,
-        metadata={"help": "bearer key /metrics asks for (the admin key works too; none: /metrics is open)"},
+        metadata={
+            "help": "bearer key /metrics asks for (the admin key works too; none: the admin key only, or open "
+            "with --auth off)"
+        },
     )
     # With --auth off any web page could reach the gateway through a name it rebinds to 127.0.0.1: only these
     # `Host` (and `Origin`) names are answered (gateway/local_only.py).

@@ -260,3 +260,21 @@ def test_a_gateway_with_keys_serves_any_host(tenants: Tenants) -> None:
     headers = {"Host": f"gateway.example.com:{port}", ROLLOUT: f"lb-{uuid.uuid4().hex[:8]}"}
     r = tenants.ask("POST", "/v1/chat/completions", "owner", json=CHAT_A, headers=headers)
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- /metrics names every tenant's models
+
+
+def test_metrics_of_a_keyed_gateway_need_the_admin_key(tenants: Tenants) -> None:
+    """Before: with --auth required and no --metrics-key, /metrics answered anyone, and its series name every
+    model of every tenant. Now it asks for the admin key (a --metrics-key adds a scraper's own key: test_keys);
+    a client key, even one of every model, is a key of calls, not of the gateway's telemetry."""
+    assert tenants.chat("owner", f"m-{uuid.uuid4().hex[:8]}", "a call to count").status_code == 200
+    keyless = httpx.get(f"{tenants.gateway.url}/metrics", timeout=30)
+    assert keyless.status_code == 401, keyless.text[:200]
+    assert keyless.json()["error"]["code"] == "invalid_api_key"
+    assert 'model="a"' not in keyless.text
+    for who in ("owner", "every"):
+        assert tenants.ask("GET", "/metrics", who).status_code == 401
+    scraped = tenants.ask("GET", "/metrics", "admin")
+    assert scraped.status_code == 200 and 'model="a"' in scraped.text
