@@ -754,3 +754,16 @@ def stand_in() -> Iterator[Callable[[Answer], StandInJudge]]:
     yield make
     for judge in made:
         judge.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ARTGW_TEST_TIMELINE=FILE: one JSON line per test (its worker, start and end, setup and teardown
+    included) appended to FILE, for `bench/suite_timeline.py` to show where each worker's time went."""
+    path = os.environ.get("ARTGW_TEST_TIMELINE")
+    started = time.time()
+    yield
+    if path:
+        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid}
+        with open(path, "a") as out:
+            out.write(json.dumps({**line, "start": started, "end": time.time()}) + "\n")
