@@ -1006,6 +1006,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE
     try:
         options.resolve(args)
+        if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1 and args.startup_dump_seconds > 0:
+            # A trainer silent at start says where it is: every thread's stack into its log if its first line
+            # (trainer/train.py, which disarms this) has not come in time. Armed before the config: building it
+            # imports torch. (Several processes: each is a fresh interpreter the launcher starts.)
+            faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
         logging.basicConfig(
             level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -195,6 +195,14 @@ class TrainConfig:
     pause_before_commit: float = field(
         default=0.0, metadata={"help": "seconds to sleep between checkpoint and commit (crash tests)"}
     )
+    # A start (imports, the base model, the store) takes seconds here, a minute on a loaded machine.
+    startup_dump_seconds: float = field(
+        default=180.0,
+        metadata={
+            "help": "print every thread's stack to stderr if the trainer has not started (its first line) within "
+            "this many seconds: where a silent start waits (0: never; one process only)"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict, metadata={"option": False})
 
     def __post_init__(self) -> None:
@@ -225,6 +233,7 @@ class TrainConfig:
             ("--grad-clip", self.grad_clip, 0.0),
             ("--weight-decay", self.weight_decay, 0.0),
             ("--pause-before-commit", self.pause_before_commit, 0.0),
+            ("--startup-dump-seconds", self.startup_dump_seconds, 0.0),
         ):
             if not (_number(value) and value >= low):
                 raise ValueError(f"{flag} must be >= {low}, got {value}")

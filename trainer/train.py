@@ -17,6 +17,7 @@ a thread of its own.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -90,6 +91,7 @@ def train(
     device = pick_device(config)
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
+    faulthandler.cancel_dump_traceback_later()  # started: `artgw train`'s start-up stack dump is not needed
 
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).
