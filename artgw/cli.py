@@ -1010,7 +1010,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A trainer silent at start says where it is: every thread's stack into its log if its first line
             # (trainer/train.py, which disarms this) has not come in time. Armed before the config: building it
             # imports torch. (Several processes: each is a fresh interpreter the launcher starts.)
-            faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
+            with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor
+                faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
         logging.basicConfig(
             level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
