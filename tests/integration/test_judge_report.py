@@ -110,7 +110,7 @@ def expected_row(group_ids: Sequence[str]) -> dict[str, Any]:
 
 
 def test_the_report_gives_the_rank_correlations_per_rubric_and_judge(gateway: GatewayProcess) -> None:
-    r = httpx.get(f"{gateway.base_url}/art/models/my-agent/judge-report", timeout=30, headers=gateway.admin)
+    r = httpx.get(f"{gateway.base_url}/art/models/my-agent/judge-report", timeout=120, headers=gateway.admin)
     assert r.status_code == 200, r.text
     report = r.json()
     assert report["model"] == "my-agent" and report["threshold"] == THRESHOLD
@@ -135,7 +135,7 @@ def test_the_report_gives_the_rank_correlations_per_rubric_and_judge(gateway: Ga
     assert rows[JUDGE, MEDIUM]["spearman_mean"] == pytest.approx(0.45)  # below the default 0.5, above 0.3
     assert rows[JUDGE, GOOD]["groups"] == 3 and rows[JUDGE, GOOD]["ranked_groups"] == 2  # the constant group
     # The model's status lists the flagged rubric.
-    flags = httpx.get(f"{gateway.base_url}/art/models/my-agent", timeout=30, headers=gateway.admin).json()[
+    flags = httpx.get(f"{gateway.base_url}/art/models/my-agent", timeout=120, headers=gateway.admin).json()[
         "judge_flags"
     ]
     assert [(f["judge_model"], f["rubric"], f["state"]) for f in flags] == [(OTHER_JUDGE, BAD, "flagged")]
@@ -146,21 +146,21 @@ def test_a_key_sees_the_reports_of_its_models_only(gateway: GatewayProcess) -> N
         f"{gateway.base_url}/art/keys",
         json={"name": "other-reader", "models": ["other"], "scopes": ["read"]},
         headers=gateway.admin,
-        timeout=30,
+        timeout=120,
     )
     assert made.status_code == 201, made.text
     key = {"Authorization": f"Bearer {made.json()['key']}"}
-    hidden = httpx.get(f"{gateway.base_url}/art/models/my-agent/judge-report", headers=key, timeout=30)
+    hidden = httpx.get(f"{gateway.base_url}/art/models/my-agent/judge-report", headers=key, timeout=120)
     assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
     # Worded exactly as for a model nobody serves, as GET /v1/art/models/{name} does.
-    model_status = httpx.get(f"{gateway.base_url}/art/models/my-agent", headers=key, timeout=30)
+    model_status = httpx.get(f"{gateway.base_url}/art/models/my-agent", headers=key, timeout=120)
     assert model_status.status_code == 404
     assert hidden.json()["error"]["message"] == model_status.json()["error"]["message"]
-    own = httpx.get(f"{gateway.base_url}/art/models/other/judge-report", headers=key, timeout=30)
+    own = httpx.get(f"{gateway.base_url}/art/models/other/judge-report", headers=key, timeout=120)
     assert own.status_code == 200, own.text
     [row] = own.json()["rubrics"]
     assert (row["groups"], row["ranked_groups"], row["spearman_mean"]) == (1, 1, pytest.approx(1.0))
-    unknown = httpx.get(f"{gateway.base_url}/art/models/nope/judge-report", timeout=30, headers=gateway.admin)
+    unknown = httpx.get(f"{gateway.base_url}/art/models/nope/judge-report", timeout=120, headers=gateway.admin)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
@@ -225,7 +225,7 @@ def test_cli_errors_are_one_line(gateway: GatewayProcess, tmp_path: Path) -> Non
 
 
 def test_a_model_with_no_judged_group_has_an_empty_report_and_no_plot(gateway: GatewayProcess, tmp_path: Path) -> None:
-    r = httpx.get(f"{gateway.base_url}/art/models/fresh/judge-report", timeout=30, headers=gateway.admin)
+    r = httpx.get(f"{gateway.base_url}/art/models/fresh/judge-report", timeout=120, headers=gateway.admin)
     assert r.status_code == 200 and r.json()["rubrics"] == []
     png = tmp_path / "none.png"
     where = ("--gateway", gateway.url, "--data-dir", str(gateway.data_dir))
