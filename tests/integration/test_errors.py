@@ -27,9 +27,9 @@ from store.records import CallRecord
 from tests.conftest import (
     GatewayProcess,
     free_port,
+    gateway_on_stub,
     metric,
     poll,
-    start_gateway,
     start_stub,
     stop_group,
     wait_http,
@@ -47,11 +47,8 @@ def stub() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     """One gateway (before a stand-in engine) for the tests of requests it refuses before the engine sees them:
     a refusal changes nothing, so they need no gateway of their own (each start is seconds of the suite)."""
-    url, proc = start_stub()
-    gateway = start_gateway(tmp_path_factory.mktemp("refusing"), "--upstream", url)
-    yield gateway
-    gateway.stop()
-    stop_group(proc)
+    with gateway_on_stub(tmp_path_factory.mktemp("refusing")) as gateway:
+        yield gateway
 
 
 def recorded_calls(db_path: Path, rollout_id: str) -> list[CallRecord] | None:

@@ -14,18 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GatewayProcess, TrainerProcess, poll, start_gateway, start_stub, stop_group
+from tests.conftest import GatewayProcess, TrainerProcess, gateway_on_stub, poll
 
 FIRST_LINE = "artgw train base="  # trainer/train.py's first line
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    url, proc = start_stub()
-    gateway = start_gateway(tmp_path_factory.mktemp("start"), "--upstream", url)
-    yield gateway
-    gateway.stop()
-    stop_group(proc)
+    with gateway_on_stub(tmp_path_factory.mktemp("start")) as gateway:
+        yield gateway
 
 
 def started(trainer: TrainerProcess) -> str:
