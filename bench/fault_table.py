@@ -99,7 +99,6 @@ from rich.text import Text
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from recording.journal import Journal, Position  # noqa: E402
 from tests.conftest import (  # noqa: E402
     ARTGW,
     GatewayProcess,
@@ -115,7 +114,7 @@ from tests.integration.test_adapter_fallback import load as load_adapter  # noqa
 from tests.integration.test_faults import TcpProxy  # noqa: E402
 from tests.integration.test_group_doors import Listener, by_length  # noqa: E402
 from tests.integration.test_input_limits import chat_at_depth  # noqa: E402
-from tests.load_helpers import Gateway, one_call, recorded, wait_recorded  # noqa: E402
+from tests.load_helpers import Gateway, flip_a_journal_byte, one_call, recorded, wait_recorded  # noqa: E402
 from tests.stand_in_judge import StandInJudge, write_judges  # noqa: E402
 
 SCENARIOS = (
@@ -426,15 +425,7 @@ async def scenario_flipped_journal(b: Bench, upstream: str) -> None:
     await task
     await asyncio.to_thread(holder.join)
     journal_dir = gateway.data_dir / "journal"
-    (segment,) = journal_dir.glob("seg-*.log")
-    journal = Journal(journal_dir)
-    entries, _ = journal.read(Position(0, 0), Position(journal.segments[-1] + 1, 0), 1_000_000, 1 << 40)
-    flipped = segment.stat().st_size // 10
-    data = bytearray(segment.read_bytes())
-    data[flipped] ^= 0x01
-    segment.write_bytes(bytes(data))
-    damaged = {r.rollout_id for r, end, size in entries if r and end.offset - size <= flipped < end.offset}
-    intact = {r.rollout_id for r, _, _ in entries if r is not None} - damaged
+    segment, damaged, intact = flip_a_journal_byte(journal_dir)
     start(gateway)  # the journal is replayed
     await asyncio.to_thread(wait_recorded, gateway.db, intact, 120)
     counted = metric(gateway.url, "artgw_journal_damaged_total")
@@ -445,8 +436,8 @@ async def scenario_flipped_journal(b: Bench, upstream: str) -> None:
     b.add(
         "SIGKILL during a store stall, one journal byte flipped 10% into the segment, restart",
         "163 of 181 intact entries lost (18 stored), the segment deleted (#40)",
-        f"{len(lost)} of {n(len(intact))} intact entries lost ({n(len(load.complete))} answered, {n(len(entries))} "
-        f"journaled; the damaged one {'stored?!' if damaged & stored else 'not stored'}); "
+        f"{len(lost)} of {n(len(intact))} intact entries lost ({n(len(load.complete))} answered, "
+        f"{n(len(intact) + len(damaged))} journaled; the damaged one {'stored?!' if damaged & stored else 'not stored'}); "
         f"artgw_journal_damaged_total {counted:.0f}; segment {'kept in journal/damaged/' if kept else 'gone'}",
         "0 intact entries lost (only the damaged one); counted 1; segment kept in journal/damaged/",
         not lost and len(damaged) == 1 and not damaged & stored and counted == 1 and kept,

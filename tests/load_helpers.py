@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from recording.journal import Journal, Position
 from tests.conftest import ARTGW, free_port, poll, stop_group, wait_http
 
 
@@ -121,3 +122,17 @@ async def load(
                         await asyncio.wait_for(stop.wait(), 0.05)
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
+
+
+def flip_a_journal_byte(journal_dir: Path) -> tuple[Path, set[str], set[str]]:
+    """Flip one bit of the one journal segment, 10% into it (as a bad disk would): the segment, and the rollouts
+    whose entries it damaged and those it left whole (read before the flip)."""
+    (segment,) = journal_dir.glob("seg-*.log")
+    journal = Journal(journal_dir)
+    entries, _ = journal.read(Position(0, 0), Position(journal.segments[-1] + 1, 0), 1_000_000, 1 << 40)
+    flipped = segment.stat().st_size // 10
+    data = bytearray(segment.read_bytes())
+    data[flipped] ^= 0x01
+    segment.write_bytes(bytes(data))
+    damaged = {r.rollout_id for r, end, size in entries if r is not None and end.offset - size <= flipped < end.offset}
+    return segment, damaged, {r.rollout_id for r, _, _ in entries if r is not None} - damaged
