@@ -437,7 +437,8 @@ async def scenario_flipped_journal(b: Bench, upstream: str) -> None:
         "SIGKILL during a store stall, one journal byte flipped 10% into the segment, restart",
         "163 of 181 intact entries lost (18 stored), the segment deleted (#40)",
         f"{len(lost)} of {n(len(intact))} intact entries lost ({n(len(load.complete))} answered, "
-        f"{n(len(intact) + len(damaged))} journaled; the damaged one {'stored?!' if damaged & stored else 'not stored'}); "
+        f"{n(len(intact) + len(damaged))} journaled; "
+        f"the damaged one {'stored?!' if damaged & stored else 'not stored'}); "
         f"artgw_journal_damaged_total {counted:.0f}; segment {'kept in journal/damaged/' if kept else 'gone'}",
         "0 intact entries lost (only the damaged one); counted 1; segment kept in journal/damaged/",
         not lost and len(damaged) == 1 and not damaged & stored and counted == 1 and kept,
