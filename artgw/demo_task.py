@@ -284,12 +284,22 @@ async def run_episodes(
                     temperature=temperature,
                 )
             except Exception as exc:  # an episode's failure is data, not the end of the run
-                episode = Episode(scenario.id, rollout_id, False, None, 0.0, error=f"{type(exc).__name__}: {exc}")
+                episode = Episode(scenario.id, rollout_id, False, None, 0.0, error=_error_chain(exc))
         if on_done is not None:
             on_done(episode)
         return episode
 
     return list(await asyncio.gather(*(one(s, r) for s, r in jobs)))
+
+
+def _error_chain(exc: BaseException) -> str:
+    """The error and what caused it ("APIConnectionError: Connection error." says nothing on its own)."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 4:
+        parts.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    return " <- ".join(parts)
 
 
 def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> GroupCreate:

@@ -9,9 +9,12 @@ timeout for a connection that never sends a request, for a request head that tri
 for a body that does. This subclass of its httptools protocol (the one `uvicorn[standard]` runs) adds them,
 below the ASGI app, so the app and the data path are untouched:
 
-- idle: from connect, or from the end of a response, until the first byte of the next request (uvicorn's
-  keep-alive timer covers only the second, and only until any byte arrives, even one that starts nothing);
-- header: from the first byte of a request until its head is complete;
+- idle: from the end of a response until the first byte of the next request (uvicorn's keep-alive timer covers
+  it only until any byte arrives, even one that starts nothing). Longer than the keep-alive expiry of common
+  clients (httpx, which the OpenAI SDK runs on: 5 s; Node's undici: 4 s; aiohttp: 15 s) so the client, not the
+  server, ends an idle connection: a server that closes first races the client's next request on it, which
+  then fails with no response ('Connection error' in the OpenAI SDK; a CI flake at 5 s against httpx's 5 s);
+- header: from connect, or from the first byte of a later request, until its head is complete;
 - body: from the end of the head until the last byte of the body: a total, not a gap between reads, so a
   client trickling a byte now and then can't hold the connection either.
 
@@ -66,7 +69,7 @@ def _timeout_response(message: str) -> bytes:
 class TimedHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol plus idle, header and body timeouts (class attributes: see `timed_protocol`)."""
 
-    idle_timeout: ClassVar[float] = 5.0
+    idle_timeout: ClassVar[float] = 75.0
     header_timeout: ClassVar[float] = 10.0
     body_timeout: ClassVar[float] = 60.0
     max_head_bytes: ClassVar[int] = 64 << 10
@@ -125,7 +128,9 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._expect(_IDLE, self.idle_timeout)
+        # A connection that has sent nothing yet is a first request head that has not arrived: the header
+        # timeout, not the keep-alive one (closed without a 408: there is no request to answer).
+        self._expect(_IDLE, self.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.cycle is not None and not self.cycle.response_complete:

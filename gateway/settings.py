@@ -158,12 +158,17 @@ class ServerSettings:
     )
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
     # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
+    # Longer than clients' own keep-alive expiry (httpx 5 s, aiohttp 15 s) so the client ends an idle connection:
+    # a server that closes it first races the client's next request on it (see gateway/server.py).
     keep_alive_timeout: float = field(
-        default=5.0,
-        metadata={"help": "seconds a connection may sit idle (before its first request or between requests)"},
+        default=75.0,
+        metadata={"help": "seconds a connection may sit idle between a response and the next request"},
     )
     header_timeout: float = field(
-        default=10.0, metadata={"help": "seconds from a request's first byte to the end of its head (then 408)"}
+        default=10.0,
+        metadata={
+            "help": "seconds from connecting, or from a later request's first byte, to the end of its head (then 408)"
+        },
     )
     max_header_bytes: int = field(
         default=64 << 10,

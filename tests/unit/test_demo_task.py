@@ -194,6 +194,20 @@ def test_a_failing_episode_is_kept_with_its_error() -> None:
     assert got == Episode("s", "r-1", False, None, 0.0, error="RuntimeError: engine down")
 
 
+def test_a_failing_episode_names_what_caused_its_error() -> None:
+    class Dropped:
+        async def create(self, **request):
+            try:
+                raise ConnectionResetError("reset by peer")
+            except ConnectionResetError as exc:
+                raise RuntimeError("Connection error.") from exc
+
+    client = SimpleNamespace(chat=SimpleNamespace(completions=Dropped()))
+    jobs = [(Scenario("s", "m", "q", ("yes",)), "r-1")]
+    (got,) = asyncio.run(demo_task.run_episodes(client, jobs, model="my-agent", logit_bias=BIAS))
+    assert got.error == "RuntimeError: Connection error. <- ConnectionResetError: reset by peer"
+
+
 def test_logit_bias_keys_are_token_ids_of_the_tokenizer(tiny_tokenizer: Path) -> None:
     vocab = json.loads((tiny_tokenizer / "tokenizer.json").read_text())["model"]["vocab"]
     for bias in demo_task.call_logit_bias(tiny_tokenizer).values():
