@@ -831,14 +831,22 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "tiny-model",
         _cmd_tiny_model,
-        help="build a tiny random-weight Qwen2 chat model locally (for tests and demos; no hub needed)",
-        description="Build a tiny Qwen2-architecture chat model with random weights, a byte-level BPE "
-        "tokenizer trained locally, and a chat template with Hermes/Qwen <tool_call> tools. "
-        "Deterministic per seed.",
+        help="build a tiny random-weight chat model locally (for tests and demos; no hub needed)",
+        description="Build a tiny chat model with random weights. The default (--family toy) is a Qwen2 "
+        "architecture with a byte-level BPE tokenizer trained locally and a chat template with Hermes/Qwen "
+        "<tool_call> tools; another family carries that family's real tokenizer and chat template (installed "
+        "by scripts/setup from families/package.json) on its own small architecture. Deterministic per seed.",
     )
     tiny.add_argument("out_dir", type=Path, help="directory to write the model to")
     options.add_options(
-        tiny, TinyModelSpec, only=("seed",), help={"seed": "random seed for the weights and the tokenizer corpus"}
+        tiny,
+        TinyModelSpec,
+        only=("seed", "family"),
+        help={
+            "seed": "random seed for the weights and the tokenizer corpus",
+            "family": "toy: the ASCII tokenizer trained here; qwen3, llama3_1: that family's real tokenizer and "
+            "chat template on a Qwen3 / Llama architecture",
+        },
     )
 
     real = _command(

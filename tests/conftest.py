@@ -221,6 +221,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`family_model(NAME)`: a tiny random-weight model with family NAME's real tokenizer and chat template
+    (`artgw tiny-model --family NAME`), built once per session."""
+    from artgw.tiny_model import TinyModelSpec, build_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            spec = TinyModelSpec(family=family)  # type: ignore[arg-type]  # a wrong name fails in the builder
+            built[family] = build_tiny_model(tmp_path_factory.mktemp("models") / family, spec)
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
     """The tiny model's tokenizer (transformers')."""
     from transformers import AutoTokenizer

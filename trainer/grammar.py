@@ -5,7 +5,10 @@ logprobs it reports, so a constrained token's recorded logprob is a log-softmax 
 For the importance ratio to compare like with like, the trainer applies the same masks to its own logits.
 
 This module mirrors vLLM 0.32 with its default `auto` structured-output backend (xgrammar) and the gateway's
-engine flags (`--enable-auto-tool-choice --tool-call-parser hermes`, no reasoning parser):
+engine flags (`--enable-auto-tool-choice --tool-call-parser hermes`, no reasoning parser). A model whose family
+has vLLM run other parsers (store/families.py: llama3_json, mistral, or a reasoning parser, where vLLM starts the
+grammar only once the reasoning block has ended) is refused here: its constrained calls are trained as context,
+with a warning naming the parser, rather than scored under a grammar vLLM did not apply.
 
 - the request's constraint: `response_format` json_object / json_schema / structural_tag overrides the same
   field of `structured_outputs` (vllm/entrypoints/generate/base/protocol.py,
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -38,8 +42,12 @@ import xgrammar as xgr
 from torch import Tensor
 from xgrammar import structural_tag as st
 
+from store.families import HERMES, HERMES_ONLY, EngineParsers, parsers_for_model
+
 if TYPE_CHECKING:
     from xgrammar.openai_tool_call_schema import ToolParam
+
+log = logging.getLogger("artgw.trainer")
 
 __all__ = ["GrammarMasks", "GrammarSpec", "grammar_spec"]
 
@@ -113,9 +121,12 @@ class GrammarMasks:
         eos_token_ids: Iterable[int] = (),
         strict_tool_calling: bool = True,
         disable_any_whitespace: bool = False,
+        parsers: EngineParsers = HERMES_ONLY,
         cache_size: int = 256,
     ) -> None:
         self.vocab_size = vocab_size
+        self.parsers = parsers
+        self._refused: set[str] = set()  # the refusals already logged (once each)
         self.strict_tool_calling = strict_tool_calling
         self.disable_any_whitespace = disable_any_whitespace
         self._stop_ids = {*eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
@@ -134,16 +145,24 @@ class GrammarMasks:
             eos = GenerationConfig.from_pretrained(path).eos_token_id
         except OSError:  # no generation_config.json: vLLM stops on the tokenizer's eos alone
             eos = None
-        return cls(tokenizer, vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or ()))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
+        return cls(tokenizer, vocab_size, eos_token_ids=eos_ids, parsers=parsers_for_model(path))
 
     def for_call(self, request: dict[str, Any], sampled_token_ids: list[int]) -> Tensor | None:
         """(n, ceil(vocab_size / 32)) int32: row i = the tokens the grammar allowed when sampled_token_ids[i]
         was sampled (xgrammar's bitmask layout: bit j % 32 of word j // 32). None when the request samples under
         no grammar, or under one that cannot be rebuilt here (another backend's, or one xgrammar fails to
         compile): the caller then treats those tokens as context. ValueError when the grammar rejects a
-        sampled token (the request does not describe what vLLM sampled under)."""
+        sampled token (the request does not describe what vLLM sampled under). None too, with a warning, when
+        the model's parsers are ones this module does not mirror (`refusal`)."""
         spec = grammar_spec(request, strict_tool_calling=self.strict_tool_calling)
         if spec is None:
+            return None
+        refusal = self.refusal(request)
+        if refusal is not None:
+            if refusal not in self._refused:
+                self._refused.add(refusal)
+                log.warning("constrained calls trained as context: %s", refusal)
             return None
         compiled = self._compiled(spec)
         if compiled is None:
@@ -158,6 +177,23 @@ class GrammarMasks:
             if not matcher.accept_token(token):
                 raise ValueError(f"the grammar rejects sampled token {token} at position {position} ({spec.kind})")
         return masks
+
+    def refusal(self, request: dict[str, Any]) -> str | None:
+        """Why the grammar of `request` (sampled under one) cannot be rebuilt for this model's parsers; None: it can."""
+        parsers = self.parsers
+        if parsers.reasoning_parser is not None:
+            return (
+                f"with --reasoning-parser {parsers.reasoning_parser} vLLM starts the grammar where the reasoning "
+                "block ends, which is not rebuilt here yet"
+            )
+        tools = request.get("tools") or []
+        tool_choice = request.get("tool_choice", "auto" if tools else "none")
+        if tools and tool_choice not in (None, "none") and parsers.tool_call_parser != HERMES:
+            return (
+                f"a tool call's grammar is rebuilt for the hermes parser only, and this model's is "
+                f"{parsers.tool_call_parser} ({parsers.why})"
+            )
+        return None
 
     def cache_info(self) -> Any:
         """The compile cache's hits and misses (functools' CacheInfo)."""
