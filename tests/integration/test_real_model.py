@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from artgw.real_model import MARKER, build_real_model, built_from, default_source
-from tests.conftest import ARTGW, GatewayProcess, start_gateway
+from tests.conftest import ARTGW, GatewayProcess, start_gateway, wait_http
 
 # One engine worker: the build (~30 s of CPU) is shared by every test here, the engine's with the rest.
 pytestmark = pytest.mark.engine
@@ -39,7 +39,13 @@ def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gateway(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gw = start_gateway(tmp_path_factory.mktemp("real"), "--base-model", str(real_model))
+    gw = start_gateway(tmp_path_factory.mktemp("real"), "--base-model", str(real_model), wait=False)
+    try:
+        wait_http(f"{gw.url}/readyz", 600, gw.proc)  # vLLM's start: ~40 s here, minutes on a loaded machine
+    except Exception:
+        gw.stop()
+        print(gw.log())
+        raise
     yield gw
     gw.stop()
 
