@@ -286,6 +286,10 @@ class Splicer:
         completion["system_fingerprint"] = self.fingerprint
         completion["prompt_token_ids"] = splice.prompt_ids
         sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
+        usage = completion.get("usage")
+        if isinstance(usage, dict):  # derender counts the ids it was given: the stop token counts as sampled
+            usage["completion_tokens"] = sum(len(c.get("token_ids") or ()) for c in sampled.values())
+            usage["total_tokens"] = (usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
         for choice in completion.get("choices") or ():
             engine = sampled.get(choice.get("index", 0)) or {}
             choice["token_ids"] = engine.get("token_ids") or []
