@@ -275,16 +275,30 @@ class Splicer:
     async def derender(self, generated: dict[str, Any], splice: Splice) -> dict[str, Any]:
         """`/inference/v1/generate`'s whole answer -> the chat completion the engine would have answered, with
         the prompt ids it was sampled from and each choice's sampled ids (what the recorder keeps)."""
-        completion = await self.post_derender(splice.derender_request(generate_response=generated))
+        request = splice.chat_request
+        shown = [
+            {**c, "token_ids": _shown_ids(c, request) or c.get("token_ids")} for c in generated.get("choices") or ()
+        ]
+        completion = await self.post_derender(
+            splice.derender_request(generate_response={**generated, "choices": shown})
+        )
         completion["id"] = chat_id()
         completion["system_fingerprint"] = self.fingerprint
         completion["prompt_token_ids"] = splice.prompt_ids
         sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
+        usage = completion.get("usage")
+        if isinstance(usage, dict):  # derender counts the ids it was given: the stop token counts as sampled
+            usage["completion_tokens"] = sum(len(c.get("token_ids") or ()) for c in sampled.values())
+            usage["total_tokens"] = (usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
         for choice in completion.get("choices") or ():
-            choice["token_ids"] = (sampled.get(choice.get("index", 0)) or {}).get("token_ids") or []
-            choice["logprobs"] = _without_unasked_tops(choice.get("logprobs"), splice.chat_request)
-            called = bool((choice.get("message") or {}).get("tool_calls"))
-            choice["finish_reason"] = _finish_reason(choice.get("finish_reason"), called, splice.chat_request)
+            engine = sampled.get(choice.get("index", 0)) or {}
+            choice["token_ids"] = engine.get("token_ids") or []
+            choice["logprobs"] = _without_unasked_tops(choice.get("logprobs"), request)
+            message = choice.get("message") or {}
+            if not _shown_ids(engine, request) and isinstance(message.get("content"), str):
+                message["content"] = ""  # it sampled only its stop token (derender refuses no ids: sent whole)
+            called = bool(message.get("tool_calls"))
+            choice["finish_reason"] = _finish_reason(engine.get("finish_reason"), called, request, streamed=False)
         return completion
 
     async def post_derender(self, body: bytes) -> dict[str, Any]:
@@ -415,7 +429,7 @@ class DerenderedStream:
                 events[-1]["choices"][0]["finish_reason"] = None
                 if not self.states:  # the stream's first event carries the prompt ids, as vLLM's chat has it
                     events[-1]["prompt_token_ids"] = self.splice.prompt_ids
-            one = {**chunk, "choices": [choice]}
+            one = {**chunk, "choices": [{**choice, "token_ids": _shown_ids(choice, self.splice.chat_request)}]}
             if self.logprobs_asked and choice.get("logprobs"):
                 (derendered, state), logprobs = await asyncio.gather(
                     self._derender(one, self.states.get(index)), self._chat_logprobs(choice)
@@ -428,9 +442,9 @@ class DerenderedStream:
             shaped["delta"] = _delta(out.get("delta") or {})
             if shaped["delta"].get("tool_calls"):
                 self.called.add(index)
-            if shaped["finish_reason"] is not None:
+            if choice.get("finish_reason") is not None:  # the engine's, not derender's (it says tool_calls at length)
                 shaped["finish_reason"] = _finish_reason(
-                    shaped["finish_reason"], index in self.called, self.splice.chat_request
+                    choice["finish_reason"], index in self.called, self.splice.chat_request, streamed=True
                 )
                 shaped["stop_reason"] = out.get("stop_reason")
             shaped["token_ids"] = choice.get("token_ids") or []
@@ -451,11 +465,28 @@ class DerenderedStream:
         return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
 
 
-def _finish_reason(reason: str | None, called: bool, request: dict[str, Any]) -> str | None:
-    """vLLM's chat says `tool_calls` for a `required` tool_choice's calls; its derender (0.32) says `stop`."""
-    if reason == "stop" and called and request.get("tool_choice") == "required":
-        return "tool_calls"
-    return reason
+def _finish_reason(reason: str | None, called: bool, request: dict[str, Any], *, streamed: bool) -> str | None:
+    """The finish reason vLLM's chat gives for the engine's `reason` (derender 0.32 does not: it says `stop` for a
+    `required` call, and in a stream `tool_calls` for any streamed call, even one `length` cut off). A stream says
+    `tool_calls` only for calls that ended (`stop`) unforced by name; a whole answer for an `auto` choice's parsed
+    calls, and for a `required` choice that ended."""
+    choice = request.get("tool_choice")
+    if streamed:
+        ended_calls = called and reason == "stop" and not isinstance(choice, dict)
+    else:
+        ended_calls = (called and choice in (None, "auto")) or (choice == "required" and reason == "stop")
+    return "tool_calls" if ended_calls else reason
+
+
+def _shown_ids(choice: dict[str, Any], request: dict[str, Any]) -> list[int]:
+    """The sampled ids of a generate choice that vLLM's chat turns into text: all but the stop token it ended on
+    (its detokenizer skips that one unless `include_stop_str_in_output`). Derender keeps special tokens for the
+    tool parser, so given the stop token it would show `<|im_end|>` in the answer."""
+    ids: list[int] = choice.get("token_ids") or []
+    stopped_on_token = choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str)
+    if ids and stopped_on_token and not request.get("include_stop_str_in_output"):
+        return ids[:-1]
+    return ids
 
 
 def _delta(derendered: dict[str, Any]) -> dict[str, Any]:

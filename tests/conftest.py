@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
 BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
 QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
+END_TOKEN = 2  # `<|im_end|>`, its end of sequence (pinned there too): a logit bias on it ends an answer at once
 
 # A tool with a tight schema: guided decoding then forces a complete call even from a random-weight model.
 WEATHER_TOOLS = [

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
-from tests.conftest import BASE_NAME, metric, poll, run_client, start_gateway, start_stub, stop_group
+from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start_gateway, start_stub, stop_group
 from tests.recorded import decode, new_id, sampled_by_call
 
 pytestmark = pytest.mark.engine
@@ -59,6 +59,10 @@ CASES = {
         max_tokens=60,
     ),
     "auto tools": _request(tools=TOOLS, seed=5),
+    # The edges: a `required` call cut by the token limit mid-arguments, and an answer that is only the end of
+    # sequence (the stop token is not text).
+    "required tool, cut": _request(tools=TOOLS, tool_choice="required", max_tokens=28, seed=1),
+    "end of sequence": _request(logit_bias={str(END_TOKEN): 100}),
     "two choices": _request(n=2, seed=7),
     "top logprobs": _request(top_logprobs=2, seed=9),
 }
@@ -146,13 +150,21 @@ def _stream_summary(events: list[Any]) -> dict[str, Any]:
     return {"choices": choices, "usage": usage, "first": events[0]["choices"][0]["delta"]}
 
 
-@pytest.mark.parametrize("case", ["text", "forced tool", "required tool, strict", "top logprobs", "no usage"])
+STREAMED = ["text", "forced tool", "required tool, strict", "top logprobs", "no usage"]
+
+
+@pytest.mark.parametrize("case", [*STREAMED, "required tool, cut", "end of sequence"])
 def test_the_token_path_streams_as_the_engine_does(vllm_url: str, case: str) -> None:
     usage = {"stream_options": {"include_usage": True}} if case != "no usage" else {}
     request = {**CASES["text" if case == "no usage" else case], "stream": True, **usage}
     plain, derendered = asyncio.run(_both_paths(vllm_url, request))
     ours, theirs = _stream_summary(derendered), _stream_summary(plain)
     assert ours == theirs
+    edge = {"required tool, cut": ("length", True), "end of sequence": ("stop", False)}.get(case)
+    if edge is not None:  # the edge is reached: a call streamed before the cut; no text at the end of sequence
+        (choice,) = theirs["choices"].values()
+        assert (choice["finish"], bool(choice["calls"])) == edge
+        assert choice["text"] == ""
     assert (ours["usage"] is None) == (case == "no usage")
     assert ours["first"] == {"role": "assistant", "content": ""}
     if case != "text":  # the client did not ask for logprobs' text: the recorder gets the sampled ones anyway

@@ -52,7 +52,9 @@ def test_every_token_decodes_to_text_and_encoding_roundtrips(tiny_model: Path) -
         assert "\ufffd" not in piece, token_id  # no partial UTF-8: decoded ids are exactly the text
 
 
-def test_quote_token_id_used_by_the_ruler_judge_test(tiny_model: Path) -> None:
-    from tests.conftest import QUOTE_TOKEN
+def test_token_ids_the_tests_pin(tiny_model: Path) -> None:
+    from tests.conftest import END_TOKEN, QUOTE_TOKEN
 
-    assert AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids('"') == QUOTE_TOKEN
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert tokenizer.convert_tokens_to_ids('"') == QUOTE_TOKEN
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == END_TOKEN == tokenizer.eos_token_id
