@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.lib.tools import beta_tool
 
 from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
 from tests.conftest import BASE_NAME, metric, poll, run_client, start_gateway, start_stub, stop_group
@@ -300,6 +301,73 @@ def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bo
     seed, replies = _first_run(run)
     recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+
+
+@beta_tool
+def get_weather(city: Literal["Paris", "Rome"]) -> str:
+    """Current weather of a city."""
+    return "sunny"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway, stream: bool) -> None:
+    """Anthropic's Python tool runner at its defaults keeps its conversation in a message thread: a `create`,
+    then `continue`s that send only the new messages, without `system` and `tools`. Before, the gateway ignored
+    `thread` and the second call got a 400 (`tool_choice of type 'any' needs tools`). Now the gateway continues
+    the thread from its store and the rollout is one sequence."""
+    rid = new_id("runner")
+    threads: list[Any] = []
+
+    def sent(request: Any) -> None:
+        body = json.loads(request.content)
+        threads.append((body.get("thread"), "tools" in body))
+
+    def run(seed: int) -> list[Any]:
+        threads.clear()
+        client = anthropic.Anthropic(
+            base_url=engine_gateway.url,
+            api_key="unused",
+            default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"},
+            http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [sent]}),
+        )
+        runner = client.beta.messages.tool_runner(
+            model="my-agent",
+            max_tokens=48,
+            system="You check the weather.",
+            messages=[{"role": "user", "content": QUESTION[0]["content"]}],
+            tools=[get_weather],
+            tool_choice={"type": "any"},
+            max_iterations=3,
+            extra_body={"seed": seed},
+            stream=stream,
+        )
+        replies = [item.get_final_message() if stream else item for item in runner]
+        if any(reply.stop_reason != "tool_use" for reply in replies):  # the JSON ran past max_tokens
+            raise ValueError(f"not every reply a whole tool call: {[r.stop_reason for r in replies]}")
+        return replies
+
+    seed, replies = _first_run(run)
+    assert len(replies) == 3
+    first, *rest = threads[-3:]
+    assert first == ({"type": "create"}, True)
+    assert rest == [({"type": "continue", "previous_message_id": reply.id}, False) for reply in replies[:2]], (
+        "the runner fell back to sending its whole history"
+    )
+    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+
+
+def test_anthropic_node_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway) -> None:
+    """The same with Anthropic's TypeScript SDK (`client.beta.messages.toolRunner`, tests/clients-js)."""
+    rid = new_id("node-runner")
+    env = {"ANTHROPIC_BASE_URL": engine_gateway.url, "ANTHROPIC_API_KEY": "unused", "ROLLOUT_ID": rid}
+    run = run_client("anthropic_tool_runner", env)
+    assert run["sent"] == [
+        {"thread": {"type": "create"}, "tools": True},
+        *({"thread": {"type": "continue", "previous_message_id": id}, "tools": False} for id in run["ids"][:2]),
+    ], "the runner fell back to sending its whole history"
+    recorded = _one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 

@@ -2,7 +2,8 @@
 
 Why through chat: vLLM's own Messages endpoint returns no token ids; translated to chat
 (gateway/apis/messages/translate.py), the call is recorded exactly like a chat call, token for token.
-Errors on this route are in Anthropic's shape (`{"type": "error", "error": {...}}`).
+Errors on this route are in Anthropic's shape (`{"type": "error", "error": {...}}`). Anthropic's message threads
+(`thread`) are kept in the gateway's store (gateway/apis/messages/thread.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import msgspec
 
 from gateway.apis.chat.translate import strict_forced_calls, upstream_request
 from gateway.apis.messages.schema import MessagesRequest, MessageTokensCount, parse_request
+from gateway.apis.messages.thread import Threads
 from gateway.apis.messages.translate import MessagesStream, to_chat, to_message
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller
@@ -36,27 +38,37 @@ def _with_max_tokens(body: bytes) -> bytes:
 
 
 class MessagesWire:
-    def __init__(self, request: MessagesRequest) -> None:
+    """The engine's chat answer as Anthropic's message or event stream; a thread's is kept before the client gets
+    its end (the message, or `message_stop`)."""
+
+    def __init__(self, threads: Threads, request: MessagesRequest, origin: CallOrigin) -> None:
+        self.threads = threads
         self.request = request
+        self.origin = origin
         self.id = f"msg_{uuid.uuid4().hex}"
         self.stream = MessagesStream(request, self.id)
 
     async def answer(self, payload: dict[str, Any]) -> bytes:
-        return _encode(to_message(payload, self.request, self.id))
+        message = to_message(payload, self.request, self.id)
+        await self.threads.keep(self.request, message, self.origin)
+        return _encode(message)
 
     def event(self, event: dict[str, Any]) -> bytes:
         return self.stream.take(event)
 
     async def done(self) -> bytes:
-        return self.stream.finish()
+        out = self.stream.finish()
+        await self.threads.keep(self.request, self.stream.message(), self.origin)
+        return out
 
     def broken(self, error: OpenAIError) -> bytes:
         return self.stream.start() + self.stream.fail(error.message)
 
 
 class MessagesService:
-    def __init__(self, calls: EngineCalls) -> None:
+    def __init__(self, calls: EngineCalls, threads: Threads) -> None:
         self.calls = calls
+        self.threads = threads
 
     async def count_tokens(self, body: bytes, caller: Caller) -> MessageTokensCount:
         """`POST /v1/messages/count_tokens`: the prompt's tokens as the engine counts them, through the same
@@ -73,11 +85,10 @@ class MessagesService:
 
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
-        request = parse_request(body)
+        request = await self.threads.whole(parse_request(body), origin.caller)
         chat = strict_forced_calls(to_chat(request))
         route = await self.calls.route(request.model, origin)
         upstream_body, _ = upstream_request(chat, route)
-        spec = EngineRequest(
-            "messages", CHAT_PATH, upstream_body, chat, route, bool(request.stream), MessagesWire(request)
-        )
+        wire = MessagesWire(self.threads, request, origin)
+        spec = EngineRequest("messages", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
         return await self.calls.run(spec, origin, hang_up)

@@ -131,7 +131,7 @@ class ResponsesService:
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
         """The stored response, if the caller's key made it (or is the admin's); else not found, as if it did not
         exist: another key of the same model can neither read nor continue it."""
-        return await self.store.get(response_id, grant=caller.grant)
+        return await self.store.get(response_id, grant=caller.grant, api="responses")
 
     async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
         return (await self._stored(response_id, caller)).response
