@@ -35,8 +35,7 @@ from engine.supervisor import (
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis.chat.service import ChatService
 from gateway.apis.completions.service import CompletionsService
-from gateway.apis.messages.service import MessagesService
-from gateway.apis.messages.thread import Threads
+from gateway.apis.messages.service import MessagesService, Threads
 from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
 from gateway.continuation import Splicer

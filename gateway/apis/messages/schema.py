@@ -181,7 +181,7 @@ class MessagesRequest(msgspec.Struct, frozen=True):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    thread: Thread | None = None  # Anthropic's message threads, kept in the gateway's store (thread.py)
+    thread: Thread | None = None  # Anthropic's message threads, kept in the gateway's store (service.py)
 
 
 _decoder = msgspec.json.Decoder(MessagesRequest)
