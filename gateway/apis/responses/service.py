@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.chat.translate import offered_tools, strict_forced_calls, upstream_request
 from gateway.apis.responses.schema import Response, ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
     ResponsesStream,
@@ -115,7 +115,7 @@ class ResponsesService:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 ) from None
-        chat = strict_forced_calls(to_chat(request, history))
+        chat = strict_forced_calls(offered_tools(to_chat(request, history)))
         if not chat["messages"]:
             raise invalid_request(
                 "Nothing to answer: 'input' is empty, and there are no instructions and no previous response.",
