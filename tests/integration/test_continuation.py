@@ -395,6 +395,42 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
         gateway.stop()
 
 
+def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_path) -> None:
+    """What a rollout's last call was is kept in memory: after a restart the next call is rendered anew and
+    starts a sequence. Before, its split said `rerendered` (the template's doing); now it says the state was
+    lost (`state_lost`)."""
+    first = start_gateway(tmp_path, "--upstream", vllm_url)
+    rid = new_id("restart")
+
+    def forced(seed: int) -> list[dict[str, Any]]:
+        client = openai.OpenAI(
+            base_url=first.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        fields: dict[str, Any] = dict(model="my-agent", messages=QUESTION, tools=TOOLS, max_tokens=48, seed=seed)
+        choice = client.chat.completions.create(tool_choice=FORCED, **fields).choices[0]
+        (call,) = choice.message.tool_calls  # a failed parse raises: another seed
+        json.loads(call.function.arguments)
+        reply = choice.message.model_dump(exclude_none=True)
+        return [*QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+
+    try:
+        seed, messages = _first_run(forced)
+        poll(lambda: _recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
+    finally:
+        first.stop()
+    again = start_gateway(tmp_path, "--upstream", vllm_url, "--data-dir", str(first.data_dir))
+    try:
+        client = openai.OpenAI(
+            base_url=again.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        client.chat.completions.create(model="my-agent", messages=messages, tools=TOOLS, max_tokens=8, seed=seed)
+        recorded = poll(lambda: _recorded_calls(again, f"{rid}-{seed}", 2), 10, "the rollout")
+    finally:
+        again.stop()
+    assert [s["split_cause"] for s in recorded["sequences"]] == [None, "state_lost"], recorded["sequences"]
+    assert "no longer held the rollout's last call" in recorded["sequences"][1]["split_reason"]
+
+
 def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) -> None:
     """vLLM started without --enable-scale-out answers 403 on its render endpoint: a stand-in engine that does
     so (the real one would cost a second engine), with the real gateway in front."""
