@@ -8,6 +8,7 @@ paths on the same prompt); a client that edits its history gets a new sequence t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any, Literal
@@ -418,7 +419,10 @@ def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_
         poll(lambda: _recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
     finally:
         first.stop()
-    again = start_gateway(tmp_path, "--upstream", vllm_url, "--data-dir", str(first.data_dir))
+    # The same data dir (store, admin key), on a new port: the restarted gateway.
+    again = dataclasses.replace(
+        start_gateway(tmp_path, "--upstream", vllm_url, "--data-dir", str(first.data_dir)), data_dir=first.data_dir
+    )
     try:
         client = openai.OpenAI(
             base_url=again.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
