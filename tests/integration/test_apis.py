@@ -170,8 +170,9 @@ def test_allowed_tools_offers_the_model_only_those(engine_gateway, api: str) -> 
     names = forced_tool_call(create)
     assert names and set(names) == {"get_weather"}
     (call,) = rollout(engine_gateway, rid)["calls"][-1:]
-    assert [tool["function"]["name"] for tool in call["request"]["tools"]] == ["get_weather"]
-    assert call["request"]["tool_choice"] == "required"
+    sampled_under = call["grammar_request"]  # what the trainer rebuilds the engine's grammar from
+    assert [tool["function"]["name"] for tool in sampled_under["tools"]] == ["get_weather"]
+    assert sampled_under["tool_choice"] == "required"
 
 
 def test_previous_response_id_continues_the_conversation_and_stored_responses_can_be_read(
