@@ -152,6 +152,10 @@ class Continuations:
             _, oldest = self._last.popitem(last=False)
             self._bytes -= oldest.size
 
+    def holds(self, rollout_id: str) -> bool:
+        """Whether the rollout's last call is held (what a call continuing it would be spliced onto)."""
+        return rollout_id in self._last
+
     def find(
         self, rollout_id: str, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
     ) -> Continued | None:

@@ -41,9 +41,14 @@ class OpenAIError(msgspec.Struct, frozen=True):
     error: OpenAIErrorDetail
 
 
+class AnthropicErrorCode(msgspec.Struct, frozen=True):
+    error_code: str  # thread_not_found, thread_fingerprint_mismatch
+
+
 class AnthropicErrorDetail(msgspec.Struct, frozen=True):
     type: str  # invalid_request_error, not_found_error, api_error, overloaded_error, ...
     message: str
+    details: AnthropicErrorCode | None = None  # where Anthropic's SDK branches on a code
 
 
 class AnthropicError(msgspec.Struct, frozen=True):
@@ -349,6 +354,13 @@ messages_operation = documented(
         system={"type": ["string", "array", "null"]},
         tools=_nullable("array", items={"type": "object"}),
         stream=CHAT_REQUEST["properties"]["stream"],
+        thread={
+            "type": ["object", "null"],
+            "description": 'A message thread: {type: "create"}, or {type: "continue", previous_message_id} with only '
+            "the new messages and no system or tools (the key's own thread, from the gateway's store).",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["create", "continue"]}, "previous_message_id": {"type": "string"}},
+        },
     ),
     example={"model": "my-agent", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi!"}]},
     headers=(ROLLOUT_HEADER_PARAMETER,),

@@ -35,7 +35,7 @@ from engine.supervisor import (
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis.chat.service import ChatService
 from gateway.apis.completions.service import CompletionsService
-from gateway.apis.messages.service import MessagesService
+from gateway.apis.messages.service import MessagesService, Threads
 from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
 from gateway.continuation import Splicer
@@ -385,6 +385,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             clock=clock,
         )
         adapters.on_commit = promotions.step_committed
+        kept = ResponseStore(store.engine)  # stored Responses and message threads, each API's own
         services = Services(
             settings=settings,
             store=store,
@@ -395,8 +396,8 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             chat=chat,
             promotions=promotions,
             completions=CompletionsService(calls),
-            responses=ResponsesService(calls, ResponseStore(store.engine)),
-            messages=MessagesService(calls),
+            responses=ResponsesService(calls, kept),
+            messages=MessagesService(calls, Threads(kept)),
             rollouts=rollouts,
             groups=GroupService(store.engine, rollouts, registry, scorer, metrics=metrics),
             scorer=scorer,

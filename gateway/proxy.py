@@ -429,6 +429,7 @@ class EngineCalls:
         spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
             return None
+        call.rollout_known = self.continuations.holds(origin.rollout_id)
         continued = self.continuations.find(origin.rollout_id, spec.request, spec.route, call.digests)
         if continued is None:
             return None
@@ -516,6 +517,7 @@ class _Call:
         self.started = started
         self.first_token_at: float | None = None
         self.recorded = False  # exactly once: whichever path ends the call first records it
+        self.rollout_known: bool | None = None  # set by EngineCalls._splice: CallRecord.rollout_known
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
         # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
         # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
@@ -578,6 +580,7 @@ class _Call:
                 ended_at=ended,
                 api=spec.api,
                 key_id=self.origin.caller.key_id,
+                rollout_known=self.rollout_known,
             )
             first = False
             records.append(record)

@@ -247,6 +247,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "stream": record.stream,
         "api": record.api,
         "key_id": record.key_id,
+        "rollout_known": record.rollout_known,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
@@ -430,6 +431,7 @@ def expand(rows: Sequence[Mapping[str, Any]], explicit: bool) -> list[CallRecord
                 ended_at=row["ended_at"],
                 api=row.get("api") or "chat",
                 key_id=row.get("key_id"),
+                rollout_known=row.get("rollout_known"),
             )
         )
     return records

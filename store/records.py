@@ -49,3 +49,7 @@ class CallRecord(msgspec.Struct, frozen=True):
     ended_at: float
     api: Api = "chat"
     key_id: str | None = None  # the API key that made the call (its id, never the secret); None: no key
+    # Whether the gateway that served it held its rollout's last call, which a continuing call is spliced onto
+    # (gateway/continuation.py; kept in memory). False: a restart, another replica or newer rollouts lost it.
+    # None: not asked (not a chat-path call of a named rollout) or recorded before it was kept.
+    rollout_known: bool | None = None

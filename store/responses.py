@@ -1,12 +1,15 @@
-"""Stored Responses API objects: what `previous_response_id` continues and `GET /v1/responses/{id}` returns.
+"""Stored answers a follow-up continues: Responses API objects (`previous_response_id`, and what
+`GET /v1/responses/{id}` returns) and Anthropic's message threads (`thread: {"type": "continue",
+"previous_message_id": ...}`).
 
-The call itself is recorded like every call (store/calls.py); this keeps the Responses-shaped answer and the
-conversation it ends, which a follow-up needs before the call's record may have reached the store.
+The call itself is recorded like every call (store/calls.py); this keeps the answer as the client got it and the
+conversation it ends, which a follow-up needs before the call's record may have reached the store. Each API
+reads and continues only its own: a Response is no message thread, nor the other way round.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import sqlalchemy as sa
@@ -16,6 +19,8 @@ from store.access import Grant
 from store.errors import NotFound
 from store.tables import responses
 
+StoredApi = Literal["responses", "messages"]  # the API that made it, and alone reads and continues it
+
 
 class StoredResponse(msgspec.Struct, frozen=True):
     id: str
@@ -23,9 +28,13 @@ class StoredResponse(msgspec.Struct, frozen=True):
     model: str
     response: dict[str, Any]  # the object the client got
     input_items: list[dict[str, Any]]  # the request's input, as items with ids
-    messages: list[dict[str, Any]]  # chat messages: the history it continued, its input, its output
+    # The history it continued, its input, its output: chat messages (Responses), Anthropic's (Messages).
+    messages: list[dict[str, Any]]
     created_at: float
     key_id: str | None  # the API key that made it: only it (or the admin) may read, continue or delete it
+    api: StoredApi = "responses"
+    # Request fields every follow-up takes from it rather than sends: an Anthropic thread's `system` and `tools`.
+    carried: dict[str, Any] | None = None
 
 
 def response_not_found(response_id: str) -> NotFound:
@@ -40,12 +49,12 @@ class ResponseStore:
         async with self.engine.begin() as conn:
             await conn.execute(sa.insert(responses).values(**msgspec.structs.asdict(stored)))
 
-    async def get(self, response_id: str, *, grant: Grant) -> StoredResponse:
-        """The stored response; not found when `grant` does not own it (another key's, even of a model it covers,
-        or of a model it does not cover), as if it did not exist."""
+    async def get(self, response_id: str, *, grant: Grant, api: StoredApi) -> StoredResponse:
+        """The stored answer of `api`; not found when `grant` does not own it (another key's, even of a model it
+        covers, or of a model it does not cover), or another API made it, as if it did not exist."""
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).one_or_none()
-        if row is None or not (grant.covers_id(row.model) and grant.owns(row.key_id)):
+        if row is None or row.api != api or not (grant.covers_id(row.model) and grant.owns(row.key_id)):
             raise response_not_found(response_id)
         return msgspec.convert({str(k): v for k, v in row._asdict().items()}, StoredResponse)
 

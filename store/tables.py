@@ -40,6 +40,7 @@ calls = sa.Table(
     sa.Column("stream", sa.Boolean, nullable=False),
     sa.Column("api", sa.String(16), nullable=False, server_default="chat"),  # store.records.Api
     sa.Column("key_id", sa.String(64), nullable=True),  # the API key that made it (its id; NULL: no key)
+    sa.Column("rollout_known", sa.Boolean, nullable=True),  # store.records.CallRecord.rollout_known
     sa.Column("status", sa.String(32), nullable=False),  # store.records.CallStatus
     sa.Column("http_status", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
@@ -199,8 +200,9 @@ evaluations = sa.Table(
     sa.Column("finished_at", sa.Float, nullable=True),
 )
 
-# Responses API objects kept for `previous_response_id` and `GET /v1/responses/{id}` (`store: true`, the
-# default): the answer as the client got it, its input items, and the conversation a follow-up continues.
+# Answers kept for a follow-up: Responses API objects (`previous_response_id`, `GET /v1/responses/{id}`;
+# `store: true`, the default) and Anthropic's message threads (`thread`): the answer as the client got it, its
+# input items, and the conversation a follow-up continues.
 responses = sa.Table(
     "responses",
     metadata,
@@ -209,9 +211,11 @@ responses = sa.Table(
     sa.Column("model", sa.String(256), nullable=False),
     sa.Column("response", sa.JSON, nullable=False),
     sa.Column("input_items", sa.JSON, nullable=False),
-    sa.Column("messages", sa.JSON, nullable=False),  # chat messages: the history, this input, this output
+    sa.Column("messages", sa.JSON, nullable=False),  # the history, this input, this output (in the API's messages)
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("key_id", sa.String(64), nullable=True),  # the API key that made it (its id; NULL: no key)
+    sa.Column("api", sa.String(16), nullable=False, server_default="responses"),  # "responses" or "messages"
+    sa.Column("carried", sa.JSON, nullable=True),  # fields a follow-up takes from it (a thread's system, tools)
 )
 
 # The trainable models: the set every replica serves, added and retired at runtime (a retired model's data

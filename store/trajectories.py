@@ -20,6 +20,7 @@ from store.records import CallRecord, ChoiceRecord
 # Why a call's prompt does not extend the sequence before it (the previous call's prompt and sampled tokens):
 SplitCause = Literal[
     "rerendered",  # the history means what the model produced, but the template rendered it as other tokens
+    "state_lost",  # the same, because the gateway that served it no longer held the rollout's last call
     "dropped_reasoning",  # the model's reasoning is gone from the history (the client's or the template's doing)
     "edited",  # the client changed a message of the history (`split_reason` says which)
     "history_cut",  # the client sent fewer messages than the history (`split_reason` says how many)
@@ -31,6 +32,10 @@ SplitCause = Literal[
 ]
 SPLIT_CAUSES: tuple[SplitCause, ...] = get_args(SplitCause)
 SPLIT_RERENDERED = "the template rendered the model's earlier turns as other tokens than it sampled"
+SPLIT_STATE_LOST = (
+    "the gateway that served this call no longer held the rollout's last call (restarted, another replica, or "
+    "pushed out of memory), so it rendered the model's earlier turns anew"
+)
 SPLIT_DROPPED_REASONING = "the model's reasoning was dropped from the history"
 SPLIT_NEW_ATTEMPT = "the same history again: another completion of the previous call's prompt"
 
@@ -202,6 +207,8 @@ def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord
         return "edited", f"the client edited message {len(then)} ({role}), the model's reply"
     if _reasoning(previous_choice.message) and not _reasoning(reply):
         return "dropped_reasoning", SPLIT_DROPPED_REASONING
+    if call.rollout_known is False:
+        return "state_lost", SPLIT_STATE_LOST
     return "rerendered", SPLIT_RERENDERED
 
 

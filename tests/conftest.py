@@ -662,7 +662,7 @@ def make_call(
         "first_token_at": at,
         "ended_at": at + 0.5,
     }
-    unknown = set(fields) - set(values)
+    unknown = set(fields) - set(CallRecord.__struct_fields__)
     assert not unknown, f"CallRecord has no field {sorted(unknown)}"
     return CallRecord(**{**values, **fields})
 

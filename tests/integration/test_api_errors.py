@@ -362,6 +362,34 @@ FUNCTION = {"type": "function", "name": "lookup", "parameters": {"type": "object
             ),
             id="untyped-item-reference",
         ),
+        pytest.param(  # before: refused as an unsupported `tool_choice.type`
+            {**RESPONSE, "tools": [FUNCTION], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+            400,
+            openai_error(
+                "'tool_choice.tools' must name at least one of the request's tools.",
+                "tool_choice.tools",
+                "invalid_value",
+            ),
+            id="allowed-tools-empty",
+        ),
+        pytest.param(
+            {
+                **RESPONSE,
+                "tools": [FUNCTION],
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "mode": "auto",
+                    "tools": [{"type": "mcp", "server_label": "x"}],
+                },
+            },
+            400,
+            openai_error(
+                "Unsupported tool type: 'mcp'. This gateway supports only 'function' tools.",
+                "tool_choice.tools[0].type",
+                "unsupported_value",
+            ),
+            id="allowed-tools-mcp",
+        ),
         pytest.param(
             {**RESPONSE, "previous_response_id": "resp_nope"},
             404,

@@ -122,6 +122,59 @@ def test_responses_function_tool_gives_a_function_call_item(engine_gateway, toke
     assert "".join(item.arguments.split()) in "".join(decoded.split())
 
 
+TIME_TOOL = {"type": "function", "name": "get_time", "parameters": WEATHER_SCHEMA, "strict": True}
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_allowed_tools_offers_the_model_only_those(engine_gateway, api: str) -> None:
+    """OpenAI's `tool_choice: {"type": "allowed_tools", ...}` (Responses: mode and tools; chat: under
+    `allowed_tools`), as mirascope sends it. Before: Responses refused it (`tool_choice.type`) and vLLM refused
+    chat's (naming `tool_choice.function`). Now the model is offered only the allowed tools, `required` forcing
+    one of them, and the record holds what the engine was given; the answer echoes the choice as sent."""
+    rid = new_id(f"allowed-{api}")
+    client = openai_client(engine_gateway, rid)
+
+    def create(seed: int) -> Any:
+        if api == "responses":
+            allowed = {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "get_weather"}],
+            }
+            r = client.responses.create(
+                model="my-agent",
+                input=QUESTION,
+                tools=[TIME_TOOL, RESPONSES_TOOL],
+                tool_choice=allowed,
+                max_output_tokens=200,
+                extra_body={"seed": seed},
+            )
+            assert r.tool_choice.type == "allowed_tools" and r.tool_choice.tools == allowed["tools"]
+            return [item.name for item in r.output if item.type == "function_call"] if r.status == "completed" else None
+        chat_tools = [
+            {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+            for t in (TIME_TOOL, RESPONSES_TOOL)
+        ]
+        weather = {"type": "function", "function": {"name": "get_weather"}}
+        c = client.chat.completions.create(
+            model="my-agent",
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=chat_tools,
+            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [weather]}},
+            max_tokens=200,
+            seed=seed,
+        )
+        calls = c.choices[0].message.tool_calls
+        return [call.function.name for call in calls] if calls and c.choices[0].finish_reason != "length" else None
+
+    names = forced_tool_call(create)
+    assert names and set(names) == {"get_weather"}
+    (call,) = rollout(engine_gateway, rid)["calls"][-1:]
+    sampled_under = call["grammar_request"]  # what the trainer rebuilds the engine's grammar from
+    assert [tool["function"]["name"] for tool in sampled_under["tools"]] == ["get_weather"]
+    assert sampled_under["tool_choice"] == "required"
+
+
 def test_previous_response_id_continues_the_conversation_and_stored_responses_can_be_read(
     engine_gateway, tokenizer
 ) -> None:

@@ -8,15 +8,17 @@ paths on the same prompt); a client that edits its history gets a new sequence t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.lib.tools import beta_tool
 
 from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
 from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start_gateway, start_stub, stop_group
@@ -315,6 +317,73 @@ def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bo
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 
+@beta_tool
+def get_weather(city: Literal["Paris", "Rome"]) -> str:
+    """Current weather of a city."""
+    return "sunny"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway, stream: bool) -> None:
+    """Anthropic's Python tool runner at its defaults keeps its conversation in a message thread: a `create`,
+    then `continue`s that send only the new messages, without `system` and `tools`. Before, the gateway ignored
+    `thread` and the second call got a 400 (`tool_choice of type 'any' needs tools`). Now the gateway continues
+    the thread from its store and the rollout is one sequence."""
+    rid = new_id("runner")
+    threads: list[Any] = []
+
+    def sent(request: Any) -> None:
+        body = json.loads(request.content)
+        threads.append((body.get("thread"), "tools" in body))
+
+    def run(seed: int) -> list[Any]:
+        threads.clear()
+        client = anthropic.Anthropic(
+            base_url=engine_gateway.url,
+            api_key="unused",
+            default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"},
+            http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [sent]}),
+        )
+        runner = client.beta.messages.tool_runner(
+            model="my-agent",
+            max_tokens=48,
+            system="You check the weather.",
+            messages=[{"role": "user", "content": QUESTION[0]["content"]}],
+            tools=[get_weather],
+            tool_choice={"type": "any"},
+            max_iterations=3,
+            extra_body={"seed": seed},
+            stream=stream,
+        )
+        replies = [item.get_final_message() if stream else item for item in runner]
+        if any(reply.stop_reason != "tool_use" for reply in replies):  # the JSON ran past max_tokens
+            raise ValueError(f"not every reply a whole tool call: {[r.stop_reason for r in replies]}")
+        return replies
+
+    seed, replies = _first_run(run)
+    assert len(replies) == 3
+    first, *rest = threads[-3:]
+    assert first == ({"type": "create"}, True)
+    assert rest == [({"type": "continue", "previous_message_id": reply.id}, False) for reply in replies[:2]], (
+        "the runner fell back to sending its whole history"
+    )
+    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+
+
+def test_anthropic_node_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway) -> None:
+    """The same with Anthropic's TypeScript SDK (`client.beta.messages.toolRunner`, tests/clients-js)."""
+    rid = new_id("node-runner")
+    env = {"ANTHROPIC_BASE_URL": engine_gateway.url, "ANTHROPIC_API_KEY": "unused", "ROLLOUT_ID": rid}
+    run = run_client("anthropic_tool_runner", env)
+    assert run["sent"] == [
+        {"thread": {"type": "create"}, "tools": True},
+        *({"thread": {"type": "continue", "previous_message_id": id}, "tools": False} for id in run["ids"][:2]),
+    ], "the runner fell back to sending its whole history"
+    recorded = _one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+
+
 def test_langgraph_react_agent_is_one_sequence(engine_gateway) -> None:
     rid = new_id("langgraph")
     env = {"OPENAI_BASE_URL": engine_gateway.base_url, "OPENAI_API_KEY": "unused", "ROLLOUT_ID": rid}
@@ -337,6 +406,45 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
         assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 0
     finally:
         gateway.stop()
+
+
+def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_path) -> None:
+    """What a rollout's last call was is kept in memory: after a restart the next call is rendered anew and
+    starts a sequence. Before, its split said `rerendered` (the template's doing); now it says the state was
+    lost (`state_lost`)."""
+    first = start_gateway(tmp_path, "--upstream", vllm_url)
+    rid = new_id("restart")
+
+    def forced(seed: int) -> list[dict[str, Any]]:
+        client = openai.OpenAI(
+            base_url=first.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        fields: dict[str, Any] = dict(model="my-agent", messages=QUESTION, tools=TOOLS, max_tokens=48, seed=seed)
+        choice = client.chat.completions.create(tool_choice=FORCED, **fields).choices[0]
+        (call,) = choice.message.tool_calls  # a failed parse raises: another seed
+        json.loads(call.function.arguments)
+        reply = choice.message.model_dump(exclude_none=True)
+        return [*QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+
+    try:
+        seed, messages = _first_run(forced)
+        poll(lambda: _recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
+    finally:
+        first.stop()
+    # The same data dir (store, admin key), on a new port: the restarted gateway.
+    again = dataclasses.replace(
+        start_gateway(tmp_path, "--upstream", vllm_url, "--data-dir", str(first.data_dir)), data_dir=first.data_dir
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=again.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
+        )
+        client.chat.completions.create(model="my-agent", messages=messages, tools=TOOLS, max_tokens=8, seed=seed)
+        recorded = poll(lambda: _recorded_calls(again, f"{rid}-{seed}", 2), 10, "the rollout")
+    finally:
+        again.stop()
+    assert [s["split_cause"] for s in recorded["sequences"]] == [None, "state_lost"], recorded["sequences"]
+    assert "no longer held the rollout's last call" in recorded["sequences"][1]["split_reason"]
 
 
 def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) -> None:

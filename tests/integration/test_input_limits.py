@@ -91,6 +91,13 @@ def bad(param: str | None, code: str, message: str) -> dict[str, Any]:
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def allowed(mode: str, *tools: dict[str, Any]) -> dict[str, Any]:
+    """Chat's `allowed_tools` tool choice."""
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": list(tools)}}
+
+
 ROLES = "Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and 'developer'."
 
 
@@ -155,6 +162,22 @@ ROLES = "Supported values are: 'system', 'assistant', 'user', 'function', 'tool'
             {"top_logprobs": 21},
             bad("top_logprobs", "invalid_value", "Invalid request: Expected `int` <= 20 (at 'top_logprobs')."),
         ),
+        (  # before: passed on as sent (vLLM 0.32 refuses the form, naming `tool_choice.function`)
+            {"tools": [TOOL], "tool_choice": allowed("required", {"type": "function", "function": {"name": "nope"}})},
+            bad(
+                "tool_choice.allowed_tools.tools[0].function.name",
+                "invalid_value",
+                "Allowed tool 'nope' not found in 'tools' parameter.",
+            ),
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": allowed("any", {"type": "function", "function": {"name": "get_weather"}})},
+            bad(
+                "tool_choice.allowed_tools.mode",
+                "invalid_value",
+                "Invalid value: 'any'. Supported values are: 'auto' and 'required'.",
+            ),
+        ),
     ],
     ids=[
         "unknown-role",
@@ -168,6 +191,8 @@ ROLES = "Supported values are: 'system', 'assistant', 'user', 'function', 'tool'
         "max-tokens-0",
         "max-completion-tokens-negative",
         "top-logprobs-over-cap",
+        "allowed-tool-not-offered",
+        "allowed-tools-mode",
     ],
 )
 def test_chat_input_out_of_bounds_is_400_naming_the_param(gateway, extra: dict[str, Any], expected: dict) -> None:

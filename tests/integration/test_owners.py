@@ -126,6 +126,57 @@ def test_a_stored_response_is_read_continued_and_deleted_by_its_key_only(tenants
     assert tenants.ask("DELETE", path, "owner").status_code == 200
 
 
+def test_a_message_thread_is_continued_by_its_key_only(tenants: Tenants) -> None:
+    """Anthropic's message threads (`thread`, kept beside stored Responses): before, `thread` was ignored, so a
+    `continue` got no history (and a runner's forced tool a 400 naming `tool_choice`). Now the key that made
+    the thread and the admin continue it; any other key, an unknown id and a Response's id get Anthropic's
+    `thread_not_found` (404), on which its SDKs send the whole history again; nor does the Responses API read a
+    thread's message."""
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    first = {"model": "a", "max_tokens": 4, "system": "Be brief.", "tools": tools, "thread": {"type": "create"}}
+    first["messages"] = [{"role": "user", "content": "my secret plan"}]
+    made = tenants.ask("POST", "/v1/messages", "owner", json=first)
+    assert made.status_code == 200, made.text
+    message_id = made.json()["id"]
+    response = tenants.ask("POST", "/v1/responses", "owner", json={"model": "a", "input": "hi"}).json()["id"]
+
+    def continue_(who: str, previous: str, **fields: Any) -> httpx.Response:
+        body = {"model": "a", "max_tokens": 4, "tool_choice": {"type": "any"}, **fields}
+        body.update(
+            messages=[{"role": "user", "content": "and then?"}],
+            thread={"type": "continue", "previous_message_id": previous},
+        )
+        return tenants.ask("POST", "/v1/messages", who, json=body)
+
+    for who, previous in [
+        *((who, message_id) for who in ("neighbour", "every")),
+        ("owner", "msg_nope"),
+        ("owner", response),
+    ]:
+        refused = continue_(who, previous)
+        assert (refused.status_code, refused.json()) == (
+            404,
+            {
+                "type": "error",
+                "error": {
+                    "type": "not_found_error",
+                    "message": f"thread.previous_message_id: no message thread holds a message with id '{previous}' "
+                    'for this key. Send the whole conversation with `thread: {"type": "create"}` to start one.',
+                    "details": {"error_code": "thread_not_found"},
+                },
+            },
+        ), (who, previous)
+    changed = continue_("owner", message_id, system="Be long.")
+    assert changed.status_code == 400 and changed.json()["error"]["details"] == {
+        "error_code": "thread_fingerprint_mismatch"
+    }, changed.text
+    assert changed.json()["error"]["message"].startswith("system: differs from the `system` this thread")
+    assert tenants.ask("GET", f"/v1/responses/{message_id}", "owner").status_code == 404
+    # Its own key and the admin continue it: the thread's tools are there for `tool_choice: any`.
+    for who in ("owner", "admin"):
+        assert continue_(who, message_id).status_code == 200, who
+
+
 # ---------------------------------------------------------------- --auth off: inference, from this machine only
 
 

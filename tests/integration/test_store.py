@@ -479,7 +479,7 @@ async def test_every_read_of_recorded_data_sees_only_what_its_grant_covers(engin
         stored = []
         for rid in ("resp-a", "resp-b"):
             try:
-                stored.append((await responses.get(rid, grant=grant)).id)
+                stored.append((await responses.get(rid, grant=grant, api="responses")).id)
             except NotFound:
                 pass
         return {

@@ -21,6 +21,7 @@ import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
 from gateway.apis.chat.schema import parse_chat_request
+from gateway.apis.chat.translate import offered_tools
 from gateway.apis.responses import schema
 from gateway.apis.responses.schema import ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
@@ -237,6 +238,18 @@ def test_function_calls_join_the_assistant_message_before_them() -> None:
 # the chat request
 
 
+def test_allowed_tools_offer_the_engine_only_those_tools() -> None:
+    """OpenAI's `allowed_tools` tool choice: the chat request offers only the allowed tools, `mode` as its
+    tool_choice (before: a 400 calling `allowed_tools` an unsupported `tool_choice.type`)."""
+    other = {**WEATHER, "name": "get_time"}
+    for mode in ("auto", "required"):
+        choice = {"type": "allowed_tools", "mode": mode, "tools": [{"type": "function", "name": "get_weather"}]}
+        chat = offered_tools(to_chat(request(tools=[other, WEATHER], tool_choice=choice), []))
+        assert [tool["function"]["name"] for tool in chat["tools"]] == ["get_weather"]
+        assert chat["tool_choice"] == mode
+        parse_chat_request(json.dumps(chat).encode())  # a chat request the gateway takes as it is
+
+
 def test_to_chat_puts_instructions_then_history_then_input() -> None:
     history = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]
     chat = to_chat(request(instructions="Answer in French.", input="three"), history)
@@ -416,7 +429,8 @@ def test_to_chat_option_values(fields: dict[str, Any], key: str, expected: Any) 
         ),
         (
             {"tool_choice": {"type": "web_search_preview"}},
-            "Unsupported tool choice type: 'web_search_preview'. This gateway supports only 'function' tools.",
+            "Unsupported tool choice type: 'web_search_preview'. This gateway supports only 'function' and "
+            "'allowed_tools'.",
             "tool_choice.type",
             "unsupported_value",
         ),
@@ -532,6 +546,7 @@ ANSWER_STRUCTS = [
     (SENT_JSON_SCHEMA, SDK.ResponseFormatTextJSONSchemaConfig),
     (schema.TextEcho(schema.FormatText()), SDK.ResponseTextConfig),
     (schema.ToolChoiceFunction("f"), SDK.ToolChoiceFunction),
+    (schema.ToolChoiceAllowed("required", [{"type": "function", "name": "f"}]), SDK.ToolChoiceAllowed),
     (SENT_TOOL, SDK.FunctionTool),
 ]
 

@@ -11,6 +11,7 @@ from store.trajectories import (
     SPLIT_DROPPED_REASONING,
     SPLIT_NEW_ATTEMPT,
     SPLIT_RERENDERED,
+    SPLIT_STATE_LOST,
     assemble,
     sampled_under_grammar,
 )
@@ -107,6 +108,12 @@ SPLITS = {
         call_of([SYSTEM, USER]),
         call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT]),
         SPLIT_RERENDERED,
+    ),
+    "state_lost": (
+        # The same, served by a gateway that had lost the rollout's last call (a restart): it could not splice.
+        call_of([SYSTEM, USER]),
+        call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT], rollout_known=False),
+        SPLIT_STATE_LOST,
     ),
     "dropped_reasoning": (
         call_of([USER]),

@@ -5,6 +5,7 @@ as sent, and the tool-schema check every API shares. The rest of the request is 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -74,7 +75,52 @@ def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
                 param=f"tools[{i}].function.parameters",
                 code="invalid_function_parameters",
             )
+    choice = request.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        offered = {tool.function.name for tool in head.tools or ()}
+        check_allowed_tools(choice.get("allowed_tools"), offered, "tool_choice.allowed_tools", chat=True)
     return head, request
+
+
+def check_allowed_tools(allowed: Any, offered: Collection[str], where: str, *, chat: bool) -> None:
+    """OpenAI's `allowed_tools` tool choice (`where`: its `mode` and `tools`; chat names a tool as
+    `{"type": "function", "function": {"name"}}`, Responses as `{"type": "function", "name"}`): a mode the engine
+    has (`auto`, `required`), and function tools among those the request offers. A 400 naming the param else."""
+    fields = allowed if isinstance(allowed, dict) else {}
+    if "mode" not in fields:
+        raise invalid_request(
+            f"Missing required parameter: '{where}.mode'.", param=f"{where}.mode", code="missing_required_parameter"
+        )
+    if fields["mode"] not in ("auto", "required"):
+        raise invalid_request(
+            f"Invalid value: '{fields['mode']}'. Supported values are: 'auto' and 'required'.",
+            param=f"{where}.mode",
+            code="invalid_value",
+        )
+    tools = fields.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise invalid_request(
+            f"'{where}.tools' must name at least one of the request's tools.",
+            param=f"{where}.tools",
+            code="invalid_value",
+        )
+    for i, tool in enumerate(tools):
+        at = f"{where}.tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise invalid_request(
+                f"Unsupported tool type: '{kind}'. This gateway supports only 'function' tools.",
+                param=f"{at}.type",
+                code="unsupported_value",
+            )
+        named = (tool.get("function") or {}) if chat else tool
+        name = named.get("name") if isinstance(named, dict) else None
+        if name not in offered:
+            raise invalid_request(
+                f"Allowed tool '{name}' not found in 'tools' parameter.",
+                param=f"{at}.function.name" if chat else f"{at}.name",
+                code="invalid_value",
+            )
 
 
 @functools.lru_cache(maxsize=1024)

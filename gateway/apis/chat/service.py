@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.apis.chat.schema import parse_chat_request
-from gateway.apis.chat.translate import ChatWire, strict_forced_calls, upstream_request
+from gateway.apis.chat.translate import ChatWire, offered_tools, strict_forced_calls, upstream_request
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.proxy import CHAT_PATH, CallOrigin, EngineCalls, EngineRequest
 
@@ -17,7 +17,7 @@ class ChatService:
 
     async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_chat_request(body)
-        request = strict_forced_calls(request)
+        request = strict_forced_calls(offered_tools(request))
         route = await self.calls.route(head.model, origin)
         upstream_body, asked = upstream_request(request, route)
         wire = ChatWire(asked, head.model)

@@ -27,6 +27,20 @@ class Asked:
     token_ids: bool
 
 
+def offered_tools(request: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}` (checked by the
+    schema) as the engine takes it: only the allowed tools offered to the model (and rendered in its prompt),
+    `mode` (`auto` or `required`) as the tool_choice. vLLM 0.32 refuses the form itself. The request is recorded
+    as changed: the trainer rebuilds the grammar from the tools the engine was given."""
+    choice = request.get("tool_choice")
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return request
+    allowed = choice["allowed_tools"]
+    names = {tool["function"]["name"] for tool in allowed["tools"]}
+    tools = [tool for tool in request.get("tools") or () if tool["function"]["name"] in names]
+    return {**request, "tools": tools, "tool_choice": allowed["mode"]}
+
+
 def strict_forced_calls(request: dict[str, Any]) -> dict[str, Any]:
     """The request with the tools a named or `required` tool_choice forces made `strict`: their arguments are
     then sampled under the tool's schema. Without it vLLM 0.32 constrains only the `<tool_call>` envelope and the

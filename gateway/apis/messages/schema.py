@@ -40,15 +40,20 @@ class AnthropicError(Exception):
 
     Anthropic's SDK picks its exception class by the HTTP status (`BadRequestError` for 400, ...)."""
 
-    def __init__(self, status: int, message: str, type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str | None = None, error_code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _TYPE_BY_STATUS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        # `error.details.error_code`: what Anthropic's SDK branches on (a thread it may replay, say).
+        self.error_code = error_code
         self.headers: dict[str, str] | None = None  # the rollout id, echoed on the error
 
     def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+        error: dict[str, Any] = {"type": self.type, "message": self.message}
+        if self.error_code is not None:
+            error["details"] = {"error_code": self.error_code}
+        return {"type": "error", "error": error}
 
 
 def _dotted(param: str) -> str:
@@ -145,6 +150,20 @@ class ToolChoice(msgspec.Struct, frozen=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThreadCreate(msgspec.Struct, frozen=True, tag="create", tag_field="type"):
+    """Keep this conversation (its system, tools, messages and the answer) under the answer's id."""
+
+
+class ThreadContinue(msgspec.Struct, frozen=True, tag="continue", tag_field="type"):
+    """Continue the conversation kept under `previous_message_id`: the request sends only the new messages, and
+    takes `system` and `tools` from the thread."""
+
+    previous_message_id: Annotated[str, msgspec.Meta(min_length=1)]
+
+
+Thread = ThreadCreate | ThreadContinue
+
+
 class MessagesRequest(msgspec.Struct, frozen=True):
     """A Messages request, typed. Unknown fields are ignored."""
 
@@ -162,9 +181,21 @@ class MessagesRequest(msgspec.Struct, frozen=True):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    thread: Thread | None = None  # Anthropic's message threads, kept in the gateway's store (service.py)
 
 
 _decoder = msgspec.json.Decoder(MessagesRequest)
+
+
+class ThreadFields(msgspec.Struct, frozen=True):
+    """What a thread's first request sets for all its turns: a `continue` leaves them out (or repeats them)."""
+
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+
+    @classmethod
+    def of(cls, request: MessagesRequest) -> ThreadFields:
+        return cls(request.system, request.tools)
 
 
 def _tags(union: Any) -> str:
@@ -180,6 +211,7 @@ _TAGGED = (
     (re.compile(r"^messages\[\d+\]\.content\[\d+\]\.type$"), _tags(ContentBlock)),
     (re.compile(r"\.source\.type$"), _tags(Base64Source | URLSource)),
     (re.compile(r"^system\[\d+\]\.type$"), _tags(TextBlock)),
+    (re.compile(r"^thread\.type$"), _tags(Thread)),
 )
 _BAD_TAG = re.compile(r"^Invalid request: Invalid value (?P<value>'.*') \(at ")
 
@@ -201,14 +233,36 @@ def _bad_tag(exc: OpenAIError) -> AnthropicError | None:
 
 def parse_request(body: bytes) -> MessagesRequest:
     """The typed request; anything wrong is an `AnthropicError` (400) whose message starts with the parameter's
-    path (`messages.0.role: ...`). Only AnthropicError is raised: the body's decoding errors are re-shaped here."""
+    path (`messages.0.role: ...`). Only AnthropicError is raised: the body's decoding errors are re-shaped here.
+    A thread's `continue` has its tools checked once the thread's are added (`continued`)."""
     try:
         request = decode_body(body, MessagesRequest, _decoder)
     except OpenAIError as exc:
         raise (_bad_tag(exc) or from_openai_error(exc)) from None
     _check_messages(request.messages)
-    _check_tools(request)
+    if not isinstance(request.thread, ThreadContinue):
+        _check_tools(request)
     return request
+
+
+def continued(request: MessagesRequest, fields: ThreadFields, history: list[InputMessage]) -> MessagesRequest:
+    """A thread's `continue` as the whole request it stands for: the thread's `system` and `tools` (`fields`),
+    its conversation (`history`, the answer last), then the new messages. A `system` or `tools` sent again must
+    be the thread's (Anthropic's `thread_fingerprint_mismatch` otherwise)."""
+    sent = ThreadFields.of(request)
+    for name in ThreadFields.__struct_fields__:
+        if getattr(sent, name) is not None and getattr(sent, name) != getattr(fields, name):
+            raise AnthropicError(
+                400,
+                f"{name}: differs from the `{name}` this thread was created with; a `continue` takes it from the "
+                'thread: leave it out, or send the whole conversation with `thread: {"type": "create"}`.',
+                error_code="thread_fingerprint_mismatch",
+            )
+    full = msgspec.structs.replace(
+        request, system=fields.system, tools=fields.tools, messages=[*history, *request.messages]
+    )
+    _check_tools(full)
+    return full
 
 
 def _invalid(message: str) -> AnthropicError:

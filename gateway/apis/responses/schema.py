@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.apis.chat.schema import schema_problem
+from gateway.apis.chat.schema import check_allowed_tools, schema_problem
 from gateway.errors import OpenAIError, decode_body, invalid_request
 
 _encode = msgspec.json.encode
@@ -57,8 +57,13 @@ class Tool(msgspec.Struct, frozen=True):
 
 
 class NamedToolChoice(msgspec.Struct, frozen=True):
+    """A tool choice object: a named function (`type`: "function", `name`), or OpenAI's allowed tools
+    (`type`: "allowed_tools", `mode`, `tools`: `{"type": "function", "name"}` each)."""
+
     type: str
     name: str | None = None
+    mode: str | None = None
+    tools: list[Any] | None = None
 
 
 class TextFormat(msgspec.Struct, frozen=True):
@@ -254,9 +259,14 @@ def _check_tool_choice(request: ResponsesRequest) -> None:
     choice = request.tool_choice
     if not isinstance(choice, NamedToolChoice):
         return
+    if choice.type == "allowed_tools":
+        fields = {k: v for k, v in (("mode", choice.mode), ("tools", choice.tools)) if v is not None}
+        check_allowed_tools(fields, {tool.name for tool in request.tools or ()}, "tool_choice", chat=False)
+        return
     if choice.type != "function":
         raise _unsupported(
-            f"Unsupported tool choice type: '{choice.type}'. This gateway supports only 'function' tools.",
+            f"Unsupported tool choice type: '{choice.type}'. This gateway supports only 'function' and "
+            "'allowed_tools'.",
             "tool_choice.type",
         )
     if choice.name is None:
@@ -375,6 +385,11 @@ class ToolChoiceFunction(msgspec.Struct, frozen=True, tag="function", tag_field=
     name: str | None
 
 
+class ToolChoiceAllowed(msgspec.Struct, frozen=True, tag="allowed_tools", tag_field="type"):
+    mode: str
+    tools: list[Any]
+
+
 class FunctionToolEcho(msgspec.Struct, frozen=True, kw_only=True, tag="function", tag_field="type"):
     name: str | None
     description: str | None
@@ -401,7 +416,7 @@ class Response(msgspec.Struct, frozen=True, kw_only=True):
     store: bool
     temperature: float | None
     text: TextEcho
-    tool_choice: str | ToolChoiceFunction
+    tool_choice: str | ToolChoiceFunction | ToolChoiceAllowed
     tools: list[FunctionToolEcho]
     top_p: float | None
     truncation: Literal["disabled"] = "disabled"

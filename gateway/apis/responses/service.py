@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.apis.chat.translate import strict_forced_calls, upstream_request
+from gateway.apis.chat.translate import offered_tools, strict_forced_calls, upstream_request
 from gateway.apis.responses.schema import Response, ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
     ResponsesStream,
@@ -115,7 +115,7 @@ class ResponsesService:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 ) from None
-        chat = strict_forced_calls(to_chat(request, history))
+        chat = strict_forced_calls(offered_tools(to_chat(request, history)))
         if not chat["messages"]:
             raise invalid_request(
                 "Nothing to answer: 'input' is empty, and there are no instructions and no previous response.",
@@ -131,7 +131,7 @@ class ResponsesService:
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
         """The stored response, if the caller's key made it (or is the admin's); else not found, as if it did not
         exist: another key of the same model can neither read nor continue it."""
-        return await self.store.get(response_id, grant=caller.grant)
+        return await self.store.get(response_id, grant=caller.grant, api="responses")
 
     async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
         return (await self._stored(response_id, caller)).response

@@ -44,6 +44,7 @@ from gateway.apis.responses.schema import (
     TextEcho,
     TextFormat,
     Tool,
+    ToolChoiceAllowed,
     ToolChoiceFunction,
     Usage,
     item_kind,
@@ -177,6 +178,9 @@ def strict_compatible(schema: Any) -> bool:
 
 
 def _chat_tool_choice(choice: str | NamedToolChoice | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, NamedToolChoice) and choice.type == "allowed_tools":
+        tools = [{"type": "function", "function": {"name": tool["name"]}} for tool in choice.tools or ()]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": tools}}
     if isinstance(choice, NamedToolChoice):
         return {"type": "function", "function": {"name": choice.name}}
     return choice
@@ -350,7 +354,9 @@ def _format_echo(text_format: TextFormat | None) -> FormatText | FormatJSONObjec
     )
 
 
-def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | ToolChoiceFunction:
+def _tool_choice_echo(choice: str | NamedToolChoice | None) -> str | ToolChoiceFunction | ToolChoiceAllowed:
+    if isinstance(choice, NamedToolChoice) and choice.type == "allowed_tools":
+        return ToolChoiceAllowed(choice.mode or "", list(choice.tools or ()))
     if isinstance(choice, NamedToolChoice):
         return ToolChoiceFunction(choice.name)
     return choice or "auto"
