@@ -126,13 +126,13 @@ class NewMember(msgspec.Struct, frozen=True):
 class NewGroup(msgspec.Struct, frozen=True):
     id: str
     model: str
-    owner: str  # whose rollouts its members are (store.access.Grant.namespace of the key that makes it)
     state: GroupState  # `scoring` (RULER will judge it) or `ready` (caller rewards)
     request_hash: str  # same id + other content = a conflict
     metadata: dict[str, Any] | None
     ruler: dict[str, Any] | None
     no_signal: bool | None
     members: list[NewMember]
+    owner: str  # whose rollouts its members are (store.access.Grant.namespace of the key that makes it)
 
 
 def _plain(row: sa.Row[Any]) -> dict[str, Any]:
