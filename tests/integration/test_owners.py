@@ -155,7 +155,9 @@ def test_each_tenant_groups_and_rewards_its_own_rollouts_of_one_id(tenants: Tena
     groups = {}
     for who in ("owner", "neighbour"):
         for rollout_id in ids:
-            assert tenants.chat(who, rollout_id, f"{who}'s attempt").status_code == 200
+            answered = tenants.chat(who, rollout_id, f"{who}'s attempt")
+            assert answered.status_code == 200, (who, answered.text)
+    for who in ("owner", "neighbour"):
         body = {"model": "a", "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(ids[:2])]}
         made = tenants.ask("POST", "/v1/art/groups", who, json=body)
         assert made.status_code == 201, (who, made.text)

@@ -104,6 +104,15 @@ def test_calls_that_do_not_continue() -> None:
     assert remembered.find(RolloutKey("", "r2"), _request([USER, SENT_BACK, RESULT]), ROUTE) is None  # another rollout
 
 
+def test_another_owners_rollout_of_the_same_id_is_not_continued() -> None:
+    """Rollout ids are per owner (#40): key_b's call naming `r1` never continues (splices into) key_a's `r1`."""
+    remembered = _continuations(_record([USER], [REPLY], key_id="key_a"))
+    request = _request([USER, SENT_BACK, RESULT])
+    assert remembered.find(RolloutKey("key_a", "r1"), request, ROUTE) is not None
+    assert remembered.find(RolloutKey("key_b", "r1"), request, ROUTE) is None
+    assert remembered.find(RolloutKey("", "r1"), request, ROUTE) is None
+
+
 def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_the_budget() -> None:
     failed = _record([USER], [], status="upstream_error", http_status=502)
     assert len(_continuations(failed)) == 0
