@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -371,3 +372,46 @@ def test_metrics_of_a_keyed_gateway_need_the_admin_key(tenants: Tenants) -> None
         assert tenants.ask("GET", "/metrics", who).status_code == 401
     scraped = tenants.ask("GET", "/metrics", "admin")
     assert scraped.status_code == 200 and 'model="a"' in scraped.text
+
+
+# ---------------------------------------------------------------- the real engine: one sequence each
+
+
+@pytest.mark.engine
+def test_two_tenants_of_one_rollout_id_each_train_one_sequence(vllm_url: str, tmp_path: Path) -> None:
+    """Two keys of model `a` hold a two-turn conversation each under one rollout id, their turns interleaved,
+    against the real vLLM: each key's rollout is its two calls, the second spliced onto the first's sampled
+    tokens (one sequence), with nothing of the other's. Before: the second key's calls got 409."""
+    gateway = serve(tmp_path, vllm_url, "--auth", "required")
+    try:
+        keys = []
+        for name in ("first", "second"):
+            body = {"name": name, "models": ["a"], "scopes": ["infer", "read"]}
+            made = httpx.post(f"{gateway.url}/v1/art/keys", json=body, headers=gateway.admin, timeout=30)
+            assert made.status_code == 201, made.text
+            keys.append(made.json())
+        rollout_id = f"shared-{uuid.uuid4().hex[:8]}"
+        histories = {key["id"]: [{"role": "user", "content": f"Hello, I am {key['name']}."}] for key in keys}
+        for _turn in range(2):
+            for key in keys:
+                history = histories[key["id"]]
+                body = {"model": "a", "messages": history, "max_tokens": 8, "seed": 1}
+                answered = httpx.post(
+                    f"{gateway.url}/v1/chat/completions",
+                    json=body,
+                    headers={**sent(key["key"]), ROLLOUT: rollout_id},
+                    timeout=120,
+                )
+                assert answered.status_code == 200, answered.text
+                reply = answered.json()["choices"][0]["message"]
+                history += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "More."}]
+        for key in keys:
+            got = httpx.get(f"{gateway.url}/v1/art/rollouts/{rollout_id}", headers=sent(key["key"]), timeout=60)
+            assert got.status_code == 200, got.text
+            mine = got.json()
+            assert [c["key_id"] for c in mine["calls"]] == [key["id"]] * 2
+            assert len(mine["sequences"]) == 1, mine["sequences"]
+            other = next(k for k in keys if k is not key)
+            assert f"I am {other['name']}" not in got.text
+    finally:
+        gateway.stop()
