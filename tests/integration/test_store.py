@@ -160,7 +160,10 @@ async def test_migration_0010_files_each_rollout_under_its_owner(store_url: str)
             rollout = {"model": "agent", "explicit": True, "first_call_at": 1.0, "last_call_at": 3.0}
             conn.execute(
                 table["rollouts"].insert(),
-                [rollout | {"id": "r1", "call_count": 2, "key_id": "key_a"}, rollout | {"id": "r2", "call_count": 1, "key_id": None}],
+                [
+                    rollout | {"id": "r1", "call_count": 2, "key_id": "key_a"},
+                    rollout | {"id": "r2", "call_count": 1, "key_id": None},
+                ],
             )
             group = {"model": "agent", "state": "ready", "request_hash": "h", "created_at": 1.0, "updated_at": 1.0}
             conn.execute(table["groups"].insert(), [group | {"id": "g1"}])
