@@ -375,6 +375,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from store.calls import RolloutFilter
     from store.groups import memberships
     from store.provide import Store, open_store
+    from store.records import RolloutKey
     from store.trajectories import Trajectory
 
     chosen = _build(ExportOptions, args)
@@ -391,9 +392,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             if not pending:
                 return
             async with store.engine.connect() as conn:
-                groups = await memberships(conn, [t.rollout_id for t in pending])
+                groups = await memberships(conn, [RolloutKey(t.owner, t.rollout_id) for t in pending])
             for trajectory in pending:
-                found = groups.get(trajectory.rollout_id, [])
+                found = groups.get(RolloutKey(trajectory.owner, trajectory.rollout_id), [])
                 # The trajectory's JSON object with one more member: its closing brace replaced.
                 line = encoder.encode(trajectory)[:-1] + b',"groups":' + encoder.encode(found) + b"}"
                 sys.stdout.buffer.write(line + b"\n")

@@ -1006,21 +1006,25 @@ async def scenario_keyless(b: Bench) -> None:
 
     gateway = b.gateway("--upstream", b.stub(), "--auth", "required")
     async with httpx.AsyncClient(timeout=30) as client:
-        secrets = []
+        secrets, key_ids = [], []
         for name in ("owner", "neighbour"):
-            made = await client.post(
-                f"{gateway.base_url}/art/keys", json={"name": name, "models": ["my-agent"]}, headers=gateway.admin
-            )
+            body = {"name": name, "models": ["my-agent"], "scopes": ["infer", "read"]}
+            made = await client.post(f"{gateway.base_url}/art/keys", json=body, headers=gateway.admin)
             secrets.append({"Authorization": f"Bearer {made.json()['key']}"})
+            key_ids.append(made.json()["id"])
         url = f"{gateway.base_url}/chat/completions"
         first = await client.post(url, json=CHAT, headers={**secrets[0], **rid("task-1")})
         joined = await client.post(url, json=CHAT, headers={**secrets[1], **rid("task-1")})
+        # Each key's read of the id: the key ids of the calls in it (its own only, if ids are per key).
+        read = [await client.get(f"{gateway.base_url}/art/rollouts/task-1", headers=secret) for secret in secrets]
+        seen = [[c["key_id"] for c in r.json()["calls"]] if r.status_code == 200 else r.status_code for r in read]
         b.add(
             "another key of the same model names a key's rollout id",
-            "200: its call joined (spliced into) that rollout",
-            f"owner {first.status_code}; the other key {joined.status_code} {error_code(joined)}",
-            "409 rollout_id_taken, worded as for another model's key",
-            first.status_code == 200 and joined.status_code == 409,
+            "200: its call joined (spliced into) that rollout; later (#40's first fix) 409 rollout_id_taken",
+            f"owner {first.status_code}, the other key {joined.status_code}; each one's read of the id: "
+            f"{'its own call only' if seen == [[k] for k in key_ids] else seen}",
+            "200 each, two rollouts of one id: each key reads its own call only",
+            first.status_code == 200 and joined.status_code == 200 and seen == [[k] for k in key_ids],
         )
     gateway.stop()
 

@@ -54,7 +54,7 @@ from store import create_engine, migrate  # noqa: E402
 from store.calls import rollout_calls, write_calls_sync  # noqa: E402
 from store.codec import CallCache  # noqa: E402
 from store.db import create_sync_sqlite_engine  # noqa: E402
-from store.records import CallRecord, ChoiceRecord  # noqa: E402
+from store.records import CallRecord, ChoiceRecord, RolloutKey  # noqa: E402
 from store.tables import rollouts  # noqa: E402
 from store.trajectories import Trajectory, assemble  # noqa: E402
 
@@ -334,7 +334,7 @@ def measure(path: Path, layout: str, rollouts_: list[list[CallRecord]], batch: i
                     if layout == "before":
                         back = await conn.run_sync(read_calls_0003, rollout_id)
                     else:
-                        back = await rollout_calls(conn, rollout_id) or []
+                        back = await rollout_calls(conn, RolloutKey("", rollout_id)) or []
                     equal &= msgspec.json.encode(back) == msgspec.json.encode(records)
                     trajectories[rollout_id] = assemble(rollout_id, back)
         finally:

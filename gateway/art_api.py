@@ -95,14 +95,19 @@ EVAL_SET_EXAMPLE = {
 
 
 @get("/v1/art/rollouts/{rollout_id:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
-async def get_rollout(rollouts: RolloutService, caller: Caller, rollout_id: str) -> Trajectory:
-    return await rollouts.get(rollout_id, caller=caller)
+async def get_rollout(
+    rollouts: RolloutService, caller: Caller, rollout_id: str, owner: str | None = None
+) -> Trajectory:
+    """The caller's rollout `rollout_id` (rollout ids are per key); the admin key reads key `owner`'s."""
+    return await rollouts.get(rollout_id, caller=caller, owner=owner)
 
 
 @get("/v1/art/rollouts/{rollout_id:str}/{choice:int}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
-async def get_rollout_choice(rollouts: RolloutService, caller: Caller, rollout_id: str, choice: int) -> Trajectory:
-    """The rollout `"<rollout_id>/<choice>"`: one choice of its n > 1 call."""
-    return await rollouts.get(rollout_id, choice=choice, caller=caller)
+async def get_rollout_choice(
+    rollouts: RolloutService, caller: Caller, rollout_id: str, choice: int, owner: str | None = None
+) -> Trajectory:
+    """The rollout `"<rollout_id>/<choice>"`: one choice of its n > 1 call (`owner`: as for the whole one)."""
+    return await rollouts.get(rollout_id, choice=choice, caller=caller, owner=owner)
 
 
 @get("/v1/art/rollouts", responses=errors(400, 401, 403, 500, 503), **READ)

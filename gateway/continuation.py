@@ -35,7 +35,7 @@ import aiohttp
 import msgspec
 
 from gateway.adapters import Route
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 from store.trajectories import message_key, tools_key
 
 log = logging.getLogger("artgw.gateway")
@@ -113,7 +113,7 @@ class Continuations:
 
     def __init__(self, budget_bytes: int = 64 << 20) -> None:
         self.budget_bytes = budget_bytes
-        self._last: OrderedDict[str, LastCall] = OrderedDict()
+        self._last: OrderedDict[RolloutKey, LastCall] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -141,27 +141,27 @@ class Continuations:
             prompt_ids=array("i", record.prompt_token_ids),
             replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
         )
-        replaced = self._last.pop(record.rollout_id, None)
+        replaced = self._last.pop(record.rollout_key, None)
         if replaced is not None:
             self._bytes -= replaced.size
         if last.size > self.budget_bytes:
             return  # one call larger than the whole budget: its rollout's next call is rendered anew
-        self._last[record.rollout_id] = last
+        self._last[record.rollout_key] = last
         self._bytes += last.size
         while self._bytes > self.budget_bytes:
             _, oldest = self._last.popitem(last=False)
             self._bytes -= oldest.size
 
-    def holds(self, rollout_id: str) -> bool:
+    def holds(self, rollout: RolloutKey) -> bool:
         """Whether the rollout's last call is held (what a call continuing it would be spliced onto)."""
-        return rollout_id in self._last
+        return rollout in self._last
 
     def find(
-        self, rollout_id: str, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
+        self, rollout: RolloutKey, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
     ) -> Continued | None:
         """How `request` continues the rollout's last call, or None when it does not. `digests`: the request's
         `message_digests`, if already known."""
-        last = self._last.get(rollout_id)
+        last = self._last.get(rollout)
         if last is None or not last.prompt_ids:
             return None
         if (last.model, last.step, last.upstream_model) != (route.model, route.step, route.upstream_model):

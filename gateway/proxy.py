@@ -42,7 +42,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.rollouts import ROLLOUT_HEADER, RolloutOwners
 from gateway.tracing import CallTracer
 from recording.recorder import Recorder, RecordingUnavailable
-from store.records import Api, CallRecord, CallStatus, ChoiceRecord
+from store.records import Api, CallRecord, CallStatus, ChoiceRecord, RolloutKey
 from store.types import ROLLOUT_ID
 
 # The promotion gate's own calls (gateway/promotion/): recorded like any call, never part of a group, and
@@ -66,6 +66,11 @@ class CallOrigin:
     # The client's W3C trace context (`traceparent`, `tracestate`; gateway/tracing.py::trace_context): the
     # call's span joins the client's trace, and the engine gets it on.
     trace_headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def rollout_key(self) -> RolloutKey:
+        """The rollout it joins: `rollout_id` in its caller's namespace (store.access.Grant.namespace)."""
+        return RolloutKey(self.caller.grant.namespace, self.rollout_id)
 
 
 def call_origin(
@@ -283,7 +288,7 @@ class EngineCalls:
     async def route(self, requested: str, origin: CallOrigin) -> Route:
         """Where a call asking for `requested` goes: a rollout's calls to `NAME` go to the step its first call
         was served by, while that step is loaded (gateway/rollouts.py)."""
-        pin = await self.owners.pin(origin.rollout_id, origin.caller.grant) if origin.explicit else None
+        pin = await self.owners.pin(origin.rollout_key) if origin.explicit else None
         return self.registry.resolve(requested, origin.caller, origin.rollout_id, pin)
 
     async def run(self, call_in: EngineRequest, origin: CallOrigin, hang_up: HangUp | None) -> JSONBody | EventStream:
@@ -291,10 +296,10 @@ class EngineCalls:
         streamed notice the client hanging up while the engine works: the engine's request is then closed
         (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
         if origin.explicit:  # an id the gateway made up is new and random: nobody else's
-            await self.owners.claim(origin.rollout_id, call_in.route.model, call_in.route.step, origin.caller.grant)
+            await self.owners.claim(origin.rollout_key, call_in.route.model, call_in.route.step)
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, origin, call_in, time.time())
-        self.recorder.begin(origin.rollout_id)
+        self.recorder.begin(origin.rollout_key)
         self.metrics.call_started(call.label)
         if call_in.stream or hang_up is None:
             return await self._answer(call)
@@ -429,8 +434,8 @@ class EngineCalls:
         spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
             return None
-        call.rollout_known = self.continuations.holds(origin.rollout_id)
-        continued = self.continuations.find(origin.rollout_id, spec.request, spec.route, call.digests)
+        call.rollout_known = self.continuations.holds(origin.rollout_key)
+        continued = self.continuations.find(origin.rollout_key, spec.request, spec.route, call.digests)
         if continued is None:
             return None
         if self.splicer is None:

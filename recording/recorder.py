@@ -43,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from recording.journal import Entry, FsyncPolicy, Journal, Position
 from store.calls import write_calls, write_calls_sync
 from store.codec import CallCache
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 
 log = logging.getLogger("artgw.recorder")
 
@@ -138,24 +138,24 @@ class Recorder:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._fsync_task: asyncio.Task[None] | None = None
-        self._in_flight: dict[str, int] = {}  # rollout id -> calls accepted but not yet in the store
+        self._in_flight: dict[RolloutKey, int] = {}  # rollout -> calls accepted but not yet in the store
         self._committed = asyncio.Condition()
         # The last recorded calls of active rollouts: the next call of a rollout is stored as what it adds to
         # them (store/codec.py). Only the writer touches it, one batch at a time.
         self.cache = CallCache(max_bytes=cache_bytes)
 
-    def begin(self, rollout_id: str) -> None:
+    def begin(self, rollout: RolloutKey) -> None:
         """A call of this rollout was accepted; it counts as in flight until its record is committed."""
-        self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
+        self._in_flight[rollout] = self._in_flight.get(rollout, 0) + 1
 
-    def in_flight(self, rollout_id: str) -> int:
-        return self._in_flight.get(rollout_id, 0)
+    def in_flight(self, rollout: RolloutKey) -> int:
+        return self._in_flight.get(rollout, 0)
 
-    async def settled(self, rollout_ids: list[str], within: float) -> bool:
+    async def settled(self, rollouts: list[RolloutKey], within: float) -> bool:
         """Wait until no call of these rollouts is in flight (read-your-writes); False on time-out."""
 
         def done() -> bool:
-            return not any(self._in_flight.get(r) for r in rollout_ids)
+            return not any(self._in_flight.get(r) for r in rollouts)
 
         async with self._committed:
             try:
@@ -179,7 +179,7 @@ class Recorder:
             if self.journal_failure is None:
                 log.error("the journal cannot take records (%s): calls are refused with 503 until it can", exc)
             self.journal_failure = f"{type(exc).__name__}: {exc}"
-            await self._forget(record.rollout_id)
+            await self._forget(record.rollout_key)
             raise RecordingUnavailable(self.journal_failure) from exc
         if self.journal_failure is not None:
             log.warning("the journal takes records again (after: %s)", self.journal_failure)
@@ -338,17 +338,17 @@ class Recorder:
             self._pending = self._pending[1:]
             await self._done([item])
 
-    def _leave(self, rollout_id: str) -> None:
+    def _leave(self, rollout: RolloutKey) -> None:
         """One call of this rollout is no longer in flight (committed, or never to be)."""
-        left = self._in_flight.get(rollout_id, 0) - 1
+        left = self._in_flight.get(rollout, 0) - 1
         if left > 0:
-            self._in_flight[rollout_id] = left
+            self._in_flight[rollout] = left
         else:
-            self._in_flight.pop(rollout_id, None)
+            self._in_flight.pop(rollout, None)
 
-    async def _forget(self, rollout_id: str) -> None:
+    async def _forget(self, rollout: RolloutKey) -> None:
         """A call of this rollout will never be committed: it is no longer in flight."""
-        self._leave(rollout_id)
+        self._leave(rollout)
         async with self._committed:
             self._committed.notify_all()
 
@@ -380,7 +380,7 @@ class Recorder:
                 self._committed_at = entry.end
                 if entry.end.segment < self._live_from:
                     continue  # replayed from an earlier run: no call of this run is waiting for it
-            self._leave(record.rollout_id)
+            self._leave(record.rollout_key)
         if (
             self._committed_at is not None
             and self.journal.segments

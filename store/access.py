@@ -6,9 +6,11 @@ in SQL where the read is a query; what a grant does not cover reads as if it did
 `NOTHING` sees nothing, and every-model access (`EVERYTHING`) is granted explicitly (the admin key, the local
 CLI that holds the store itself).
 
-A grant also names whose own things it may use: a rollout it may add calls to and a stored Response it may
-read, continue or delete are its key's (`owner`), whatever models it covers; another key of the same model
-is someone else. Every key's (`every_owner`) only where granted explicitly (the admin, the store's holders).
+A grant also names whose own things it may use: a rollout it may add calls to, read, group or reward and a
+stored Response it may read, continue or delete are its key's (`owner`), whatever models it covers; another
+key of the same model is someone else. Rollout ids are a namespace per owner (`namespace`): two keys' rollout
+`r1` are two rollouts, and neither can tell that the other's exists. Every key's (`every_owner`) only where
+granted explicitly (the admin, the store's holders), which names another owner's rollout with `owner_of`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,22 @@ class Grant(msgspec.Struct, frozen=True):
     def owns(self, key_id: str | None) -> bool:
         """May it use (add calls to, read, continue, delete) what key `key_id` made, where it covers the model?"""
         return self.every_owner or key_id == self.owner
+
+    @property
+    def namespace(self) -> str:
+        """The owner whose rollout ids its calls name: its key ("" without one: the admin, --auth off)."""
+        return self.owner or ""
+
+    def owner_of(self, requested: str | None) -> str | None:
+        """Whose rollout ids it reads where it asks for `requested`'s (None: its own): another owner's only with
+        every owner's (else None: nothing, as if unknown)."""
+        if requested is None or requested == self.namespace:
+            return self.namespace
+        return requested if self.every_owner else None
+
+    def where_owner(self, owner: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+        """The SQL condition on a table's rollout owner column: its own rows only (every owner's: all)."""
+        return sa.true() if self.every_owner else owner == self.namespace
 
     def covers(self, model: str | None) -> bool:
         """May it see (or use) `model`? Base-model data (`None`) only with every model."""

@@ -202,6 +202,7 @@ class GroupOut(msgspec.Struct, frozen=True):
     object: str = "art.group"
     judge_spread: float | None = None  # a panel's judgements: their mean disagreement over the group
     judge_agreement: float | None = None  # ... and their mean pairwise Spearman correlation
+    owner: str = ""  # whose rollouts it groups: the key that made it ("" for none: the admin's, --auth off's)
 
 
 class GroupPage(msgspec.Struct, frozen=True):

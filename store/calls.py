@@ -15,7 +15,7 @@ from store.access import Grant
 from store.codec import CallCache, Head, compact, expand
 from store.db import keyset_page
 from store.errors import Invalid
-from store.records import APIS, CALL_STATUSES, Api, CallRecord, CallStatus
+from store.records import APIS, CALL_STATUSES, Api, CallRecord, CallStatus, RolloutKey
 from store.tables import calls, group_members, rollouts
 
 
@@ -56,52 +56,55 @@ def stray_rollout_id(rollout_id: str, model: str | None) -> str:
 
 
 class RolloutOwner(msgspec.Struct, frozen=True):
-    """Whose a recorded rollout is: its trainable model, the step that served its first call of it, and the key
-    whose it is."""
+    """What a recorded rollout is on: its trainable model and the step that served its first call of it."""
 
     model: str | None  # None: base calls only so far
     first_step: int | None  # None: its first call of the model is not recorded yet (or had no step)
-    key_id: str | None  # the key of its first call made with one (None: the admin's, or made without a key)
 
 
-async def rollout_owner(conn: AsyncConnection, rollout_id: str) -> RolloutOwner | None:
-    """Whose a recorded rollout is; None when it is not recorded."""
+def _is(key: RolloutKey, owner: sa.ColumnElement[str], rollout_id: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+    return sa.and_(owner == key.owner, rollout_id == key.id)
+
+
+async def rollout_owner(conn: AsyncConnection, key: RolloutKey) -> RolloutOwner | None:
+    """What a recorded rollout is on; None when it is not recorded."""
     row = (
-        await conn.execute(sa.select(rollouts.c.model, rollouts.c.key_id).where(rollouts.c.id == rollout_id))
+        await conn.execute(sa.select(rollouts.c.model).where(_is(key, rollouts.c.owner, rollouts.c.id)))
     ).one_or_none()
     if row is None:
         return None
     if row.model is None:
-        return RolloutOwner(None, None, row.key_id)
+        return RolloutOwner(None, None)
     first = (
         sa.select(calls.c.step)
-        .where(calls.c.rollout_id == rollout_id, calls.c.model == row.model)
+        .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id), calls.c.model == row.model)
         .order_by(calls.c.started_at, calls.c.id)
         .limit(1)
     )
-    return RolloutOwner(row.model, (await conn.execute(first)).scalar(), row.key_id)
+    return RolloutOwner(row.model, (await conn.execute(first)).scalar())
 
 
 def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:
-    """A rollout belongs to the trainable model of its calls (calls of the base model, `model` None, join any),
-    and to the key of its first call made with one (the admin's calls, no key, join any): a record of another
-    trainable model or another key never joins it (its calls would be read, grouped and trained as the
-    owner's) but is kept, under `stray_rollout_id`."""
-    ids = sorted({r.rollout_id for r in records})
-    found = conn.execute(sa.select(rollouts.c.id, rollouts.c.model, rollouts.c.key_id).where(rollouts.c.id.in_(ids)))
-    owners: dict[str, tuple[str | None, str | None]] = {row.id: (row.model, row.key_id) for row in found}
+    """A rollout belongs to the trainable model of its calls (calls of the base model, `model` None, join any):
+    a record of another trainable model never joins it (its calls would be read, grouped and trained as the
+    other model's) but is kept, under `stray_rollout_id`. (Another key's calls are another owner's rollout.)"""
+    keys = {r.rollout_key for r in records}
+    found = conn.execute(
+        sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(
+            sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(sorted(keys))
+        )
+    )
+    models: dict[RolloutKey, str | None] = {RolloutKey(row.owner, row.id): row.model for row in found}
     kept = []
     for record in records:
-        owner = owners.get(record.rollout_id)
-        if owner is None:
-            owners[record.rollout_id] = (record.model, record.key_id)
-        elif (record.model is not None and owner[0] is not None and record.model != owner[0]) or (
-            record.key_id is not None and owner[1] is not None and record.key_id != owner[1]
-        ):
+        key = record.rollout_key
+        if key not in models:
+            models[key] = record.model
+        elif record.model is not None and models[key] is not None and record.model != models[key]:
             record = msgspec.structs.replace(record, rollout_id=stray_rollout_id(record.rollout_id, record.model))
-            owners.setdefault(record.rollout_id, (record.model, record.key_id))
+            models.setdefault(record.rollout_key, record.model)
         else:
-            owners[record.rollout_id] = (owner[0] or record.model, owner[1] or record.key_id)
+            models[key] = models[key] or record.model
         kept.append(record)
     return kept
 
@@ -125,19 +128,19 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
     if not unique:
         return 0
     unique = {record.call_id: record for record in _keep_apart(conn, list(unique.values()))}
-    heads: dict[str, list[Head]] = {}
+    heads: dict[RolloutKey, list[Head]] = {}
     rows = []
     for record in unique.values():
         if cache is None:
             row, _ = compact(record, ())
         else:
-            candidates = heads.get(record.rollout_id)
+            candidates = heads.get(record.rollout_key)
             if candidates is None:
-                candidates = cache.heads(record.rollout_id)
+                candidates = cache.heads(record.rollout_key)
             row, head = compact(record, candidates)
             # A made-up one-call rollout gets no next call: caching it would only push useful heads out.
             if record.rollout_explicit:
-                heads[record.rollout_id] = [*candidates, head][-cache.per_rollout :]
+                heads[record.rollout_key] = [*candidates, head][-cache.per_rollout :]
         rows.append(row)
     # Sorted by call id: concurrent writers of the same calls (a replayed spill racing a live recorder) take
     # their locks in one order, no deadlock. References need no order: they are resolved when read.
@@ -154,13 +157,14 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
         cache.stage(heads)
     if not new_ids:
         return 0
-    per_rollout: dict[str, dict[str, Any]] = {}
+    per_rollout: dict[RolloutKey, dict[str, Any]] = {}
     for record in records:
         if record.call_id not in new_ids:
             continue
         agg = per_rollout.setdefault(
-            record.rollout_id,
+            record.rollout_key,
             {
+                "owner": record.rollout_key.owner,
                 "id": record.rollout_id,
                 "model": record.model,
                 "key_id": record.key_id,
@@ -177,7 +181,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
         agg["key_id"] = agg["key_id"] or record.key_id
     stmt = insert(rollouts)
     stmt = stmt.on_conflict_do_update(
-        index_elements=["id"],
+        index_elements=["owner", "id"],
         set_={
             "call_count": rollouts.c.call_count + stmt.excluded.call_count,
             "first_call_at": sa.func.min(rollouts.c.first_call_at, stmt.excluded.first_call_at)
@@ -191,7 +195,7 @@ def write_calls_sync(conn: Connection, records: Sequence[CallRecord], cache: Cal
         },
     )
     # Sorted: concurrent writers (several gateway replicas) take row locks in the same order.
-    conn.execute(stmt, sorted(per_rollout.values(), key=lambda r: r["id"]))
+    conn.execute(stmt, [per_rollout[key] for key in sorted(per_rollout)])
     return len(new_ids)
 
 
@@ -204,15 +208,17 @@ def _plain(row: sa.Row[Any]) -> dict[str, Any]:
     return {str(k): v for k, v in row._asdict().items()}
 
 
-async def rollout_calls(conn: AsyncConnection, rollout_id: str) -> list[CallRecord] | None:
+async def rollout_calls(conn: AsyncConnection, key: RolloutKey) -> list[CallRecord] | None:
     """Every recorded call of a rollout, whole again (store/codec.py), or None if the rollout is unknown."""
     explicit = (
-        await conn.execute(sa.select(rollouts.c.explicit).where(rollouts.c.id == rollout_id))
+        await conn.execute(sa.select(rollouts.c.explicit).where(_is(key, rollouts.c.owner, rollouts.c.id)))
     ).scalar_one_or_none()
     if explicit is None:
         return None
     rows = await conn.execute(
-        sa.select(calls).where(calls.c.rollout_id == rollout_id).order_by(calls.c.started_at, calls.c.id)
+        sa.select(calls)
+        .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id))
+        .order_by(calls.c.started_at, calls.c.id)
     )
     return expand([_plain(row) for row in rows], explicit)
 
@@ -225,6 +231,7 @@ class RolloutRow(msgspec.Struct, frozen=True):
     first_call_at: float
     last_call_at: float
     key_id: str | None = None
+    owner: str = ""  # whose namespace its id is in (its `key_id`; "" for none): the admin lists every owner's
 
 
 async def list_rollouts(
@@ -236,20 +243,27 @@ async def list_rollouts(
     after: tuple[float, str] | None = None,
     newest_first: bool = False,
 ) -> list[RolloutRow]:
-    """The rollouts `where` selects of the models `grant` covers, by (last_call_at, id), oldest first
-    (`newest_first`: the other way); `after` is the keyset cursor of the previous page."""
+    """The rollouts `where` selects of the models `grant` covers and of its owner (every owner's: all), by
+    (last_call_at, id), oldest first (`newest_first`: the other way); `after` is the keyset cursor of the
+    previous page."""
     key = (rollouts.c.last_call_at, rollouts.c.id)
-    query = keyset_page(sa.select(rollouts), key, after, limit, newest_first).where(grant.where(rollouts.c.model))
+    query = keyset_page(sa.select(rollouts), key, after, limit, newest_first).where(
+        grant.where(rollouts.c.model), grant.where_owner(rollouts.c.owner)
+    )
     if where.status is not None or where.api is not None:  # one call must match both
-        matching = sa.select(calls.c.rollout_id).where(calls.c.rollout_id == rollouts.c.id)
+        matching = sa.select(calls.c.rollout_id).where(
+            calls.c.rollout_owner == rollouts.c.owner, calls.c.rollout_id == rollouts.c.id
+        )
         if where.status is not None:
             matching = matching.where(calls.c.status == where.status)
         if where.api is not None:
             matching = matching.where(calls.c.api == where.api)
         query = query.where(matching.exists())
     if where.group_id is not None:
-        members = sa.select(group_members.c.rollout_id).where(group_members.c.group_id == where.group_id)
-        query = query.where(rollouts.c.id.in_(members))
+        members = sa.select(group_members.c.rollout_owner, group_members.c.rollout_id).where(
+            group_members.c.group_id == where.group_id
+        )
+        query = query.where(sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(members))
     if where.model is not None:
         query = query.where(rollouts.c.model == where.model)
     if where.key_id is not None:

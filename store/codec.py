@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from store.records import CallRecord, ChoiceRecord
+from store.records import CallRecord, ChoiceRecord, RolloutKey
 
 # Format bytes: the first byte of a non-empty blob.
 IDS_INT32 = 1
@@ -240,6 +240,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         completion_ids = encode_ids([t for c in record.choices for t in c.token_ids])
     row: dict[str, Any] = {
         "id": record.call_id,
+        "rollout_owner": record.rollout_key.owner,
         "rollout_id": record.rollout_id,
         "model": record.model,
         "step": record.step,
@@ -299,16 +300,16 @@ class CallCache:
         # Several per rollout: interleaved sub-agents, or n > 1 branches, each find their own last call.
         self.per_rollout = per_rollout
         self.size = 0
-        self._heads: OrderedDict[str, list[Head]] = OrderedDict()
-        self._staged: dict[str, list[Head]] = {}
+        self._heads: OrderedDict[RolloutKey, list[Head]] = OrderedDict()
+        self._staged: dict[RolloutKey, list[Head]] = {}
 
     def __len__(self) -> int:
         return len(self._heads)
 
-    def heads(self, rollout_id: str) -> list[Head]:
-        return self._heads.get(rollout_id, [])
+    def heads(self, rollout: RolloutKey) -> list[Head]:
+        return self._heads.get(rollout, [])
 
-    def stage(self, heads: dict[str, list[Head]]) -> None:
+    def stage(self, heads: dict[RolloutKey, list[Head]]) -> None:
         """The heads of a batch being written: they count once `committed` is called."""
         self._staged = heads
 
@@ -318,14 +319,14 @@ class CallCache:
     def committed(self) -> None:
         """The transaction of the last staged batch committed: its calls may now be bases."""
         staged, self._staged = self._staged, {}
-        for rollout_id, heads in staged.items():
-            old = self._heads.pop(rollout_id, [])
+        for rollout, heads in staged.items():
+            old = self._heads.pop(rollout, [])
             self.size -= sum(h.size for h in old)
             heads = heads[-self.per_rollout :]
             size = sum(h.size for h in heads)
             if size > self.max_bytes:  # larger than the whole budget: never cached
                 continue
-            self._heads[rollout_id] = heads
+            self._heads[rollout] = heads
             self.size += size
         while self._heads and (self.size > self.max_bytes or len(self._heads) > self.max_rollouts):
             _, evicted = self._heads.popitem(last=False)

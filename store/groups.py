@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from store.access import Grant
 from store.db import keyset_page
 from store.errors import Conflict
+from store.records import RolloutKey
 from store.tables import group_members, groups
 from store.types import GroupState
 
@@ -71,6 +72,11 @@ class MemberRow(msgspec.Struct, frozen=True):
     ruler_criteria: dict[str, float] | None = None  # criterion -> score (the judges' aggregate)
     ruler_spread: float | None = None  # how much the judgements disagree on it
     checks: list[CheckOutcome] | None = None  # the group's rule checks on it
+    rollout_owner: str = ""  # whose rollout id `rollout_id` is (its group's owner)
+
+    @property
+    def rollout_key(self) -> RolloutKey:
+        return RolloutKey(self.rollout_owner, self.rollout_id)
 
 
 class MemberScore(msgspec.Struct, frozen=True):
@@ -104,6 +110,7 @@ class GroupRow(msgspec.Struct, frozen=True):
     judge_spread: float | None = None  # RULER panels: the judgements' mean disagreement over the group
     judge_agreement: float | None = None  # ... and their mean pairwise Spearman correlation
     members: list[MemberRow] = []
+    owner: str = ""  # the owner whose rollouts it groups (the key that made it; "" for none)
 
 
 class NewMember(msgspec.Struct, frozen=True):
@@ -125,6 +132,7 @@ class NewGroup(msgspec.Struct, frozen=True):
     ruler: dict[str, Any] | None
     no_signal: bool | None
     members: list[NewMember]
+    owner: str  # whose rollouts its members are (store.access.Grant.namespace of the key that makes it)
 
 
 def _plain(row: sa.Row[Any]) -> dict[str, Any]:
@@ -141,15 +149,19 @@ async def insert_group(conn: AsyncConnection, group: NewGroup) -> None:
     row = msgspec.to_builtins(group)
     members = row.pop("members")
     await conn.execute(sa.insert(groups), [{**row, "created_at": now, "updated_at": now}])
-    await conn.execute(sa.insert(group_members), [{**m, "group_id": group.id} for m in members])
+    await conn.execute(
+        sa.insert(group_members), [{**m, "group_id": group.id, "rollout_owner": group.owner} for m in members]
+    )
 
 
 async def load_groups(conn: AsyncConnection, group_ids: Sequence[str], *, grant: Grant) -> list[GroupRow]:
-    """Groups of the models `grant` covers with their members, in the order of `group_ids` (unknown ids, and
-    groups of other models, are left out)."""
+    """Groups of the models and owner `grant` covers with their members, in the order of `group_ids` (unknown
+    ids, and groups of other models or owners, are left out)."""
     if not group_ids:
         return []
-    query = sa.select(groups).where(groups.c.id.in_(group_ids), grant.where(groups.c.model))
+    query = sa.select(groups).where(
+        groups.c.id.in_(group_ids), grant.where(groups.c.model), grant.where_owner(groups.c.owner)
+    )
     rows = {r.id: _plain(r) for r in await conn.execute(query)}
     members: dict[str, list[MemberRow]] = {gid: [] for gid in rows}
     query = (
@@ -176,23 +188,25 @@ class Membership(msgspec.Struct, frozen=True):
     checks: list[CheckOutcome] | None
 
 
-async def memberships(conn: AsyncConnection, rollout_ids: Sequence[str]) -> dict[str, list[Membership]]:
-    """rollout id -> the groups its rollout (or a choice of it) is in, with the members' rewards."""
-    if not rollout_ids:
+async def memberships(conn: AsyncConnection, rollouts: Sequence[RolloutKey]) -> dict[RolloutKey, list[Membership]]:
+    """rollout -> the groups it (or a choice of it) is in, with the members' rewards."""
+    if not rollouts:
         return {}
-    columns = [group_members.c.rollout_id, *(group_members.c[name] for name in Membership.__struct_fields__)]
-    query = sa.select(*columns).where(group_members.c.rollout_id.in_(rollout_ids)).order_by(group_members.c.rollout_ref)
-    found: dict[str, list[Membership]] = {}
+    key = (group_members.c.rollout_owner, group_members.c.rollout_id)
+    columns = [*key, *(group_members.c[name] for name in Membership.__struct_fields__)]
+    query = sa.select(*columns).where(sa.tuple_(*key).in_(sorted(set(rollouts)))).order_by(group_members.c.rollout_ref)
+    found: dict[RolloutKey, list[Membership]] = {}
     for row in await conn.execute(query):
         data = _plain(row)
-        found.setdefault(data.pop("rollout_id"), []).append(msgspec.convert(data, Membership))
+        rollout = RolloutKey(data.pop("rollout_owner"), data.pop("rollout_id"))
+        found.setdefault(rollout, []).append(msgspec.convert(data, Membership))
     return found
 
 
-async def taken_refs(conn: AsyncConnection, rollout_ids: Sequence[str]) -> dict[str, str]:
-    """rollout_ref -> group id, for every member of any group that uses one of these rollouts."""
+async def taken_refs(conn: AsyncConnection, owner: str, rollout_ids: Sequence[str]) -> dict[str, str]:
+    """rollout_ref -> group id, for every member of any group that uses one of these rollouts of `owner`'s."""
     query = sa.select(group_members.c.rollout_ref, group_members.c.group_id).where(
-        group_members.c.rollout_id.in_(rollout_ids)
+        group_members.c.rollout_owner == owner, group_members.c.rollout_id.in_(rollout_ids)
     )
     return {ref: gid for ref, gid in await conn.execute(query)}
 
@@ -210,7 +224,9 @@ async def list_group_ids(
     """(created_at, id) of a page of groups of the models `grant` covers, oldest first (`newest_first`: the
     other way); `after`: the last key of the previous page."""
     key = (groups.c.created_at, groups.c.id)
-    query = keyset_page(sa.select(*key), key, after, limit, newest_first).where(grant.where(groups.c.model))
+    query = keyset_page(sa.select(*key), key, after, limit, newest_first).where(
+        grant.where(groups.c.model), grant.where_owner(groups.c.owner)
+    )
     if model is not None:
         query = query.where(groups.c.model == model)
     if state is not None:

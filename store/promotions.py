@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.records import RolloutKey
 from store.tables import calls, eval_sets, evaluations, group_members, promotions, rewards
 from store.types import EvaluationStatus, PromotionAction, PromotionActor
 
@@ -200,14 +201,17 @@ async def evaluation_counts(conn: AsyncConnection) -> dict[tuple[str, str], int]
 CANARY = "live-canary"  # the evaluations row of a step served to a share of live traffic (no eval set has it)
 
 
-async def put_reward(conn: AsyncConnection, rollout_id: str, model: str, reward: float) -> bool | None:
+async def put_reward(conn: AsyncConnection, rollout: RolloutKey, model: str, reward: float) -> bool | None:
     """Record a single rollout's reward: True if new, False if the same reward was given before, None if a
     different one was (a conflict: rewards are not rewritten)."""
-    given = (await conn.execute(sa.select(rewards.c.reward).where(rewards.c.rollout_id == rollout_id))).first()
+    mine = sa.and_(rewards.c.owner == rollout.owner, rewards.c.rollout_id == rollout.id)
+    given = (await conn.execute(sa.select(rewards.c.reward).where(mine))).first()
     if given is not None:
         return False if given[0] == reward else None
     await conn.execute(
-        sa.insert(rewards).values(rollout_id=rollout_id, model=model, reward=reward, created_at=time.time())
+        sa.insert(rewards).values(
+            owner=rollout.owner, rollout_id=rollout.id, model=model, reward=reward, created_at=time.time()
+        )
     )
     return True
 
@@ -217,21 +221,25 @@ async def live_rewards(conn: AsyncConnection, model: str, steps: list[int], sinc
     groups (the caller's reward, else the group's) and single rewards. A rollout whose calls were served by
     several steps counts for none."""
     served = (
-        sa.select(calls.c.rollout_id, sa.func.min(calls.c.step).label("step"))
+        sa.select(calls.c.rollout_owner, calls.c.rollout_id, sa.func.min(calls.c.step).label("step"))
         .where(calls.c.model == model)
-        .group_by(calls.c.rollout_id)
+        .group_by(calls.c.rollout_owner, calls.c.rollout_id)
         .having(sa.func.min(calls.c.step) == sa.func.max(calls.c.step))
         .having(sa.func.min(calls.c.started_at) >= since)
         .subquery()
     )
     given = sa.union_all(
-        sa.select(group_members.c.rollout_id, sa.func.coalesce(group_members.c.caller_reward, group_members.c.reward)),
-        sa.select(rewards.c.rollout_id, rewards.c.reward).where(rewards.c.model == model),
+        sa.select(
+            group_members.c.rollout_owner,
+            group_members.c.rollout_id,
+            sa.func.coalesce(group_members.c.caller_reward, group_members.c.reward),
+        ),
+        sa.select(rewards.c.owner, rewards.c.rollout_id, rewards.c.reward).where(rewards.c.model == model),
     ).subquery()
-    reward = given.c[given.c.keys()[1]]
+    owner, rollout_id, reward = (given.c[name] for name in given.c.keys())
     query = (
         sa.select(served.c.step, reward)
-        .join(served, served.c.rollout_id == given.c.rollout_id)
+        .join(served, sa.and_(served.c.rollout_owner == owner, served.c.rollout_id == rollout_id))
         .where(served.c.step.in_(steps), reward.is_not(None))
     )
     out: dict[int, list[float]] = {step: [] for step in steps}

@@ -7,7 +7,7 @@ returned, so training never re-tokenizes text.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -19,6 +19,13 @@ CallStatus = Literal["ok", "cancelled", "upstream_error", "client_error", "inter
 Api = Literal["chat", "completions", "responses", "messages"]
 CALL_STATUSES: tuple[str, ...] = get_args(CallStatus)
 APIS: tuple[str, ...] = get_args(Api)
+
+
+class RolloutKey(NamedTuple):
+    """What names a rollout in the store: a client's rollout id is one within its owner's namespace."""
+
+    owner: str  # the key that made it ("" for none: the admin's, or --auth off's): store.access.Grant.namespace
+    id: str  # the rollout id as the client sent it (or the gateway made up)
 
 
 class ChoiceRecord(msgspec.Struct, frozen=True):
@@ -53,3 +60,8 @@ class CallRecord(msgspec.Struct, frozen=True):
     # (gateway/continuation.py; kept in memory). False: a restart, another replica or newer rollouts lost it.
     # None: not asked (not a chat-path call of a named rollout) or recorded before it was kept.
     rollout_known: bool | None = None
+
+    @property
+    def rollout_key(self) -> RolloutKey:
+        """Its rollout: a caller's calls join rollouts of its own namespace only (its key's; "" without one)."""
+        return RolloutKey(self.key_id or "", self.rollout_id)

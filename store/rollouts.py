@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store.access import Grant
 from store.calls import RolloutFilter, RolloutRow, list_rollouts, rollout_calls
 from store.errors import Invalid, NotFound
+from store.records import RolloutKey
 from store.trajectories import Trajectory, assemble
 
 MAX_PAGE = 1000
@@ -48,19 +49,24 @@ class RolloutReader:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def find(self, rollout_id: str, *, grant: Grant, choice: int | None = None) -> Trajectory | None:
-        """The assembled rollout (`choice`: that choice of its n > 1 calls), or None if never recorded or of a
-        model `grant` does not cover."""
+    async def find(
+        self, rollout_id: str, *, owner: str | None, grant: Grant, choice: int | None = None
+    ) -> Trajectory | None:
+        """The assembled rollout `rollout_id` of `owner`'s (`choice`: that choice of its n > 1 calls), or None if
+        never recorded, of a model `grant` does not cover, or of an owner it may not read (`owner` None:
+        nobody's; see `Grant.owner_of`)."""
+        if owner is None or grant.owner_of(owner) != owner:
+            return None
         async with self.engine.connect() as conn:
-            calls = await rollout_calls(conn, rollout_id)
+            calls = await rollout_calls(conn, RolloutKey(owner, rollout_id))
         if calls is None:
             return None
         # One choice of an n > 1 call is a rollout of its own, named as groups name it.
         trajectory = assemble(rollout_id if choice is None else f"{rollout_id}/{choice}", calls, choice)
-        return trajectory if grant.covers(trajectory.model) else None
+        return msgspec.structs.replace(trajectory, owner=owner) if grant.covers(trajectory.model) else None
 
-    async def get(self, rollout_id: str, *, grant: Grant, choice: int | None = None) -> Trajectory:
-        trajectory = await self.find(rollout_id, grant=grant, choice=choice)
+    async def get(self, rollout_id: str, *, owner: str | None, grant: Grant, choice: int | None = None) -> Trajectory:
+        trajectory = await self.find(rollout_id, owner=owner, grant=grant, choice=choice)
         if trajectory is None:
             raise NotFound(f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         return trajectory
@@ -78,12 +84,12 @@ class RolloutReader:
         return RolloutPage(rows, encode_cursor_pair(last.last_call_at, last.id) if last else None)
 
     async def export(self, where: RolloutFilter, *, grant: Grant) -> AsyncIterator[Trajectory]:
-        """Every rollout `where` selects of the models `grant` covers, assembled, page by page."""
+        """Every rollout `where` selects of the models and owners `grant` covers, assembled, page by page."""
         cursor = None
         while True:
             page = await self.page(where, grant=grant, limit=200, cursor=cursor)
             for row in page.data:
-                yield await self.get(row.id, grant=grant)
+                yield await self.get(row.id, owner=row.owner, grant=grant)
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor

@@ -13,10 +13,15 @@ metadata = sa.MetaData(
     }
 )
 
+# Rollout ids are a namespace per owner: the key that made the rollout ("" for none: the admin's, --auth off's).
+# Every table that names a rollout names it by (owner, id) (store.records.RolloutKey).
+OWNER = sa.String(64)
+
 # One row per rollout: the unit a group's reward attaches to.
 rollouts = sa.Table(
     "rollouts",
     metadata,
+    sa.Column("owner", OWNER, primary_key=True, server_default=""),
     sa.Column("id", sa.String(128), primary_key=True),
     sa.Column("model", sa.String(256), nullable=True, index=True),  # trainable model, NULL for base calls
     sa.Column("explicit", sa.Boolean, nullable=False),  # False: one-call rollout, id made by the gateway
@@ -33,7 +38,8 @@ calls = sa.Table(
     "calls",
     metadata,
     sa.Column("id", sa.String(64), primary_key=True),
-    sa.Column("rollout_id", sa.String(128), nullable=False, index=True),
+    sa.Column("rollout_owner", OWNER, nullable=False, server_default=""),
+    sa.Column("rollout_id", sa.String(128), nullable=False),
     sa.Column("model", sa.String(256), nullable=True),
     sa.Column("step", sa.Integer, nullable=True),  # adapter step that served it; 0 = base weights
     sa.Column("upstream_model", sa.String(512), nullable=False),
@@ -65,6 +71,7 @@ calls = sa.Table(
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("first_token_at", sa.Float, nullable=True),
     sa.Column("ended_at", sa.Float, nullable=False),
+    sa.Index("ix_calls_rollout_owner", "rollout_owner", "rollout_id"),
 )
 
 # A group: several attempts at one task, the unit GRPO compares.
@@ -73,6 +80,7 @@ groups = sa.Table(
     metadata,
     sa.Column("id", sa.String(128), primary_key=True),
     sa.Column("model", sa.String(256), nullable=False, index=True),
+    sa.Column("owner", OWNER, nullable=False, server_default="", index=True),  # whose rollouts it groups
     sa.Column("state", sa.String(16), nullable=False, index=True),  # scoring|ready|training|trained|failed
     sa.Column("failure_reason", sa.Text, nullable=True),
     sa.Column("request_hash", sa.String(64), nullable=False),  # same id + other content = a conflict
@@ -96,8 +104,9 @@ group_members = sa.Table(
     metadata,
     sa.Column("group_id", sa.String(128), sa.ForeignKey("groups.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("position", sa.Integer, primary_key=True),
-    sa.Column("rollout_ref", sa.String(140), nullable=False, unique=True),  # "rid" or "rid/<choice>"
-    sa.Column("rollout_id", sa.String(128), nullable=False, index=True),
+    sa.Column("rollout_owner", OWNER, nullable=False, server_default=""),  # its group's owner
+    sa.Column("rollout_ref", sa.String(140), nullable=False),  # "rid" or "rid/<choice>"
+    sa.Column("rollout_id", sa.String(128), nullable=False),
     sa.Column("choice", sa.Integer, nullable=True),
     sa.Column("reward", sa.Float, nullable=True),  # what GRPO uses; NULL while scoring
     sa.Column("caller_reward", sa.Float, nullable=True),
@@ -107,6 +116,8 @@ group_members = sa.Table(
     sa.Column("ruler_spread", sa.Float, nullable=True),  # how much the judgements disagree on this rollout
     sa.Column("checks", sa.JSON, nullable=True),  # each rule check's outcome
     sa.Column("metrics", sa.JSON, nullable=True),
+    sa.UniqueConstraint("rollout_owner", "rollout_ref", name="uq_group_members_rollout_owner"),
+    sa.Index("ix_group_members_rollout_owner", "rollout_owner", "rollout_id"),
 )
 
 # RULER's judge answers by hash of (judge model, rubric, trajectories): a retried group costs nothing.
@@ -164,6 +175,7 @@ promotions = sa.Table(
 rewards = sa.Table(
     "rewards",
     metadata,
+    sa.Column("owner", OWNER, primary_key=True, server_default=""),
     sa.Column("rollout_id", sa.String(128), primary_key=True),
     sa.Column("model", sa.String(256), nullable=False, index=True),
     sa.Column("reward", sa.Float, nullable=False),

@@ -84,6 +84,7 @@ class Trajectory(msgspec.Struct, frozen=True):
     calls: list[CallSummary]
     trainable_tokens: int
     context_tokens: int
+    owner: str = ""  # whose namespace `rollout_id` is in: the key that made it ("" for none; the admin's, --auth off's)
 
 
 def sampled_under_grammar(request: dict[str, Any]) -> bool:

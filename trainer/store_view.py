@@ -107,7 +107,10 @@ class TrainerStore:
         reader = RolloutReader(self.engine)
 
         async def read() -> list[Trajectory]:
-            return [await reader.get(m.rollout_id, grant=EVERYTHING, choice=m.choice) for m in members]
+            return [
+                await reader.get(m.rollout_id, owner=m.rollout_owner, grant=EVERYTHING, choice=m.choice)
+                for m in members
+            ]
 
         return self.portal.call(read)
 

@@ -89,7 +89,9 @@ class Scorer:
         usage: dict[str, Any] | None = None
         try:
             recorded = [
-                await self.reader.get(member.rollout_id, grant=EVERYTHING, choice=member.choice)
+                await self.reader.get(
+                    member.rollout_id, owner=member.rollout_owner, grant=EVERYTHING, choice=member.choice
+                )
                 for member in row.members
             ]
             trajectories = [ruler.Trajectory(messages=t.messages, tools=t.tools) for t in recorded]

@@ -26,6 +26,7 @@ from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
 from store.api import GroupCreate, GroupOut, GroupPage, GroupRolloutOut, RulerIn
 from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
+from store.records import RolloutKey
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
 from store.types import GROUP_ID, GROUP_STATES, GroupState
@@ -82,6 +83,7 @@ def group_out(row: GroupRow) -> GroupOut:
         updated_at=row.updated_at,
         judge_spread=row.judge_spread,
         judge_agreement=row.judge_agreement,
+        owner=row.owner,
     )
 
 
@@ -185,7 +187,7 @@ class GroupService:
         digest = request_hash(spec)
         existing = await self._row(group_id, ADMIN)  # ids are one namespace: a taken id is taken (see _replay)
         if existing is not None:
-            return self._replay(existing, digest), False
+            return self._replay(existing, digest, caller), False
 
         trajectories = await self._check_rollouts(spec, caller)
         members = []
@@ -206,6 +208,7 @@ class GroupService:
         group = NewGroup(
             id=group_id,
             model=spec.model,
+            owner=caller.grant.namespace,  # its members are the caller's rollouts
             state="scoring" if spec.ruler is not None else "ready",
             request_hash=digest,
             metadata=spec.metadata,
@@ -220,7 +223,7 @@ class GroupService:
             # A concurrent request took the id or one of the rollouts first.
             existing = await self._row(group_id, ADMIN)
             if existing is not None:
-                return self._replay(existing, digest), False
+                return self._replay(existing, digest, caller), False
             raise OpenAIError(
                 409, "A rollout of this group was just put in another group.", code="rollout_in_group"
             ) from None
@@ -282,12 +285,14 @@ class GroupService:
             _check_ruler(spec.ruler, self.scorer.policy)  # the scorer's: what is accepted is what is judged
 
     async def _check_rollouts(self, spec: GroupCreate, caller: Caller) -> list[Trajectory]:
-        """The members' trajectories, once each is known, of the group's model, trainable and in no group."""
+        """The members' trajectories, once each is known, of the group's model, trainable and in no group: the
+        caller's own rollouts (its namespace's ids; the admin's, without a key, are "")."""
+        owner = caller.grant.namespace
         refs = [r.rollout_id for r in spec.rollouts]
         trajectories = []
         rollout_ids = sorted({split_ref(r)[0] for r in refs})
-        await self.rollouts.settle(rollout_ids, self.settle_seconds)
-        busy = [r for r in rollout_ids if self.rollouts.recorder.in_flight(r)]
+        await self.rollouts.settle([RolloutKey(owner, r) for r in rollout_ids], self.settle_seconds)
+        busy = [r for r in rollout_ids if self.rollouts.recorder.in_flight(RolloutKey(owner, r))]
         if busy:
             raise OpenAIError(
                 409,
@@ -296,8 +301,8 @@ class GroupService:
             )
         for i, ref in enumerate(refs):
             rollout_id, choice = split_ref(ref)
-            trajectory = await self.rollouts.reader.find(rollout_id, grant=caller.grant, choice=choice)
-            if trajectory is None:  # never recorded, or of another key's model: unknown here
+            trajectory = await self.rollouts.reader.find(rollout_id, owner=owner, grant=caller.grant, choice=choice)
+            if trajectory is None:  # never recorded by the caller, or of another key's model: unknown here
                 raise invalid_request(
                     f"Unknown rollout `{rollout_id}`: no call with this rollout id has been recorded.",
                     param=f"rollouts[{i}].rollout_id",
@@ -324,7 +329,7 @@ class GroupService:
                 )
             trajectories.append(trajectory)
         async with self.engine.connect() as conn:
-            taken = await taken_refs(conn, rollout_ids)
+            taken = await taken_refs(conn, owner, rollout_ids)
         for i, ref in enumerate(refs):
             rollout_id, choice = split_ref(ref)
             # A whole rollout and one of its choices overlap, as do a rollout used twice.
@@ -338,8 +343,9 @@ class GroupService:
                 )
         return trajectories
 
-    def _replay(self, existing: GroupRow, digest: str) -> GroupOut:
-        if existing.request_hash != digest:
+    def _replay(self, existing: GroupRow, digest: str, caller: Caller) -> GroupOut:
+        # Another owner's group, even of the same request (its rollout ids are another owner's), is not the caller's.
+        if existing.request_hash != digest or existing.owner != caller.grant.namespace:
             raise OpenAIError(
                 409,
                 f"Group `{existing.id}` exists with other content: use a new group_id / Idempotency-Key.",

@@ -56,6 +56,7 @@ from store.promotions import (
     running_canaries,
     save_evaluation,
 )
+from store.records import RolloutKey
 
 log = logging.getLogger("artgw.promotion")
 
@@ -289,13 +290,13 @@ class PromotionService:
         """`POST /v1/art/rewards`: one rollout's reward, given after the fact; True if it is new."""
         if rollout_id.startswith(EVAL_ROLLOUT_PREFIX):
             raise invalid_request(f"`{rollout_id}` is an eval rollout of the promotion gate.", param="rollout_id")
-        await self.rollouts.settle([rollout_id], 5.0)  # a reward may arrive before its calls are stored
+        # The caller's own rollout (its namespace's id); `find` waits for calls on their way to the store.
         trajectory = await self.rollouts.find(rollout_id, caller=caller)
         if trajectory is None or trajectory.model is None:
             # As GET /v1/art/rollouts/{id} says it: another key's rollout does not exist for this one.
             raise OpenAIError(404, f"No rollout `{rollout_id}` has been recorded.", code="rollout_not_found")
         async with self.store.begin() as conn:
-            stored = await put_reward(conn, rollout_id, trajectory.model, reward)
+            stored = await put_reward(conn, RolloutKey(trajectory.owner, rollout_id), trajectory.model, reward)
         if stored is None:
             raise OpenAIError(
                 409, f"Rollout `{rollout_id}` was given a different reward before.", code="reward_conflict"

@@ -91,11 +91,11 @@ async def rollout_list(
 
 
 async def rollout_detail(
-    rollouts: RolloutService, registry: AdapterRegistry, caller: Caller, rollout_id: str, view: str
+    rollouts: RolloutService, registry: AdapterRegistry, caller: Caller, rollout_id: str, view: str, owner: str | None
 ) -> dict[str, Any]:
     if view not in VIEWS:
         raise invalid_request(f"`view`: one of {', '.join(VIEWS)}.", param="view")
-    trajectory = await rollouts.get(rollout_id, caller=caller)
+    trajectory = await rollouts.get(rollout_id, caller=caller, owner=owner)
     decoder = await decoder_for(registry.base_model_path)
     return {"t": trajectory, "view": view, "sequences": token_view(trajectory, decoder.pieces)}
 
@@ -187,7 +187,7 @@ async def group_detail(groups: GroupService, rollouts: RolloutService, caller: C
                 member.ruler_score,
                 member.ruler_explanation,
                 advantage,
-                await rollouts.find(rollout_id, choice=choice, caller=caller),
+                await rollouts.find(rollout_id, choice=choice, caller=caller, owner=group.owner),
                 member.ruler_criteria,
                 member.ruler_spread,
                 member.checks,

@@ -79,9 +79,15 @@ async def rollouts_page(
 
 @get("/rollouts/{rollout_id:str}", **PAGE)
 async def rollout_page(
-    rollouts: RolloutService, registry: AdapterRegistry, caller: Caller, rollout_id: str, view: str = "conversation"
+    rollouts: RolloutService,
+    registry: AdapterRegistry,
+    caller: Caller,
+    rollout_id: str,
+    view: str = "conversation",
+    owner: str | None = None,
 ) -> Template:
-    return Template("rollout.html", context=await pages.rollout_detail(rollouts, registry, caller, rollout_id, view))
+    context = await pages.rollout_detail(rollouts, registry, caller, rollout_id, view, owner)
+    return Template("rollout.html", context=context)
 
 
 @get("/groups", **PAGE)

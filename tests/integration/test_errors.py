@@ -23,7 +23,7 @@ import pytest
 
 from store import create_engine
 from store.calls import rollout_calls
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 from tests.conftest import (
     GatewayProcess,
     free_port,
@@ -58,7 +58,7 @@ def recorded_calls(db_path: Path, rollout_id: str) -> list[CallRecord] | None:
         engine = create_engine(f"sqlite+aiosqlite:///{db_path}")
         try:
             async with engine.connect() as conn:
-                return await rollout_calls(conn, rollout_id)
+                return await rollout_calls(conn, RolloutKey("", rollout_id))
         finally:
             await engine.dispose()
 

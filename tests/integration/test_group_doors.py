@@ -247,7 +247,7 @@ async def leave_scoring(db_path: Path, group_id: str, rollout_ids: list[str], ru
     try:
         async with engine.begin() as conn:
             members = [NewMember(i, rid, rid, None, None, None, None) for i, rid in enumerate(rollout_ids)]
-            await insert_group(conn, NewGroup(group_id, "my-agent", "scoring", "h", None, ruler, None, members))
+            await insert_group(conn, NewGroup(group_id, "my-agent", "scoring", "h", None, ruler, None, members, ""))
     finally:
         await engine.dispose()
 

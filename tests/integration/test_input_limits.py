@@ -316,6 +316,6 @@ async def test_a_record_at_the_depth_limit_round_trips_through_the_store(engine:
     record = make_call("c1", 1.0, body["messages"], rollout_id="deep", extra={"extra": body["extra"]})
     async with engine.begin() as conn:
         await write_calls(conn, [record])
-    trajectory = await RolloutReader(engine).get("deep", grant=EVERYTHING)
+    trajectory = await RolloutReader(engine).get("deep", owner="", grant=EVERYTHING)
     assert trajectory.messages[0] == body["messages"][0]
     assert depth(record.request) == MAX_JSON_DEPTH

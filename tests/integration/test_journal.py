@@ -20,7 +20,7 @@ from recording.recorder import Recorder
 from store import create_engine, migrate
 from store.calls import write_calls
 from store.db import create_sync_sqlite_engine
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 from tests.conftest import make_call
 
 
@@ -200,9 +200,9 @@ async def test_replay_after_a_crash_records_each_call_exactly_once(
     recorder = Recorder(engine, data_dir=tmp_path, sync_engine=create_sync_sqlite_engine(store_url), linger=0)
     await recorder.start()
     fresh = record("replay-new")
-    recorder.begin(fresh.rollout_id)
+    recorder.begin(fresh.rollout_key)
     await recorder.submit(fresh)
-    assert await recorder.settled([fresh.rollout_id], within=30)
+    assert await recorder.settled([fresh.rollout_key], within=30)
     tail = record("replay-tail")  # submitted right before shutdown: close() flushes it on every store
     await recorder.submit(tail)
     await recorder.close()
@@ -230,10 +230,10 @@ async def test_fsync_policies_record_all(tmp_path: Path) -> None:
         await recorder.start()
         records = [record(f"fsync-{policy}") for _ in range(20)]
         for r in records:
-            recorder.begin(r.rollout_id)
+            recorder.begin(r.rollout_key)
             await recorder.submit(r)
         # A wait, not a timing check: under a loaded disk (the suite beside it) each fsync can take seconds.
-        assert await recorder.settled([f"fsync-{policy}"], within=120)
+        assert await recorder.settled([RolloutKey("", f"fsync-{policy}")], within=120)
         await recorder.close()
         assert recorder.written == 20
     await engine.dispose()

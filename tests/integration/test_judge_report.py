@@ -61,12 +61,12 @@ async def write_groups(db_path: Path) -> None:
                     for i, reward in enumerate(caller)
                 ]
                 ruler = {"judge_model": judge, "rubric": rubric, "litellm_params": {}}
-                await insert_group(conn, NewGroup(group_id, model, "scoring", "h", None, ruler, None, members))
+                await insert_group(conn, NewGroup(group_id, model, "scoring", "h", None, ruler, None, members, ""))
                 scores = [MemberScore(i, score, score, "because") for i, score in enumerate(judged)]
                 await scored(conn, group_id, scores, judge_usage={}, no_signal=False)
             # Caller rewards alone (no judge): nothing to calibrate against.
             plain = [NewMember(i, f"plain-r{i}", f"plain-r{i}", None, r, r, None) for i, r in enumerate([1.0, 0.0])]
-            await insert_group(conn, NewGroup("plain", "my-agent", "ready", "h", None, None, False, plain))
+            await insert_group(conn, NewGroup("plain", "my-agent", "ready", "h", None, None, False, plain, ""))
     finally:
         await engine.dispose()
 

@@ -25,7 +25,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class World:
     rollouts: dict[str, list[str]]  # model -> rollout ids recorded with its key
     groups: dict[str, str]  # model -> a group id
     responses: dict[str, str]  # model -> a stored response id
+    key_ids: dict[str, str] = field(default_factory=dict)  # secret -> id, of every key made here
 
     @property
     def url(self) -> str:
@@ -85,7 +86,9 @@ class World:
 
     def make_key(self, name: str, models: list[str] | None, scopes: list[str], **limits: int) -> dict[str, Any]:
         body = {"name": name, "models": models, "scopes": scopes, **limits}
-        return self.admin("POST", "/v1/art/keys", json=body).json()  # type: ignore[no-any-return]
+        made: dict[str, Any] = self.admin("POST", "/v1/art/keys", json=body).json()
+        self.key_ids[made["key"]] = made["id"]
+        return made
 
     def record(self, model: str, secret: str, rollout_id: str | None = None) -> str:
         """One chat call of `model` with `secret`, in its own rollout; its id, once stored."""
@@ -93,11 +96,16 @@ class World:
         body = {"model": model, "messages": USER, "max_tokens": 4}
         r = self.ask("POST", "/v1/chat/completions", secret, json=body, headers={"X-ART-Rollout-Id": rollout_id})
         assert r.status_code == 200, r.text
-        self.admin("GET", f"/v1/art/rollouts/{rollout_id}")  # read-your-writes: waits until it is stored
+        # Read-your-writes: waits until it is stored. Rollout ids are per key: the admin names whose.
+        self.admin("GET", f"/v1/art/rollouts/{rollout_id}", params={"owner": self.key_id_of(secret)})
         return rollout_id
 
+    def key_id_of(self, secret: str) -> str:
+        """The id of the key `secret` is ("" for the admin's: its rollout ids are those of no key)."""
+        return self.key_ids.get(secret, "")
+
     def group(self, model: str, secret: str) -> dict[str, Any]:
-        rollouts = [{"rollout_id": self.record(model, self.admin_key), "reward": float(i)} for i in range(2)]
+        rollouts = [{"rollout_id": self.record(model, secret), "reward": float(i)} for i in range(2)]
         r = self.ask("POST", "/v1/art/groups", secret, json={"model": model, "rollouts": rollouts})
         assert r.status_code == 201, r.text
         return r.json()  # type: ignore[no-any-return]
@@ -110,7 +118,7 @@ class World:
         assert r.status_code == 200, r.text
         return r.json()["id"]  # type: ignore[no-any-return]
 
-    def key_for(self, who: str, scope: str | None) -> str | None:
+    def key_for(self, who: str, scope: str | None, *, owned: bool = False) -> str | None:
         """The secret a column of the table sends, for an endpoint needing `scope` (None: admin-only or open).
         On admin-only and open endpoints "right" is a client key of `a` with every scope, "no scope" one with
         only `infer`: no client key is right for an admin endpoint."""
@@ -125,7 +133,7 @@ class World:
         role = {
             "other": "b:all",
             "no scope": f"a:all but {scope}" if scope else "a:infer",
-            "right": f"a:{scope}" if scope else "a:all",
+            "right": f"a:{scope}" if scope and not owned else "a:all",
         }[who]
         return self.keys[role]["key"]  # type: ignore[no-any-return]
 
@@ -203,11 +211,15 @@ class Asked:
 @dataclass(frozen=True)
 class Endpoint:
     scope: str | None  # what a client key needs; None: admin-only or open
-    prepare: Callable[[World], dict[str, Any]]  # per row: the path's {id}, the "json" body, the query "params"
+    # Per row: the path's {id}, the "json" body, the query "params" (`owned`: of the world and the row's secret).
+    prepare: Callable[..., dict[str, Any]]
     ok: Callable[[Asked], None]  # what a success looks like
     hidden: str | None = None  # what the other model's key is told does not exist: model, rollout, group, response
     listed: Callable[[httpx.Response], set[str]] | None = None  # a listing: the models its answer shows
     anthropic: bool = False  # errors in Anthropic's shape
+    # A key's own rollouts (and groups of them): rollout ids are per key (#40), so `prepare` takes the row's secret
+    # too, "right" is the key that made them (`a:all`: every scope) and the admin names their owner.
+    owned: bool = False
 
 
 def _status(a: Asked, status: int = 200) -> Any:
@@ -273,9 +285,20 @@ def _id(a: Asked) -> Any:
     return a.target["id"]
 
 
-def _fresh_rollouts(w: World) -> dict[str, Any]:
-    rollouts = [{"rollout_id": w.record("a", w.admin_key), "reward": float(i)} for i in range(2)]
+def _maker(w: World, secret: str | None) -> str:
+    """Who records a row's fresh rollouts: the caller that will name them, where it may make calls."""
+    return secret if secret in (w.admin_key, w.keys["a:all"]["key"]) else w.admin_key
+
+
+def _fresh_rollouts(w: World, secret: str | None) -> dict[str, Any]:
+    rollouts = [{"rollout_id": w.record("a", _maker(w, secret)), "reward": float(i)} for i in range(2)]
     return {"json": {"model": "a", "rollouts": rollouts}}
+
+
+def _owned_rollout(w: World, secret: str | None) -> dict[str, Any]:
+    """`a`'s first rollout (made by `a:all`); the admin names its owner."""
+    owner = {"owner": w.keys["a:all"]["id"]} if secret == w.admin_key else {}
+    return {"id": w.rollouts["a"][0], "params": owner}
 
 
 def _next_adapter(w: World) -> dict[str, Any]:
@@ -294,8 +317,8 @@ def _fresh_eval_set(w: World) -> dict[str, Any]:
     return {"id": "a"}
 
 
-def _fresh_reward(w: World) -> dict[str, Any]:
-    rollout_id = w.record("a", w.admin_key)
+def _fresh_reward(w: World, secret: str | None) -> dict[str, Any]:
+    rollout_id = w.record("a", _maker(w, secret))
     return {"id": rollout_id, "json": {"rollout_id": rollout_id, "reward": 1.0}}
 
 
@@ -380,28 +403,31 @@ ENDPOINTS: dict[str, Endpoint] = {
     "GET /v1/models/{id}": Endpoint("infer", lambda w: {"id": "a"}, _has(200, id="a", object="model"), "model"),
     # reading: scope `read`
     "GET /v1/art/rollouts/{id}": Endpoint(
-        "read", lambda w: {"id": w.rollouts["a"][0]}, _has(200, rollout_id=_id, model="a"), hidden="rollout"
+        "read", _owned_rollout, _has(200, rollout_id=_id, model="a"), hidden="rollout", owned=True
     ),
     "GET /v1/art/rollouts/{id}/0": Endpoint(
         "read",
-        lambda w: {"id": w.rollouts["a"][0]},
+        _owned_rollout,
         _has(200, rollout_id=lambda a: f"{a.target['id']}/0", model="a"),
         hidden="rollout",
+        owned=True,
     ),
     "GET /v1/art/rollouts": Endpoint(
         "read",
-        lambda w: {"params": {"limit": 1000}},
+        lambda w, _: {"params": {"limit": 1000}},
         _listing(_listed_by_model, lambda w: set(w.rollouts["a"])),
         listed=_listed_by_model,
+        owned=True,
     ),
     "GET /v1/art/groups/{id}": Endpoint(
-        "read", lambda w: {"id": w.groups["a"]}, _has(200, id=_id, model="a"), hidden="group"
+        "read", lambda w, _: {"id": w.groups["a"]}, _has(200, id=_id, model="a"), hidden="group", owned=True
     ),
     "GET /v1/art/groups": Endpoint(
         "read",
-        lambda w: {"params": {"limit": 1000}},
+        lambda w, _: {"params": {"limit": 1000}},
         _listing(_listed_by_model, lambda w: {w.groups["a"]}),
         listed=_listed_by_model,
+        owned=True,
     ),
     "GET /v1/art/models": Endpoint(
         "read", lambda w: {}, _listing(_listed_art_models, lambda w: {"a"}), listed=_listed_art_models
@@ -414,8 +440,12 @@ ENDPOINTS: dict[str, Endpoint] = {
     ),
     "GET /v1/art/models/{id}/evals": Endpoint("read", lambda w: {"id": "a"}, _has(200, object="list"), hidden="model"),
     # rewards: scope `reward`
-    "POST /v1/art/groups": Endpoint("reward", _fresh_rollouts, _has(201, model="a", state="ready"), hidden="model"),
-    "POST /v1/art/rewards": Endpoint("reward", _fresh_reward, _has(201, rollout_id=_id, reward=1.0), hidden="rollout"),
+    "POST /v1/art/groups": Endpoint(
+        "reward", _fresh_rollouts, _has(201, model="a", state="ready"), hidden="model", owned=True
+    ),
+    "POST /v1/art/rewards": Endpoint(
+        "reward", _fresh_reward, _has(201, rollout_id=_id, reward=1.0), hidden="rollout", owned=True
+    ),
     # admin only
     "POST /v1/art/models/{id}/adapters": Endpoint(
         None, _next_adapter, _has(200, name="a", served_step=lambda a: a.target["step"])
@@ -625,8 +655,8 @@ OFF_ROWS = [
 def ask_row(world: World, endpoint: str, who: str, outcome: Outcome, how: str) -> None:
     spec = ENDPOINTS[endpoint]
     method, path = endpoint.split(" ")
-    target = spec.prepare(world)
-    secret = world.key_for(who, spec.scope)
+    secret = world.key_for(who, spec.scope, owned=spec.owned)
+    target = spec.prepare(world, secret) if spec.owned else spec.prepare(world)
     r = world.ask(method, path.format(**target), secret, how, json=target.get("json"), params=target.get("params"))
     outcome.check(Asked(world, spec, who, secret, target, r))
 
@@ -680,45 +710,27 @@ def _call(world: World, model: str, secret: str, rollout_id: str, content: str) 
     return world.ask("POST", "/v1/chat/completions", secret, json=body, headers={"X-ART-Rollout-Id": rollout_id})
 
 
-@pytest.mark.parametrize("first", ["b", "a"], ids=["the other key first", "the owner first"])
-def test_a_rollout_id_used_by_two_keys_keeps_them_apart(world: World, first: str) -> None:
+@pytest.mark.parametrize("first", ["b", "a"], ids=["b's key first", "a's key first"])
+def test_a_rollout_id_used_by_two_keys_is_two_rollouts(world: World, first: str) -> None:
     """The attack of #24, both ways: keys of `a` and `b` send calls with one rollout id (guessable ids get
-    reused). The first call's model takes the id; the other key's call is refused with 409 `rollout_id_taken`
-    before the engine sees it, and joins nothing. Each key then reads, groups and rewards only its own calls."""
-    a, b = world.keys["a:all"]["key"], world.keys["b:all"]["key"]
-    second = "a" if first == "b" else "b"
-    secrets = {"a": a, "b": b}
-    shared = f"task-42-attempt-1-{uuid.uuid4().hex[:6]}"
-    assert _call(world, first, secrets[first], shared, f"{first}'s first").status_code == 200
-    refused = _call(world, second, secrets[second], shared, f"{second}'s secret")
-    assert refused.status_code == 409, refused.text
-    assert refused.json()["error"]["code"] == "rollout_id_taken"
-    assert refused.json()["error"]["param"] == "X-ART-Rollout-Id"
-    assert _call(world, first, secrets[first], shared, f"{first}'s second").status_code == 200  # the owner goes on
-
-    mine = world.ask("GET", f"/v1/art/rollouts/{shared}", secrets[first])
-    assert mine.status_code == 200, mine.text
+    reused). Rollout ids are per key (#40): each key's calls make a rollout of its own under the id, which it
+    reads, groups and rewards; neither sees the other's calls."""
+    secrets = {"a": world.keys["a:all"]["key"], "b": world.keys["b:all"]["key"]}
     key_ids = {"a": world.keys["a:all"]["id"], "b": world.keys["b:all"]["id"]}
-    assert mine.json()["model"] == first
-    assert [c["key_id"] for c in mine.json()["calls"]] == [key_ids[first]] * 2
-    assert f"{second}'s secret" not in mine.text
-    # The other key: no such rollout, whatever it asks.
-    theirs = world.ask("GET", f"/v1/art/rollouts/{shared}", secrets[second])
-    assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "rollout_not_found"
-    listed = world.ask("GET", "/v1/art/rollouts", secrets[second], params={"limit": 1000}).json()["data"]
-    assert shared not in {row["id"] for row in listed}
-    own = f"r-{second}-{uuid.uuid4().hex[:8]}"
-    assert _call(world, second, secrets[second], own, "mine").status_code == 200
-    group = {"model": second, "rollouts": [{"rollout_id": own, "reward": 1}, {"rollout_id": shared, "reward": 0}]}
-    grouped = world.ask("POST", "/v1/art/groups", secrets[second], json=group)
-    assert grouped.status_code in (400, 404) and "shared" not in grouped.json()["error"]["message"].replace(shared, "")
-    rewarded = world.ask("POST", "/v1/art/rewards", secrets[second], json={"rollout_id": shared, "reward": 1})
-    assert rewarded.status_code == 404, rewarded.text
-    # The owner groups its rollout: every call in it is its own.
-    other = f"r-{first}-{uuid.uuid4().hex[:8]}"
-    assert _call(world, first, secrets[first], other, "more").status_code == 200
-    group = {"model": first, "rollouts": [{"rollout_id": shared, "reward": 1}, {"rollout_id": other, "reward": 0}]}
-    assert world.ask("POST", "/v1/art/groups", secrets[first], json=group).status_code == 201
+    shared = f"task-42-attempt-1-{uuid.uuid4().hex[:6]}"
+    for who in (first, "a" if first == "b" else "b"):
+        assert _call(world, who, secrets[who], shared, f"{who}'s secret").status_code == 200
+    for who, other in (("a", "b"), ("b", "a")):
+        mine = world.ask("GET", f"/v1/art/rollouts/{shared}", secrets[who])
+        assert mine.status_code == 200, mine.text
+        assert mine.json()["model"] == who and [c["key_id"] for c in mine.json()["calls"]] == [key_ids[who]]
+        assert f"{who}'s secret" in mine.text and f"{other}'s secret" not in mine.text
+        listed = world.ask("GET", "/v1/art/rollouts", secrets[who], params={"limit": 1000}).json()["data"]
+        assert [row["key_id"] for row in listed if row["id"] == shared] == [key_ids[who]]
+        own = f"r-{who}-{uuid.uuid4().hex[:8]}"
+        assert _call(world, who, secrets[who], own, "more").status_code == 200
+        group = {"model": who, "rollouts": [{"rollout_id": own, "reward": 1}, {"rollout_id": shared, "reward": 0}]}
+        assert world.ask("POST", "/v1/art/groups", secrets[who], json=group).status_code == 201
 
 
 def test_listings_show_only_the_keys_models(world: World) -> None:
@@ -769,7 +781,8 @@ def test_each_call_keeps_its_key_id_never_its_secret(world: World) -> None:
     for rollout_id in mine:
         calls = world.ask("GET", f"/v1/art/rollouts/{rollout_id}", one["key"]).json()["calls"]
         assert [c["key_id"] for c in calls] == [one["id"]]
-    assert [c["key_id"] for c in world.admin("GET", f"/v1/art/rollouts/{theirs}").json()["calls"]] == [two["id"]]
+    theirs_read = world.admin("GET", f"/v1/art/rollouts/{theirs}", params={"owner": two["id"]})  # ids are per key
+    assert [c["key_id"] for c in theirs_read.json()["calls"]] == [two["id"]]
     assert [c["key_id"] for c in world.admin("GET", f"/v1/art/rollouts/{by_admin}").json()["calls"]] == [None]
 
     # /v1/art/rollouts?key_id=: exactly the key's rollouts (for the admin, and for a key reading its own).

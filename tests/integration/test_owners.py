@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,39 +59,132 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
         stop_group(stub_proc)
 
 
-# ---------------------------------------------------------------- a rollout is its key's
+# ---------------------------------------------------------------- a rollout id is its key's
+
+CALLERS = ("owner", "neighbour", "every", "other", "admin")
 
 
-def test_another_key_of_the_model_cannot_add_to_a_keys_rollout(tenants: Tenants) -> None:
-    """Before: any key of `a` (or of every model) that named the rollout's id had its call served into it (with
-    the real engine, spliced into its one sequence). Now it is refused before the engine sees it, worded exactly
-    as for another model's key (a tenant learns that the id is taken, never whose); the owner and the admin go
-    on, and the rollout holds their calls only."""
+def _model(who: str) -> str:
+    return "b" if who == "other" else "a"
+
+
+def _key_id(tenants: Tenants, who: str) -> str | None:
+    return None if who == "admin" else tenants.key_ids[who]
+
+
+def _rollouts_listed(tenants: Tenants, who: str, rollout_id: str) -> list[dict[str, Any]]:
+    listed = tenants.ask("GET", "/v1/art/rollouts?limit=1000", who)
+    assert listed.status_code == 200, listed.text
+    return [r for r in listed.json()["data"] if r["id"] == rollout_id]
+
+
+def test_tenants_naming_one_rollout_id_each_get_their_own(tenants: Tenants) -> None:
+    """Before: a rollout id was one rollout for everyone, so the first key to name it took it and every other
+    caller naming it (another key of the model, a key of every model, another model's, the admin's call joined
+    it) got 409 `rollout_id_taken` (and learnt it was in use). Now an id names a rollout in its caller's
+    namespace: five callers, one id, five rollouts, each with its own calls only, read back by its own id."""
     rollout_id = f"task-7-{uuid.uuid4().hex[:8]}"
-    assert tenants.chat("owner", rollout_id, "owner's first").status_code == 200
-    refusals = [tenants.chat(who, rollout_id, f"{who}'s injection") for who in ("neighbour", "every")]
-    refusals.append(tenants.chat("other", rollout_id, "other's injection", model="b"))
-    for refused in refusals:
-        assert refused.status_code == 409, refused.text
-        assert refused.headers[ROLLOUT] == rollout_id
-    bodies = {r.text for r in refusals}
-    assert len(bodies) == 1, bodies  # one answer whoever holds the id
-    assert refusals[0].json()["error"]["code"] == "rollout_id_taken"
-    assert tenants.chat("owner", rollout_id, "owner's second").status_code == 200
-    assert tenants.chat("admin", rollout_id, "the admin's").status_code == 200
+    for turn in (1, 2):
+        for who in CALLERS:
+            answered = tenants.chat(who, rollout_id, f"{who}'s turn {turn}", model=_model(who))
+            assert answered.status_code == 200, (who, answered.text)
+            assert answered.headers[ROLLOUT] == rollout_id
+    for who in CALLERS:
+        got = tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}", who)
+        assert got.status_code == 200, (who, got.text)
+        mine = got.json()
+        assert (mine["rollout_id"], mine["owner"], mine["model"]) == (
+            rollout_id,
+            _key_id(tenants, who) or "",
+            _model(who),
+        )
+        assert [c["key_id"] for c in mine["calls"]] == [_key_id(tenants, who)] * 2
+        assert f"{who}'s turn 2" in got.text
+        assert not [other for other in CALLERS if other != who and f"{other}'s" in got.text], got.text
+        if who != "admin":  # a key lists its own rollout under the id, no other
+            assert [r["key_id"] for r in _rollouts_listed(tenants, who, rollout_id)] == [_key_id(tenants, who)]
+    # The admin lists every owner's, and reads any of them by naming its owner (a key id).
+    listed = _rollouts_listed(tenants, "admin", rollout_id)
+    assert sorted(r["owner"] for r in listed) == sorted(_key_id(tenants, who) or "" for who in CALLERS)
+    owners = tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}?owner={tenants.key_ids['owner']}", "admin")
+    assert owners.status_code == 200 and "owner's turn 2" in owners.text and "neighbour's" not in owners.text
 
-    recorded = tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}", "admin")
-    assert recorded.status_code == 200, recorded.text
-    calls = recorded.json()["calls"]
-    assert [c["key_id"] for c in calls] == [tenants.key_ids["owner"], tenants.key_ids["owner"], None]
-    assert "injection" not in recorded.text
+
+def _doors(tenants: Tenants, who: str, mine: str, rollout_id: str) -> list[tuple[int, str]]:
+    """What `who` is told at every door that takes a rollout id (`mine`: one of its own, to group it with)."""
+    group = {
+        "model": _model(who),
+        "rollouts": [{"rollout_id": mine, "reward": 0.0}, {"rollout_id": rollout_id, "reward": 1.0}],
+    }
+    doors = [
+        tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}", who),
+        tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}/0", who),
+        tenants.ask("GET", f"/v1/art/rollouts/{rollout_id}?owner={tenants.key_ids['owner']}", who),
+        tenants.ask("GET", f"/ui/rollouts/{rollout_id}", who),
+        tenants.ask("POST", "/v1/art/rewards", who, json={"rollout_id": rollout_id, "reward": 1.0}),
+        tenants.ask("POST", "/v1/art/groups", who, json=group),
+    ]
+    return [(r.status_code, r.text.replace(rollout_id, "ID")) for r in doors]
 
 
-def test_a_rollout_the_admin_began_is_not_a_keys_to_join(tenants: Tenants) -> None:
-    rollout_id = f"admin-{uuid.uuid4().hex[:8]}"
-    assert tenants.chat("admin", rollout_id, "the admin's").status_code == 200
-    refused = tenants.chat("owner", rollout_id, "owner's")
+def test_no_answer_tells_a_tenant_that_another_tenant_uses_an_id(tenants: Tenants) -> None:
+    """Every door that takes a rollout id (reading it, the trajectory viewer, naming its owner, a reward, a
+    group) answers another tenant exactly as for an id nobody ever used. Before: a key of the same model (or
+    of every model) read it, and a call naming it got 409 where an unused id got 200."""
+    taken, unused = f"secret-{uuid.uuid4().hex[:8]}", f"unused-{uuid.uuid4().hex[:8]}"
+    assert tenants.chat("owner", taken, "owner's plan").status_code == 200
+    for who in ("neighbour", "every", "other"):
+        mine = f"mine-{who}-{uuid.uuid4().hex[:8]}"
+        assert tenants.chat(who, mine, f"{who}'s own", model=_model(who)).status_code == 200
+
+        answers = _doors(tenants, who, mine, taken)
+        assert answers == _doors(tenants, who, mine, unused), who
+        assert [status for status, _ in answers] == [404, 404, 404, 404, 404, 400], (who, answers)
+        assert not [text for _, text in answers if "owner's plan" in text]
+        assert _rollouts_listed(tenants, who, taken) == []
+    # The owner's rollout is as it was.
+    assert (
+        tenants.ask("GET", f"/v1/art/rollouts/{taken}", "owner").json()["calls"][0]["key_id"]
+        == tenants.key_ids["owner"]
+    )
+
+
+def test_each_tenant_groups_and_rewards_its_own_rollouts_of_one_id(tenants: Tenants) -> None:
+    """Two keys of model `a` use the same rollout ids, group them and reward them: two groups, each of its
+    key's rollouts (a rollout trains at most once: once per owner, not once per id), each reward its own."""
+    ids = [f"grp-{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+    groups = {}
+    for who in ("owner", "neighbour"):
+        for rollout_id in ids:
+            answered = tenants.chat(who, rollout_id, f"{who}'s attempt")
+            assert answered.status_code == 200, (who, answered.text)
+    for who in ("owner", "neighbour"):
+        body = {"model": "a", "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(ids[:2])]}
+        made = tenants.ask("POST", "/v1/art/groups", who, json=body)
+        assert made.status_code == 201, (who, made.text)
+        groups[who] = made.json()
+        assert groups[who]["owner"] == tenants.key_ids[who]
+        rewarded = tenants.ask("POST", "/v1/art/rewards", who, json={"rollout_id": ids[2], "reward": 0.5})
+        assert rewarded.status_code == 201, (who, rewarded.text)
+    for who, other in (("owner", "neighbour"), ("neighbour", "owner")):
+        # Its own group reads; the other's is unknown, as an id nobody used.
+        assert tenants.ask("GET", f"/v1/art/groups/{groups[who]['id']}", who).status_code == 200
+        assert tenants.ask("GET", f"/v1/art/groups/{groups[other]['id']}", who).status_code == 404
+        members = tenants.ask("GET", f"/v1/art/rollouts?group_id={groups[who]['id']}", who).json()["data"]
+        assert sorted((r["id"], r["key_id"]) for r in members) == sorted((r, tenants.key_ids[who]) for r in ids[:2])
+    # A rollout is in one group of its owner's at most; another reward of it is a conflict: per owner.
+    again = tenants.ask("POST", "/v1/art/rewards", "owner", json={"rollout_id": ids[2], "reward": 0.25})
+    assert (again.status_code, again.json()["error"]["code"]) == (409, "reward_conflict")
+
+
+def test_one_rollout_id_of_one_caller_is_of_one_model(tenants: Tenants) -> None:
+    """Within a caller's own ids, a rollout is still its first trainable model's: a call of another model
+    naming it is refused (409 `rollout_id_taken`), before the engine sees it."""
+    rollout_id = f"two-models-{uuid.uuid4().hex[:8]}"
+    assert tenants.chat("every", rollout_id, "a's").status_code == 200
+    refused = tenants.chat("every", rollout_id, "b's", model="b")
     assert (refused.status_code, refused.json()["error"]["code"]) == (409, "rollout_id_taken")
+    assert refused.json()["error"]["param"] == ROLLOUT
 
 
 # ---------------------------------------------------------------- a stored Response is its key's
@@ -329,3 +423,46 @@ def test_metrics_of_a_keyed_gateway_need_the_admin_key(tenants: Tenants) -> None
         assert tenants.ask("GET", "/metrics", who).status_code == 401
     scraped = tenants.ask("GET", "/metrics", "admin")
     assert scraped.status_code == 200 and 'model="a"' in scraped.text
+
+
+# ---------------------------------------------------------------- the real engine: one sequence each
+
+
+@pytest.mark.engine
+def test_two_tenants_of_one_rollout_id_each_train_one_sequence(vllm_url: str, tmp_path: Path) -> None:
+    """Two keys of model `a` hold a two-turn conversation each under one rollout id, their turns interleaved,
+    against the real vLLM: each key's rollout is its two calls, the second spliced onto the first's sampled
+    tokens (one sequence), with nothing of the other's. Before: the second key's calls got 409."""
+    gateway = serve(tmp_path, vllm_url, "--auth", "required")
+    try:
+        keys = []
+        for name in ("first", "second"):
+            body = {"name": name, "models": ["a"], "scopes": ["infer", "read"]}
+            made = httpx.post(f"{gateway.url}/v1/art/keys", json=body, headers=gateway.admin, timeout=30)
+            assert made.status_code == 201, made.text
+            keys.append(made.json())
+        rollout_id = f"shared-{uuid.uuid4().hex[:8]}"
+        histories = {key["id"]: [{"role": "user", "content": f"Hello, I am {key['name']}."}] for key in keys}
+        for _turn in range(2):
+            for key in keys:
+                history = histories[key["id"]]
+                body = {"model": "a", "messages": history, "max_tokens": 8, "seed": 1}
+                answered = httpx.post(
+                    f"{gateway.url}/v1/chat/completions",
+                    json=body,
+                    headers={**sent(key["key"]), ROLLOUT: rollout_id},
+                    timeout=120,
+                )
+                assert answered.status_code == 200, answered.text
+                reply = answered.json()["choices"][0]["message"]
+                history += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "More."}]
+        for key in keys:
+            got = httpx.get(f"{gateway.url}/v1/art/rollouts/{rollout_id}", headers=sent(key["key"]), timeout=60)
+            assert got.status_code == 200, got.text
+            mine = got.json()
+            assert [c["key_id"] for c in mine["calls"]] == [key["id"]] * 2
+            assert len(mine["sequences"]) == 1, mine["sequences"]
+            other = next(k for k in keys if k is not key)
+            assert f"I am {other['name']}" not in got.text
+    finally:
+        gateway.stop()

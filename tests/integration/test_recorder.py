@@ -126,9 +126,9 @@ async def test_a_record_the_store_refuses_is_set_aside_and_blocks_nothing(tmp_pa
     good = [record(f"good-{i}") for i in range(30)]
     poison = record("poison")
     for r in [*good[:15], poison, *good[15:]]:  # in one batch with the others (linger)
-        recorder.begin(r.rollout_id)
+        recorder.begin(r.rollout_key)
         await recorder.submit(r)
-    assert await recorder.settled([r.rollout_id for r in good], within=10)
+    assert await recorder.settled([r.rollout_key for r in good], within=10)
     await recorder.close()
     assert count(db) == 30 and recorder.rejected == 1
     (aside,) = list((tmp_path / "rejected").glob("*.jsonl"))

@@ -32,14 +32,14 @@ from store.calls import (
     rollout_owner,
     write_calls,
 )
-from store.codec import CallCache
+from store.codec import CallCache, compact
 from store.db import alembic_config
 from store.errors import Invalid, NotFound
 from store.groups import claim_groups, list_group_ids, load_groups, renew_lease
-from store.records import CallRecord, ChoiceRecord
+from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.responses import ResponseStore, StoredResponse
 from store.rollouts import RolloutReader
-from store.tables import calls, group_members, groups, metadata, rollouts
+from store.tables import calls, group_members, groups, metadata, rewards, rollouts
 from tests.conftest import make_call
 
 # --- databases ---------------------------------------------------------------------------------------
@@ -141,6 +141,65 @@ async def test_migrations_step_by_step(store_url: str) -> None:
         await engine.dispose()
 
 
+async def test_migration_0012_files_each_rollout_under_its_owner(store_url: str) -> None:
+    """Rollouts recorded before rollout ids were per owner (#40) read back under the key of their first call
+    ("" for none), with their calls (the admin's call in a key's rollout included), group membership and reward;
+    after it, another key's calls naming the same id are a rollout of its own."""
+    key_a_call = msgspec.structs.replace(call("m1", "r1", 1.0), key_id="key_a")
+    records = [key_a_call, call("m2", "r1", 2.0), call("m3", "r2", 3.0)]  # m2: the admin's, in key_a's rollout
+    engine = create_engine(store_url)
+    try:
+        await migrate(engine, "0011")  # the revision before rollout ids were per owner
+
+        def fill(conn: Connection) -> None:
+            old = sa.MetaData()
+            table = {name: sa.Table(name, old, autoload_with=conn) for name in ("calls", "rollouts", "groups")}
+            table |= {name: sa.Table(name, old, autoload_with=conn) for name in ("group_members", "rewards")}
+            rows = [{k: v for k, v in compact(r, ())[0].items() if k != "rollout_owner"} for r in records]
+            conn.execute(table["calls"].insert(), rows)
+            rollout = {"model": "agent", "explicit": True, "first_call_at": 1.0, "last_call_at": 3.0}
+            conn.execute(
+                table["rollouts"].insert(),
+                [
+                    rollout | {"id": "r1", "call_count": 2, "key_id": "key_a"},
+                    rollout | {"id": "r2", "call_count": 1, "key_id": None},
+                ],
+            )
+            group = {"model": "agent", "state": "ready", "request_hash": "h", "created_at": 1.0, "updated_at": 1.0}
+            conn.execute(table["groups"].insert(), [group | {"id": "g1"}])
+            conn.execute(
+                table["group_members"].insert(),
+                [{"group_id": "g1", "position": 0, "rollout_ref": "r1", "rollout_id": "r1", "reward": 1.0}],
+            )
+            conn.execute(
+                table["rewards"].insert(), [{"rollout_id": "r2", "model": "agent", "reward": 0.5, "created_at": 3.0}]
+            )
+
+        async with engine.begin() as conn:
+            await conn.run_sync(fill)
+        await migrate(engine, "head")
+        await write(engine, [msgspec.structs.replace(call("m4", "r1", 4.0), key_id="key_b")])
+
+        async with engine.connect() as conn:
+            kept = {
+                key: [c.call_id for c in await rollout_calls(conn, key) or []]
+                for key in (RolloutKey("key_a", "r1"), RolloutKey("", "r2"), RolloutKey("key_b", "r1"))
+            }
+            assert await rollout_calls(conn, RolloutKey("", "r1")) is None
+            (group,) = await load_groups(conn, ["g1"], grant=EVERYTHING)
+            assert await load_groups(conn, ["g1"], grant=Grant(None, owner="key_b")) == []
+            rewarded = (await conn.execute(sa.select(rewards.c.owner, rewards.c.rollout_id))).all()
+        assert kept == {
+            RolloutKey("key_a", "r1"): ["m1", "m2"],
+            RolloutKey("", "r2"): ["m3"],
+            RolloutKey("key_b", "r1"): ["m4"],
+        }
+        assert group.owner == "key_a" and [m.rollout_key for m in group.members] == [RolloutKey("key_a", "r1")]
+        assert [tuple(row) for row in rewarded] == [("", "r2")]
+    finally:
+        await engine.dispose()
+
+
 @pytest.mark.postgres
 async def test_replicas_migrating_at_once_on_postgresql(pg_database_url: str) -> None:
     """Gateway replicas started together all migrate the empty store: one does, the others wait and find head."""
@@ -227,9 +286,12 @@ async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine
     await write(engine, [call("d2", "shared", 2.0, model="beta"), call("d3", "shared", 3.0, model="alpha")])
     await write(engine, [call("d4", "new", 1.0, model="beta"), call("d5", "new", 2.0, model="alpha")])
     async with engine.connect() as conn:
-        owned = {rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("shared", "new")}
+        owned = {
+            rid: [c.call_id for c in await rollout_calls(conn, RolloutKey("", rid)) or []] for rid in ("shared", "new")
+        }
         strays = {
-            rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("shared@beta", "new@alpha")
+            rid: [c.call_id for c in await rollout_calls(conn, RolloutKey("", rid)) or []]
+            for rid in ("shared@beta", "new@alpha")
         }
     assert owned == {"shared": ["d1", "d3"], "new": ["d4"]}
     assert strays == {"shared@beta": ["d2"], "new@alpha": ["d5"]}
@@ -242,25 +304,30 @@ async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine
     }
 
 
-async def test_a_call_of_another_key_never_joins_a_rollout(engine: AsyncEngine) -> None:
-    """A rollout is also the key's that made its first call (#40): a call of another key of the same model naming
-    it (replicas that raced past the gateway's 409) is kept apart too; the admin's calls (no key) join it, and
-    `rollout_owner` says whose it is."""
+async def test_each_owner_has_rollout_ids_of_its_own(engine: AsyncEngine) -> None:
+    """Rollout ids are a namespace per owner (#40): the calls of two keys of the same model, and the admin's (no
+    key), naming rollout `task` are three rollouts, each with its own calls, model and pin; a key's id is not
+    another's (`rollout_owner` of another owner's id: unknown)."""
 
-    def of(key_id: str | None, call_id: str, at: float) -> CallRecord:
-        return msgspec.structs.replace(call(call_id, "task", at), key_id=key_id)
+    def of(key_id: str | None, call_id: str, at: float, step: int = 3) -> CallRecord:
+        return msgspec.structs.replace(call(call_id, "task", at, step=step), key_id=key_id)
 
-    await write(engine, [of("key_a", "k1", 1.0)])
-    await write(engine, [of("key_b", "k2", 2.0), of(None, "k3", 3.0)])
+    await write(engine, [of("key_a", "k1", 1.0, step=3)])
+    await write(engine, [of("key_b", "k2", 2.0, step=5), of(None, "k3", 3.0, step=7), of("key_a", "k4", 4.0)])
     async with engine.connect() as conn:
-        kept = {rid: [c.call_id for c in await rollout_calls(conn, rid) or []] for rid in ("task", "task@agent")}
-        owner = await rollout_owner(conn, "task")
-        unknown = await rollout_owner(conn, "nobody's")
-    assert kept == {"task": ["k1", "k3"], "task@agent": ["k2"]}
-    assert (owner, unknown) == (RolloutOwner("agent", 3, "key_a"), None)
-
-
-# --- reading -----------------------------------------------------------------------------------------
+        kept = {
+            owner: [c.call_id for c in await rollout_calls(conn, RolloutKey(owner, "task")) or []]
+            for owner in ("key_a", "key_b", "")
+        }
+        owners = [await rollout_owner(conn, RolloutKey(owner, "task")) for owner in ("key_a", "key_b", "", "key_c")]
+        listed = await list_rollouts(conn, grant=EVERYTHING)
+    assert kept == {"key_a": ["k1", "k4"], "key_b": ["k2"], "": ["k3"]}
+    assert owners == [RolloutOwner("agent", 3), RolloutOwner("agent", 5), RolloutOwner("agent", 7), None]
+    assert sorted((r.owner, r.id, r.call_count) for r in listed) == [
+        ("", "task", 1),
+        ("key_a", "task", 2),
+        ("key_b", "task", 1),
+    ]
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["whole", "compact"])
@@ -327,9 +394,9 @@ async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine, cached: boo
     await write(engine, [failed], cache)
 
     async with engine.connect() as conn:
-        assert await rollout_calls(conn, "r-explicit") == [rich, failed, plain]
-        assert await rollout_calls(conn, "gw-solo") == [implicit]
-        assert await rollout_calls(conn, "unknown") is None
+        assert await rollout_calls(conn, RolloutKey("", "r-explicit")) == [rich, failed, plain]
+        assert await rollout_calls(conn, RolloutKey("", "gw-solo")) == [implicit]
+        assert await rollout_calls(conn, RolloutKey("", "unknown")) is None
 
 
 async def _all_pages(
@@ -473,7 +540,7 @@ async def test_every_read_of_recorded_data_sees_only_what_its_grant_covers(engin
             listed = [r.id for r in await list_rollouts(conn, grant=grant)]
             keys = await list_group_ids(conn, model=None, state=None, limit=10, after=None, grant=grant)
             loaded = [g.id for g in await load_groups(conn, ["g-a", "g-b"], grant=grant)]
-        found = [r for r in ("r-a", "r-b", "r-c") if await reader.find(r, grant=grant) is not None]
+        found = [r for r in ("r-a", "r-b", "r-c") if await reader.find(r, owner="", grant=grant) is not None]
         paged = [r.id for r in (await reader.page(RolloutFilter(), grant=grant, limit=10, cursor=None)).data]
         exported = [t.rollout_id async for t in reader.export(RolloutFilter(), grant=grant)]
         stored = []
@@ -508,7 +575,7 @@ async def test_every_read_of_recorded_data_sees_only_what_its_grant_covers(engin
     assert everything["found"] == ["r-a", "r-b", "r-c"] and everything["responses"] == ["resp-a", "resp-b"]
     assert everything["groups"] == ["g-a", "g-b"] and sorted(everything["exported"]) == ["r-a", "r-b", "r-c"]
     with pytest.raises(NotFound):
-        await reader.get("r-b", grant=Grant(frozenset({"agent"})))
+        await reader.get("r-b", owner="", grant=Grant(frozenset({"agent"})))
 
 
 async def test_list_group_ids_pages_both_ways(engine: AsyncEngine) -> None:

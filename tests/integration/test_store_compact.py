@@ -17,7 +17,7 @@ from store import create_engine, downgrade, migrate
 from store.calls import rollout_calls, write_calls, write_calls_sync
 from store.codec import CallCache, decode_ids
 from store.db import create_sync_sqlite_engine
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 from store.tables import calls
 from store.trajectories import assemble
 from tests.conftest import conversation
@@ -33,7 +33,7 @@ async def write(engine: AsyncEngine, records: list[CallRecord], cache: CallCache
 
 async def read(engine: AsyncEngine, rollout_id: str) -> list[CallRecord] | None:
     async with engine.connect() as conn:
-        return await rollout_calls(conn, rollout_id)
+        return await rollout_calls(conn, RolloutKey("", rollout_id))
 
 
 async def stored(engine: AsyncEngine, rollout_id: str) -> list[dict[str, Any]]:
@@ -141,9 +141,9 @@ async def test_the_recorder_writes_compactly(store_url: str, engine: AsyncEngine
     rollouts = [conversation(f"rec-{i}", 10, irregular=i % 2 == 1) for i in range(4)]
     for batch in ticks(rollouts):
         for record in batch:
-            recorder.begin(record.rollout_id)
+            recorder.begin(record.rollout_key)
             await recorder.submit(record)
-        assert await recorder.settled([r.rollout_id for r in batch], within=30)
+        assert await recorder.settled([r.rollout_key for r in batch], within=30)
     await recorder.close()
     for records in rollouts:
         assert await read(engine, records[0].rollout_id) == in_order(records)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from store.calls import rollout_calls
 from store.provide import open_store, store_url
-from store.records import CallRecord
+from store.records import CallRecord, RolloutKey
 from tests.conftest import GatewayProcess, TrainerProcess, poll
 
 pytestmark = pytest.mark.engine
@@ -97,7 +97,7 @@ def recorded(gateway: GatewayProcess, rollout_ids: list[str]) -> dict[str, CallR
         found: dict[str, CallRecord] = {}
         async with open_store(store_url(gateway.data_dir, None)) as store, store.engine.connect() as conn:
             for rollout_id in rollout_ids:
-                calls = await rollout_calls(conn, rollout_id)
+                calls = await rollout_calls(conn, RolloutKey("", rollout_id))
                 if calls:
                     (found[rollout_id],) = calls
         return found

@@ -416,11 +416,16 @@ class StubSite:
         return httpx.get(f"{self.gateway.url}{path}", headers=headers, timeout=30, **kwargs)
 
 
-def _chat(gateway: GatewayProcess, rollout_id: str, model: str, content: str) -> None:
-    """One call of the rollout, with the admin key."""
+def _as(gateway: GatewayProcess, key: str | None) -> dict[str, str]:
+    """The headers of a call with `key` (None: the admin key)."""
+    return {"Authorization": f"Bearer {key}"} if key else gateway.admin
+
+
+def _chat(gateway: GatewayProcess, rollout_id: str, model: str, content: str, key: str | None = None) -> None:
+    """One call of the rollout, with `key` (None: the admin key): rollout ids are its key's (#40)."""
     answer = httpx.post(
         f"{gateway.url}/v1/chat/completions",
-        headers={**gateway.admin, "X-ART-Rollout-Id": rollout_id},
+        headers={**_as(gateway, key), "X-ART-Rollout-Id": rollout_id},
         json={"model": model, "messages": [{"role": "user", "content": content}]},
         timeout=30,
     )
@@ -449,9 +454,10 @@ def stub_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StubSite]:
             judge.close()
         raise
     try:
-        for rollout_id, model in [("mine-0", MODEL), ("mine-1", MODEL), ("theirs", "other")]:
-            _chat(gateway, rollout_id, model, f"hi {rollout_id}")
-        reader = _make_key(gateway, "ui-reader", ["read"])["key"]
+        # The reader's own rollouts (a key reads only the rollouts it made, #40), and the admin's of `other`.
+        reader = _make_key(gateway, "ui-reader", ["infer", "reward", "read"])["key"]
+        for rollout_id, model, key in [("mine-0", MODEL, reader), ("mine-1", MODEL, reader), ("theirs", "other", None)]:
+            _chat(gateway, rollout_id, model, f"hi {rollout_id}", key)
         yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"], judges)
     finally:
         gateway.stop()
@@ -573,14 +579,15 @@ def test_group_list_newest_first_by_model_and_state_in_pages(stub_site: StubSite
     made = []  # (group id, model), oldest first
     for k, model in enumerate([MODEL, MODEL, "other", MODEL, MODEL, MODEL]):
         rollout_ids = [f"grouped-{k}-{attempt}" for attempt in range(2)]
+        key = stub_site.reader if model == MODEL else None  # a group is its key's, of its key's rollouts
         for rollout_id in rollout_ids:
-            _chat(gateway, rollout_id, model, f"task {k}")
+            _chat(gateway, rollout_id, model, f"task {k}", key)
         body = {
             "model": model,
             "group_id": f"ui-list-{k}",
             "rollouts": [{"rollout_id": r, "reward": float(a)} for a, r in enumerate(rollout_ids)],
         }
-        answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=gateway.admin, timeout=30)
+        answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=_as(gateway, key), timeout=30)
         assert answer.status_code == 201, answer.text
         made.append((body["group_id"], model))
     mine = [gid for gid, model in reversed(made) if model == MODEL]
@@ -629,7 +636,7 @@ def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite
         judge.answer = by_length
     rollout_ids = ["panel-0", "panel-1"]
     for k, rollout_id in enumerate(rollout_ids):
-        _chat(gateway, rollout_id, MODEL, "tell me more" * (k * 10 + 1))
+        _chat(gateway, rollout_id, MODEL, "tell me more" * (k * 10 + 1), stub_site.reader)
     body = {
         "model": MODEL,
         "group_id": "ui-panel",
@@ -644,7 +651,7 @@ def test_a_panel_group_page_shows_criteria_spread_and_checks(stub_site: StubSite
             "checks": [{"grader": {"type": "regex", "pattern": "^$"}}],  # the stub's answers are never empty: fail
         },
     }
-    answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=gateway.admin, timeout=30)
+    answer = httpx.post(f"{gateway.url}/v1/art/groups", json=body, headers=_as(gateway, stub_site.reader), timeout=30)
     assert answer.status_code == 201, answer.text
     poll(lambda: "state-ready" in stub_site.get("/ui/groups/ui-panel", stub_site.reader).text, 60, "the panel")
     page = stub_site.get("/ui/groups/ui-panel", stub_site.reader).text

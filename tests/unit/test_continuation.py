@@ -6,7 +6,7 @@ from typing import Any
 
 from gateway.adapters import Route
 from gateway.continuation import Continuations
-from store.records import CallRecord, ChoiceRecord
+from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -61,7 +61,7 @@ def _request(messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
 
 def test_a_call_sending_back_the_reply_then_new_messages_continues_from_the_sampled_ids() -> None:
     remembered = _continuations(_record([USER], [{**REPLY, "reasoning": "think"}]))
-    continued = remembered.find("r1", _request([USER, SENT_BACK, RESULT]), ROUTE)
+    continued = remembered.find(RolloutKey("", "r1"), _request([USER, SENT_BACK, RESULT]), ROUTE)
     assert continued is not None
     assert continued.prefix_ids == [1, 2, 3, 10, 11]
     assert continued.sampled_ids == [10, 11]
@@ -71,7 +71,9 @@ def test_a_call_sending_back_the_reply_then_new_messages_continues_from_the_samp
 def test_the_reply_of_another_choice_continues_from_that_choice() -> None:
     other = {"role": "assistant", "content": "no tool"}
     remembered = _continuations(_record([USER], [REPLY, other]))
-    continued = remembered.find("r1", _request([USER, other, {"role": "user", "content": "and?"}]), ROUTE)
+    continued = remembered.find(
+        RolloutKey("", "r1"), _request([USER, other, {"role": "user", "content": "and?"}]), ROUTE
+    )
     assert continued is not None and continued.sampled_ids == [11, 12]
 
 
@@ -79,7 +81,7 @@ def test_a_gateway_made_strict_flag_is_the_same_tools() -> None:
     strict = {**TOOL, "function": {**TOOL["function"], "strict": True}}
     assert tools_key([strict]) == tools_key([TOOL])
     remembered = _continuations(_record([USER], [REPLY], request=_request([USER], tools=[strict])))
-    assert remembered.find("r1", _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
+    assert remembered.find(RolloutKey("", "r1"), _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
 
 
 def test_calls_that_do_not_continue() -> None:
@@ -96,10 +98,19 @@ def test_calls_that_do_not_continue() -> None:
         "continue the final message": _request([USER, SENT_BACK, RESULT], continue_final_message=True),
     }
     for name, request in cases.items():
-        assert remembered.find("r1", request, ROUTE) is None, name
+        assert remembered.find(RolloutKey("", "r1"), request, ROUTE) is None, name
     other_step = Route("my-agent@3", "my-agent", 3)
-    assert remembered.find("r1", _request([USER, SENT_BACK, RESULT]), other_step) is None
-    assert remembered.find("r2", _request([USER, SENT_BACK, RESULT]), ROUTE) is None  # another rollout
+    assert remembered.find(RolloutKey("", "r1"), _request([USER, SENT_BACK, RESULT]), other_step) is None
+    assert remembered.find(RolloutKey("", "r2"), _request([USER, SENT_BACK, RESULT]), ROUTE) is None  # another rollout
+
+
+def test_another_owners_rollout_of_the_same_id_is_not_continued() -> None:
+    """Rollout ids are per owner (#40): key_b's call naming `r1` never continues (splices into) key_a's `r1`."""
+    remembered = _continuations(_record([USER], [REPLY], key_id="key_a"))
+    request = _request([USER, SENT_BACK, RESULT])
+    assert remembered.find(RolloutKey("key_a", "r1"), request, ROUTE) is not None
+    assert remembered.find(RolloutKey("key_b", "r1"), request, ROUTE) is None
+    assert remembered.find(RolloutKey("", "r1"), request, ROUTE) is None
 
 
 def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_the_budget() -> None:
@@ -110,8 +121,8 @@ def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_
     for rid in ("a", "b", "c", "c"):
         remembered.remember(_record([USER], [REPLY], rollout_id=rid))
     assert len(remembered) == 2 and remembered.bytes == 2 * one
-    assert remembered.find("a", _request([USER, SENT_BACK, RESULT]), ROUTE) is None
-    assert remembered.find("c", _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
+    assert remembered.find(RolloutKey("", "a"), _request([USER, SENT_BACK, RESULT]), ROUTE) is None
+    assert remembered.find(RolloutKey("", "c"), _request([USER, SENT_BACK, RESULT]), ROUTE) is not None
     # A message is kept as a digest: a 2 MB history costs the budget what a short one does.
     big = {"role": "user", "content": "x" * (2 << 20)}
     assert _continuations(_record([big], [REPLY])).bytes == one
