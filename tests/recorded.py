@@ -7,6 +7,26 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import poll
+
+# A tool whose one argument is a choice of two cities, and a question that asks for both: the continuation tests'.
+ROME_PARIS_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+ROME_PARIS_QUESTION = [{"role": "user", "content": "What is the weather in Rome and in Paris?"}]
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
@@ -38,3 +58,19 @@ def texts(recorded: dict[str, Any], tokenizer: Any) -> list[str]:
     """The decoded sampled text of each call, in call order."""
     sampled = sampled_by_call(recorded)
     return [decode(tokenizer, sampled[c["id"]]) for c in recorded["calls"]]
+
+
+def one_sequence(gateway: Any, rid: str, calls: int) -> dict[str, Any]:
+    """The rollout once its `calls` calls are recorded, asserted to be one sequence (each split's reason if not)."""
+    recorded = poll(lambda: recorded_calls(gateway, rid, calls), 10, f"{calls} calls of {rid}")
+    sequences = recorded["sequences"]
+    assert [len(s["call_ids"]) for s in sequences] == [calls], [s["split_reason"] for s in sequences]
+    return recorded
+
+
+def recorded_calls(gateway: Any, rid: str, calls: int) -> dict[str, Any] | None:
+    """The rollout once it has `calls` calls recorded; None before (to poll for)."""
+    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rid}", headers=gateway.admin)
+    if answer.status_code != 200 or len(answer.json()["calls"]) < calls:
+        return None
+    return answer.json()

@@ -15,55 +15,47 @@ from typing import Any, Literal
 
 import aiohttp
 import anthropic
-import httpx
 import openai
 import pytest
 from anthropic.lib.tools import beta_tool
 
 from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
 from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start_gateway, start_stub, stop_group
-from tests.recorded import decode, new_id, sampled_by_call
+from tests.recorded import (
+    ROME_PARIS_QUESTION,
+    ROME_PARIS_TOOLS,
+    decode,
+    new_id,
+    one_sequence,
+    recorded_calls,
+    sampled_by_call,
+)
 
 pytestmark = pytest.mark.engine
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather of a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
-QUESTION = [{"role": "user", "content": "What is the weather in Rome and in Paris?"}]
 
 
 # -- the token path answers as the plain path does -----------------------------------------------------------
 
 
 def _request(**fields: Any) -> dict[str, Any]:
-    base = {"model": BASE_NAME, "messages": QUESTION, "max_tokens": 40, "seed": 3}
+    base = {"model": BASE_NAME, "messages": ROME_PARIS_QUESTION, "max_tokens": 40, "seed": 3}
     return {**base, "logprobs": True, "return_token_ids": True, **fields}
 
 
 CASES = {
     "text": _request(),
-    "forced tool": _request(tools=TOOLS, tool_choice=FORCED),
+    "forced tool": _request(tools=ROME_PARIS_TOOLS, tool_choice=FORCED),
     "required tool, strict": _request(
-        tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+        tools=[{**ROME_PARIS_TOOLS[0], "function": {**ROME_PARIS_TOOLS[0]["function"], "strict": True}}],
         tool_choice="required",
         max_tokens=60,
     ),
-    "auto tools": _request(tools=TOOLS, seed=5),
+    "auto tools": _request(tools=ROME_PARIS_TOOLS, seed=5),
     # The edges: a `required` call cut by the token limit mid-arguments, and an answer that is only the end of
     # sequence (the stop token is not text).
-    "required tool, cut": _request(tools=TOOLS, tool_choice="required", max_tokens=28, seed=1),
+    "required tool, cut": _request(tools=ROME_PARIS_TOOLS, tool_choice="required", max_tokens=28, seed=1),
     "end of sequence": _request(logit_bias={str(END_TOKEN): 100}),
     "two choices": _request(n=2, seed=7),
     "top logprobs": _request(top_logprobs=2, seed=9),
@@ -176,33 +168,19 @@ def test_the_token_path_streams_as_the_engine_does(vllm_url: str, case: str) -> 
 # -- clients through the gateway ------------------------------------------------------------------------------
 
 
-def _one_sequence(gateway: Any, rid: str, calls: int) -> dict[str, Any]:
-    recorded = poll(lambda: _recorded_calls(gateway, rid, calls), 10, f"{calls} calls of {rid}")
-    sequences = recorded["sequences"]
-    assert [len(s["call_ids"]) for s in sequences] == [calls], [s["split_reason"] for s in sequences]
-    return recorded
-
-
-def _recorded_calls(gateway: Any, rid: str, calls: int) -> dict[str, Any] | None:
-    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rid}", headers=gateway.admin)
-    if answer.status_code != 200 or len(answer.json()["calls"]) < calls:
-        return None
-    return answer.json()
-
-
 def _openai_tool_loop(gateway: Any, rid: str, seed: int, stream: bool) -> list[Any]:
     """Two forced tool calls, an answer, a user follow-up: the OpenAI SDK as an agent loop writes it."""
     client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
-    messages: list[dict[str, Any]] = [*QUESTION]
+    messages: list[dict[str, Any]] = [*ROME_PARIS_QUESTION]
     replies = []
 
     def call(**fields: Any) -> Any:
         if not stream:
             return client.chat.completions.create(
-                model="my-agent", messages=messages, tools=TOOLS, max_tokens=48, seed=seed, **fields
+                model="my-agent", messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=48, seed=seed, **fields
             ).choices[0]
         with client.chat.completions.stream(
-            model="my-agent", messages=messages, tools=TOOLS, max_tokens=48, seed=seed, **fields
+            model="my-agent", messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=48, seed=seed, **fields
         ) as events:
             for _ in events:
                 pass
@@ -234,11 +212,11 @@ def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_openai_sdk_tool_loop_is_one_sequence(engine_gateway, tokenizer, stream: bool) -> None:
+def test_openai_sdk_tool_loop_isone_sequence(engine_gateway, tokenizer, stream: bool) -> None:
     rid = new_id("loop")
     spliced_before = metric(engine_gateway.url, "artgw_continued_calls_total", how="spliced")
     seed, replies = _first_run(lambda seed: _openai_tool_loop(engine_gateway, f"{rid}-{seed}", seed, stream))
-    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 4)
+    recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 4)
     sampled = sampled_by_call(recorded)
     for call, reply in zip(recorded["calls"], replies, strict=True):
         text = decode(tokenizer, sampled[call["id"]])
@@ -269,7 +247,7 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
     client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
     messages[0] = {"role": "user", "content": "Say something else."}  # the client rewrites its first message
     client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
-    recorded = poll(lambda: _recorded_calls(engine_gateway, rid, 3), 10, "the rollout")
+    recorded = poll(lambda: recorded_calls(engine_gateway, rid, 3), 10, "the rollout")
     first_seq, second_seq = recorded["sequences"]
     assert len(first_seq["call_ids"]) == 2
     assert second_seq["split_cause"] == "edited"
@@ -277,13 +255,13 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bool) -> None:
+def test_anthropic_messages_tool_loop_isone_sequence(engine_gateway, stream: bool) -> None:
     rid = new_id("anthropic")
     tools = [
         {
             "name": "get_weather",
             "description": "Current weather of a city.",
-            "input_schema": TOOLS[0]["function"]["parameters"],
+            "input_schema": ROME_PARIS_TOOLS[0]["function"]["parameters"],
         }
     ]
 
@@ -291,7 +269,7 @@ def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bo
         client = anthropic.Anthropic(
             base_url=engine_gateway.url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
         )
-        messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION[0]["content"]}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": ROME_PARIS_QUESTION[0]["content"]}]
         replies = []
         for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "get_weather"}, None):
             fields: dict[str, Any] = dict(model="my-agent", max_tokens=48, messages=messages, tools=tools)
@@ -312,7 +290,7 @@ def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bo
         return replies
 
     seed, replies = _first_run(run)
-    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
+    recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
@@ -324,7 +302,7 @@ def get_weather(city: Literal["Paris", "Rome"]) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway, stream: bool) -> None:
+def test_anthropic_tool_runner_runs_on_a_thread_and_isone_sequence(engine_gateway, stream: bool) -> None:
     """Anthropic's Python tool runner at its defaults keeps its conversation in a message thread: a `create`,
     then `continue`s that send only the new messages, without `system` and `tools`. Before, the gateway ignored
     `thread` and the second call got a 400 (`tool_choice of type 'any' needs tools`). Now the gateway continues
@@ -348,7 +326,7 @@ def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gatew
             model="my-agent",
             max_tokens=48,
             system="You check the weather.",
-            messages=[{"role": "user", "content": QUESTION[0]["content"]}],
+            messages=[{"role": "user", "content": ROME_PARIS_QUESTION[0]["content"]}],
             tools=[get_weather],
             tool_choice={"type": "any"},
             max_iterations=3,
@@ -367,11 +345,11 @@ def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gatew
     assert rest == [({"type": "continue", "previous_message_id": reply.id}, False) for reply in replies[:2]], (
         "the runner fell back to sending its whole history"
     )
-    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 3)
+    recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 3)
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 
-def test_anthropic_node_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway) -> None:
+def test_anthropic_node_tool_runner_runs_on_a_thread_and_isone_sequence(engine_gateway) -> None:
     """The same with Anthropic's TypeScript SDK (`client.beta.messages.toolRunner`, tests/clients-js)."""
     rid = new_id("node-runner")
     env = {"ANTHROPIC_BASE_URL": engine_gateway.url, "ANTHROPIC_API_KEY": "unused", "ROLLOUT_ID": rid}
@@ -380,16 +358,16 @@ def test_anthropic_node_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_
         {"thread": {"type": "create"}, "tools": True},
         *({"thread": {"type": "continue", "previous_message_id": id}, "tools": False} for id in run["ids"][:2]),
     ], "the runner fell back to sending its whole history"
-    recorded = _one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
+    recorded = one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 
-def test_langgraph_react_agent_is_one_sequence(engine_gateway) -> None:
+def test_langgraph_react_agent_isone_sequence(engine_gateway) -> None:
     rid = new_id("langgraph")
     env = {"OPENAI_BASE_URL": engine_gateway.base_url, "OPENAI_API_KEY": "unused", "ROLLOUT_ID": rid}
     run = run_client("langgraph_react_agent", env)
     assert run["messages"] == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "ToolMessage", "AIMessage"]
-    _one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
+    one_sequence(engine_gateway, f"{rid}-{run['seed']}", 3)
 
 
 # -- the other path ------------------------------------------------------------------------------------------
@@ -400,7 +378,7 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
     try:
         rid = new_id("rerender")
         seed, _ = _first_run(lambda seed: _openai_tool_loop(gateway, f"{rid}-{seed}", seed, False))
-        recorded = poll(lambda: _recorded_calls(gateway, f"{rid}-{seed}", 4), 10, "the rollout")
+        recorded = poll(lambda: recorded_calls(gateway, f"{rid}-{seed}", 4), 10, "the rollout")
         assert len(recorded["sequences"]) > 1  # the template renders the tool calls anew
         assert metric(gateway.url, "artgw_continued_calls_total", how="rerendered") >= 3
         assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 0
@@ -419,16 +397,18 @@ def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_
         client = openai.OpenAI(
             base_url=first.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
         )
-        fields: dict[str, Any] = dict(model="my-agent", messages=QUESTION, tools=TOOLS, max_tokens=48, seed=seed)
+        fields: dict[str, Any] = dict(
+            model="my-agent", messages=ROME_PARIS_QUESTION, tools=ROME_PARIS_TOOLS, max_tokens=48, seed=seed
+        )
         choice = client.chat.completions.create(tool_choice=FORCED, **fields).choices[0]
         (call,) = choice.message.tool_calls  # a failed parse raises: another seed
         json.loads(call.function.arguments)
         reply = choice.message.model_dump(exclude_none=True)
-        return [*QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        return [*ROME_PARIS_QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
 
     try:
         seed, messages = _first_run(forced)
-        poll(lambda: _recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
+        poll(lambda: recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
     finally:
         first.stop()
     # The same data dir (store, admin key), on a new port: the restarted gateway.
@@ -439,8 +419,10 @@ def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_
         client = openai.OpenAI(
             base_url=again.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
         )
-        client.chat.completions.create(model="my-agent", messages=messages, tools=TOOLS, max_tokens=8, seed=seed)
-        recorded = poll(lambda: _recorded_calls(again, f"{rid}-{seed}", 2), 10, "the rollout")
+        client.chat.completions.create(
+            model="my-agent", messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=8, seed=seed
+        )
+        recorded = poll(lambda: recorded_calls(again, f"{rid}-{seed}", 2), 10, "the rollout")
     finally:
         again.stop()
     assert [s["split_cause"] for s in recorded["sequences"]] == [None, "state_lost"], recorded["sequences"]
@@ -468,10 +450,10 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
         stop_group(stub)
 
 
-def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> None:
+def test_responses_with_previous_response_id_isone_sequence(engine_gateway) -> None:
     """The history the gateway keeps itself (`previous_response_id`, store/responses.py) continues too."""
     rid = new_id("responses")
-    tools = [{"type": "function", **{k: v for k, v in TOOLS[0]["function"].items()}}]
+    tools = [{"type": "function", **{k: v for k, v in ROME_PARIS_TOOLS[0]["function"].items()}}]
 
     def run(seed: int) -> None:
         client = openai.OpenAI(
@@ -479,7 +461,7 @@ def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> 
         )
         fields: dict[str, Any] = dict(model="my-agent", tools=tools, max_output_tokens=48, extra_body={"seed": seed})
         first = client.responses.create(
-            input=QUESTION[0]["content"], tool_choice={"type": "function", "name": "get_weather"}, **fields
+            input=ROME_PARIS_QUESTION[0]["content"], tool_choice={"type": "function", "name": "get_weather"}, **fields
         )
         calls = [item for item in first.output if item.type == "function_call"]
         if not calls or first.status != "completed":
@@ -489,5 +471,5 @@ def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> 
         client.responses.create(previous_response_id=first.id, input=outputs, **fields)
 
     seed, _ = _first_run(run)
-    recorded = _one_sequence(engine_gateway, f"{rid}-{seed}", 2)
+    recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 2)
     assert {c["api"] for c in recorded["calls"]} == {"responses"}

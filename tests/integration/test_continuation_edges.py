@@ -16,8 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import END_TOKEN, GatewayProcess
-from tests.integration.test_continuation import QUESTION, TOOLS, _one_sequence
-from tests.recorded import decode, new_id, sampled_by_call
+from tests.recorded import ROME_PARIS_QUESTION, ROME_PARIS_TOOLS, decode, new_id, one_sequence, sampled_by_call
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +35,7 @@ def _spliced_and_plain(
     history = first(rid)
     spliced = then(rid, history)
     plain = then(new_id("plain"), history)
-    return spliced, plain, _one_sequence(gateway, rid, 2)
+    return spliced, plain, one_sequence(gateway, rid, 2)
 
 
 def _recorded_reply(recorded: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -55,7 +54,7 @@ def _openai(gateway: GatewayProcess, rid: str) -> openai.OpenAI:
 def _chat(gateway: GatewayProcess, stream: bool, **fields: Any) -> Callable[[str, Any], dict[str, Any]]:
     def then(rid: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
         client = _openai(gateway, rid)
-        asked = dict(model="my-agent", messages=messages, tools=TOOLS, seed=SEED, **fields)
+        asked = dict(model="my-agent", messages=messages, tools=ROME_PARIS_TOOLS, seed=SEED, **fields)
         if stream:
             with client.chat.completions.stream(**asked, stream_options={"include_usage": True}) as events:
                 for _ in events:
@@ -78,10 +77,10 @@ def _chat(gateway: GatewayProcess, stream: bool, **fields: Any) -> Callable[[str
 def _chat_first(gateway: GatewayProcess) -> Callable[[str], list[dict[str, Any]]]:
     def first(rid: str) -> list[dict[str, Any]]:
         reply = _openai(gateway, rid).chat.completions.create(
-            model="my-agent", messages=QUESTION, tools=TOOLS, max_tokens=8, seed=SEED
+            model="my-agent", messages=ROME_PARIS_QUESTION, tools=ROME_PARIS_TOOLS, max_tokens=8, seed=SEED
         )
         said = reply.choices[0].message.model_dump(exclude_none=True)
-        return [*QUESTION, said, {"role": "user", "content": FOLLOW_UP}]
+        return [*ROME_PARIS_QUESTION, said, {"role": "user", "content": FOLLOW_UP}]
 
     return first
 
@@ -112,20 +111,20 @@ def test_chat_at_the_end_of_sequence_has_no_special_token(engine_gateway: Gatewa
 
 # -- Responses -------------------------------------------------------------------------------------------------
 
-RESPONSE_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+RESPONSE_TOOLS = [{"type": "function", **ROME_PARIS_TOOLS[0]["function"]}]
 
 
 def _responses_first(gateway: GatewayProcess) -> Callable[[str], list[dict[str, Any]]]:
     def first(rid: str) -> list[dict[str, Any]]:
         said = _openai(gateway, rid).responses.create(
             model="my-agent",
-            input=QUESTION[0]["content"],
+            input=ROME_PARIS_QUESTION[0]["content"],
             tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
             max_output_tokens=8,
             extra_body={"seed": SEED},
         )
         kept = [item.model_dump(exclude_none=True) for item in said.output]
-        return [*QUESTION, *kept, {"role": "user", "content": FOLLOW_UP}]
+        return [*ROME_PARIS_QUESTION, *kept, {"role": "user", "content": FOLLOW_UP}]
 
     return first
 
@@ -183,7 +182,7 @@ MESSAGE_TOOLS = [
     {
         "name": "get_weather",
         "description": "Current weather of a city.",
-        "input_schema": TOOLS[0]["function"]["parameters"],
+        "input_schema": ROME_PARIS_TOOLS[0]["function"]["parameters"],
     }
 ]
 
@@ -194,7 +193,7 @@ def _anthropic(gateway: GatewayProcess, rid: str) -> anthropic.Anthropic:
 
 def _messages_first(gateway: GatewayProcess, seed: int, tools: bool) -> Callable[[str], list[dict[str, Any]]]:
     def first(rid: str) -> list[dict[str, Any]]:
-        asked: list[dict[str, Any]] = [{"role": "user", "content": QUESTION[0]["content"]}]
+        asked: list[dict[str, Any]] = [{"role": "user", "content": ROME_PARIS_QUESTION[0]["content"]}]
         said = _anthropic(gateway, rid).messages.create(
             model="my-agent",
             max_tokens=8,
@@ -249,7 +248,7 @@ def test_messages_at_the_end_of_sequence_has_no_special_token(
             break
     else:
         pytest.fail("no seed's answer reached the end of sequence within 96 tokens")
-    recorded = _one_sequence(engine_gateway, rid, 2)
+    recorded = one_sequence(engine_gateway, rid, 2)
     ((kind, text, _),) = said["content"]
     sampled = sampled_by_call(recorded)[recorded["calls"][1]["id"]]
     assert (kind, text, said["output_tokens"]) == ("text", decode(tokenizer, sampled), len(sampled))
