@@ -85,8 +85,8 @@ def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | N
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMValidationError
     from vllm.parser.parser_manager import ParserManager
-    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
     from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
     from vllm.v1.structured_output.request import get_structured_output_key
 
     ToolParserManager.import_tool_parser(str(TOOL_PARSER_PLUGIN))
