@@ -15,9 +15,9 @@ image mounts this one file.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-import regex as re
 import xgrammar as xgr
 from pydantic import BaseModel
 from vllm.entrypoints.generate.base.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
@@ -52,7 +52,6 @@ def _compact_arguments(node: Any) -> None:
             _compact_arguments(item)
 
 
-@ToolParserManager.register_module(NAME)
 class ArtgwHermesToolParser(Hermes2ProToolParser):
     def get_structural_tag(self, request: Any, **kwargs: Any) -> Any:
         tag = super().get_structural_tag(request, **kwargs)
@@ -96,3 +95,6 @@ class ArtgwHermesToolParser(Hermes2ProToolParser):
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         content = model_output[: model_output.find(self.tool_call_start_token)]
         return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=content or None)
+
+
+ToolParserManager.register_module(NAME, module=ArtgwHermesToolParser)
