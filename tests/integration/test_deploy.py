@@ -459,8 +459,16 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
     models = (environment(services["gateway"])["ARTGW_MODEL_NAME"], environment(services["trainer"])["ARTGW_MODEL"])
     assert models == ("${MODEL_NAME:-my-agent}", "${MODEL_NAME:-my-agent}"), models
     assert option(vllm, "--model") == option(trainer, "--base-model")
-    for flag, value in {"--served-model-name": "base", "--max-lora-rank": "16", "--tool-call-parser": "hermes"}.items():
+    for flag, value in {
+        "--served-model-name": "base",
+        "--max-lora-rank": "16",
+        "--tool-call-parser": "artgw_hermes",
+    }.items():
         assert option(vllm, flag) == value
+    # the plugin (engine/tool_parser.py) the trainer's grammar mirrors, mounted into vLLM's own image
+    assert option(vllm, "--tool-parser-plugin") == "/artgw/tool_parser.py"
+    plugin = {target: (source, ro) for source, target, ro in mounts(services["vllm"])}["/artgw/tool_parser.py"]
+    assert plugin[0].endswith("engine/tool_parser.py") and plugin[1], plugin
     # --enable-scale-out: the token-level chat a continuing call goes through (gateway/continuation.py)
     assert {"--enable-lora", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(vllm)
     assert environment(services["vllm"])["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

@@ -36,7 +36,9 @@ def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(
         assert "vLLM's parsers: tool calls hermes, reasoning qwen3 (a Qwen3 template" in log, log[-3000:]
         started = re.search(r"starting vLLM: (.*) \(log: ", log)
         assert started is not None, log[-3000:]
-        assert "--tool-call-parser hermes --reasoning-parser qwen3" in started.group(1)
+        assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(
+            1
+        )  # hermes: our plugin of it
 
         token = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")

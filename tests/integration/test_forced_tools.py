@@ -4,6 +4,10 @@ through the real SDKs at their defaults (no `strict`), on the tiny random-weight
 Before: vLLM 0.32 (`--tool-strict-level auto`) constrained only the `<tool_call>` envelope of a call forced
 without `strict`, and the tiny model wrote any JSON there (`"arguments": "66630"`). Each call is recorded with
 the tools as the engine got them (strict), which is what the trainer rebuilds the grammar from.
+
+At their edges (#42), before: the grammar let the model pad the arguments with whitespace without end (at 48
+tokens most named calls were cut); a reply cut inside a later call lost the complete calls before it (no
+`tool_calls`, the raw `<tool_call>` text as content); and a string argument holding `</tool_call>` gave no call.
 """
 
 from __future__ import annotations
@@ -33,14 +37,18 @@ def chat_tool(**extra: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA, **extra}}
 
 
-def completed(arguments: list[str | None]) -> list[Any]:
+def completed(arguments: list[str | None], *, every: bool = False) -> list[Any]:
     """The arguments of the calls the model finished (a random model may run a string to the token limit):
-    each one must be JSON that the tool's schema accepts; and most calls must have finished."""
+    each one must be JSON that the tool's schema accepts; and most calls (`every`: all) must have finished."""
     done = [json.loads(a) for a in arguments if a is not None]
-    assert len(done) >= len(arguments) // 2, arguments
+    assert len(done) == len(arguments) if every else len(done) >= len(arguments) // 2, arguments
     for value in done:
         jsonschema.validate(value, SCHEMA)
     return done
+
+
+def sdk(gateway: Any, rollout_id: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/rollouts/{rollout_id}/v1", api_key="unused", max_retries=0)
 
 
 def recorded_strict(gateway: Any, rollout_id: str) -> list[bool]:
@@ -59,8 +67,10 @@ def recorded_strict(gateway: Any, rollout_id: str) -> list[bool]:
     ids=["named", "required", "named-strict-false"],
 )
 def test_chat_forced_calls_get_arguments_the_schema_accepts(engine_gateway, tool_choice: Any, strict: dict) -> None:
+    """Every reply within 48 tokens has a call the schema accepts (#42: no free whitespace to pad it with; a
+    reply cut after the call's arguments, in the envelope's last tokens, keeps the call)."""
     rid = new_id("forced-chat")
-    client = openai.OpenAI(base_url=f"{engine_gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
+    client = sdk(engine_gateway, rid)
     arguments = []
     for seed in SEEDS:
         r = client.chat.completions.create(
@@ -73,10 +83,74 @@ def test_chat_forced_calls_get_arguments_the_schema_accepts(engine_gateway, tool
             temperature=1.0,
             seed=seed,
         )
-        calls = r.choices[0].message.tool_calls or []
-        arguments.append(calls[0].function.arguments if calls and r.choices[0].finish_reason != "length" else None)
-    completed(arguments)
+        calls = r.choices[0].message.tool_calls or []  # a reply cut after its call's arguments keeps the call
+        arguments.append(calls[0].function.arguments if calls else None)
+    completed(arguments, every=True)
     assert recorded_strict(engine_gateway, rid) == [True] * len(SEEDS)
+
+
+def test_required_calls_cut_at_the_limit_keep_the_complete_ones(engine_gateway, tokenizer) -> None:
+    """`required` lets the model call again after each call; favoured, it calls until the token limit. The
+    calls it completed come back as OpenAI returns them: in `tool_calls`, finish_reason `length`, and no
+    `<tool_call>` text as content."""
+    again = {str(tokenizer.convert_tokens_to_ids("<tool_call>")): 100}
+    rid = new_id("forced-cut")
+    for seed in SEEDS:
+        r = sdk(engine_gateway, rid).chat.completions.create(
+            model="my-agent",
+            messages=USER,  # type: ignore[arg-type]
+            tools=[chat_tool()],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=160,  # room for a few calls: a random model spells their envelopes in many small tokens
+            logit_bias=again,
+            seed=seed,
+        )
+        (choice,) = r.choices
+        assert choice.finish_reason == "length" and not choice.message.content, choice
+        calls = choice.message.tool_calls or []
+        assert len(calls) >= 2, choice
+        completed([c.function.arguments for c in calls], every=True)  # type: ignore[union-attr]
+
+
+MARKED = "a </tool_call> b <tool_call>"  # the parser's own markers, in a string argument
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+@pytest.mark.parametrize(
+    ("tool_choice", "finish_reason"),
+    [({"type": "function", "function": {"name": "note"}}, "stop"), ("required", "tool_calls")],
+    ids=["named", "required"],
+)
+def test_a_string_argument_with_the_parsers_markers_is_parsed(
+    engine_gateway, tool_choice: Any, finish_reason: str, stream: bool
+) -> None:
+    """The schema leaves one value, so the call is the same at any seed; before, non-streamed it gave no call
+    (`required`: finish_reason `tool_calls` with `tool_calls` null), streamed a call with broken arguments."""
+    schema = {"type": "object", "properties": {"text": {"enum": [MARKED]}}, "required": ["text"]}
+    tool = {"type": "function", "function": {"name": "note", "parameters": schema}}
+    request: dict[str, Any] = {
+        "model": "my-agent",
+        "messages": USER,
+        "tools": [tool],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_tokens": 64,
+    }
+    client = sdk(engine_gateway, new_id("forced-marker"))
+    if stream:
+        arguments: dict[int, str] = {}
+        got = None
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")  # type: ignore[union-attr]
+                got = choice.finish_reason or got
+        calls = list(arguments.values())
+    else:
+        (choice,) = client.chat.completions.create(**request).choices
+        got, calls = choice.finish_reason, [c.function.arguments for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+    assert got == finish_reason and len(calls) == 1, (got, calls)
+    assert json.loads(calls[0]) == {"text": MARKED}
 
 
 def test_messages_forced_tool_gets_input_the_schema_accepts(engine_gateway) -> None:
@@ -93,8 +167,8 @@ def test_messages_forced_tool_gets_input_the_schema_accepts(engine_gateway) -> N
             extra_body={"seed": seed},
         )
         uses = [b for b in m.content if b.type == "tool_use"]
-        inputs.append(json.dumps(uses[0].input) if uses and m.stop_reason == "tool_use" else None)
-    completed(inputs)
+        inputs.append(json.dumps(uses[0].input) if uses else None)
+    completed(inputs, every=True)
     assert recorded_strict(engine_gateway, rid) == [True] * len(SEEDS)
 
 
@@ -102,7 +176,7 @@ def test_responses_tools_are_strict_when_the_schema_allows(engine_gateway) -> No
     """OpenAI's rule for a Responses function tool without `strict`: strict when its schema allows it (every
     property required, no others). Forced or not, its arguments then follow the schema."""
     rid = new_id("forced-resp")
-    client = openai.OpenAI(base_url=f"{engine_gateway.url}/rollouts/{rid}/v1", api_key="unused", max_retries=0)
+    client = sdk(engine_gateway, rid)
     tool = {"type": "function", "name": "get_weather", "parameters": {**SCHEMA, "additionalProperties": False}}
     arguments = []
     for seed in SEEDS:

@@ -1,7 +1,8 @@
 """trainer/grammar.py: the grammar vLLM sampled under, rebuilt from the request, replayed over sampled tokens.
 
 With the tiny model's tokenizer and real xgrammar. The specs are checked against vLLM 0.32's own request path
-(its hermes parser, ChatCompletionRequest and xgrammar validation); the masks against what each grammar allows.
+(the engine's tool parser plugin, ChatCompletionRequest and xgrammar validation); the masks against what each
+grammar allows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.supervisor import TOOL_PARSER, TOOL_PARSER_PLUGIN
 from trainer.grammar import GrammarMasks, GrammarSpec, grammar_spec
 
 CITY_SCHEMA = {
@@ -83,10 +85,12 @@ def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | N
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMValidationError
     from vllm.parser.parser_manager import ParserManager
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
     from vllm.v1.structured_output.request import get_structured_output_key
 
-    parser = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
+    ToolParserManager.import_tool_parser(str(TOOL_PARSER_PLUGIN))
+    parser = ParserManager.get_parser(tool_parser_name=TOOL_PARSER, enable_auto_tools=True, tokenizer=tokenizer)
     request = ChatCompletionRequest.model_validate(body)
     if request.tools and request.tool_choice != "none":
         request = parser(tokenizer, request.tools).adjust_request(request)
@@ -134,6 +138,18 @@ def test_named_tool_call_masks_every_position(tokenizer: Any, masks: GrammarMask
     assert allowed_text(tokenizer, bitmask[0]) <= {"<tool_call>", *("<tool_call>"[:k] for k in range(1, 11))}
     # The forced call closes with `}`, then the only way on is the stop token.
     assert allowed(bitmask[-1], len(tokenizer)) == {tokenizer.eos_token_id}
+
+
+def test_a_tool_calls_arguments_have_no_free_whitespace(tokenizer: Any, masks: GrammarMasks) -> None:
+    """Spaced as `json.dumps` spaces them (engine/tool_parser.py): one space after `:` and `,`, none elsewhere."""
+    for padded in ('{ "city": "Rome"}', '{"city":  "Rome"}', '{"city":"Rome"}', '{"city": "Rome" }'):
+        with pytest.raises(ValueError, match="rejects"):
+            masks.for_call(NAMED, ids(tokenizer, WEATHER_CALL.replace('{"city": "Rome"}', padded)))
+    sampled = ids(tokenizer, WEATHER_CALL)
+    bitmask = masks.for_call(NAMED, sampled)
+    assert bitmask is not None
+    after_colon = [tokenizer.decode([t]) for t in sampled].index('":') + 1
+    assert all(p.startswith(' "') or p == " " for p in allowed_text(tokenizer, bitmask[after_colon]))
 
 
 def test_structural_positions_allow_only_what_the_schema_allows(tokenizer: Any, masks: GrammarMasks) -> None:
