@@ -184,17 +184,36 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     spec = spec or TinyModelSpec()
     if spec.family != "toy":
         return _build_family_model(Path(out_dir), spec)
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
-    vocab = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
-        vocab_size=vocab,  # exactly the tokenizer's: every sampled id decodes
+    tokenizer.save_pretrained(out)
+    return _write_random_model(
+        out, spec, Qwen2ForCausalLM, vocab_size=len(tokenizer), bos_id=pad_id, eos_ids=eos_id, pad_id=pad_id
+    )
+
+
+def _write_random_model(
+    out: Path,
+    spec: TinyModelSpec,
+    model_class: type,
+    *,
+    vocab_size: int,
+    bos_id: int | None,
+    eos_ids: int | list[int],
+    pad_id: int,
+) -> Path:
+    """Random weights of `model_class` at the spec's sizes, with its generation config and the spec itself: what
+    every tiny model shares, whatever its tokenizer."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = model_class.config_class(  # type: ignore[attr-defined]
+        vocab_size=vocab_size,  # exactly the tokenizer's: every sampled id decodes
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -203,16 +222,14 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
         head_dim=spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_ids,
         pad_token_id=pad_id,
         torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id).save_pretrained(out)
+    model_class(config).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=bos_id).save_pretrained(out)
     (out / "artgw_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return out
 
@@ -252,9 +269,8 @@ def family_tokenizer_dir(family: str) -> Path:
 
 def _build_family_model(out: Path, spec: TinyModelSpec) -> Path:
     """A tiny random-weight model of `spec.family`'s architecture with its real tokenizer and chat template."""
-    import torch
     import transformers
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     source = _FAMILY_SOURCES[spec.family]
     out.mkdir(parents=True, exist_ok=True)
@@ -265,27 +281,15 @@ def _build_family_model(out: Path, spec: TinyModelSpec) -> Path:
     eos_ids = [tokenizer.convert_tokens_to_ids(token) for token in source.eos]
     bos_id = tokenizer.convert_tokens_to_ids(source.bos) if source.bos else None
     pad_id = eos_ids[-1] if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    model_class = getattr(transformers, source.architecture)
-    config = model_class.config_class(
-        vocab_size=len(tokenizer),  # exactly the tokenizer's: every sampled id decodes
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=bos_id,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        torch_dtype="float32",
+    return _write_random_model(
+        out,
+        spec,
+        getattr(transformers, source.architecture),
+        vocab_size=len(tokenizer),
+        bos_id=bos_id,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
     )
-    torch.manual_seed(spec.seed)
-    model_class(config).save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=bos_id).save_pretrained(out)
-    (out / "artgw_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
-    return out
 
 
 def fingerprint(model_dir: str | Path) -> str:
