@@ -212,7 +212,7 @@ def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_openai_sdk_tool_loop_isone_sequence(engine_gateway, tokenizer, stream: bool) -> None:
+def test_openai_sdk_tool_loop_is_one_sequence(engine_gateway, tokenizer, stream: bool) -> None:
     rid = new_id("loop")
     spliced_before = metric(engine_gateway.url, "artgw_continued_calls_total", how="spliced")
     seed, replies = _first_run(lambda seed: _openai_tool_loop(engine_gateway, f"{rid}-{seed}", seed, stream))
@@ -255,7 +255,7 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_anthropic_messages_tool_loop_isone_sequence(engine_gateway, stream: bool) -> None:
+def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bool) -> None:
     rid = new_id("anthropic")
     tools = [
         {
@@ -302,7 +302,7 @@ def get_weather(city: Literal["Paris", "Rome"]) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_anthropic_tool_runner_runs_on_a_thread_and_isone_sequence(engine_gateway, stream: bool) -> None:
+def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway, stream: bool) -> None:
     """Anthropic's Python tool runner at its defaults keeps its conversation in a message thread: a `create`,
     then `continue`s that send only the new messages, without `system` and `tools`. Before, the gateway ignored
     `thread` and the second call got a 400 (`tool_choice of type 'any' needs tools`). Now the gateway continues
@@ -349,7 +349,7 @@ def test_anthropic_tool_runner_runs_on_a_thread_and_isone_sequence(engine_gatewa
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 
-def test_anthropic_node_tool_runner_runs_on_a_thread_and_isone_sequence(engine_gateway) -> None:
+def test_anthropic_node_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gateway) -> None:
     """The same with Anthropic's TypeScript SDK (`client.beta.messages.toolRunner`, tests/clients-js)."""
     rid = new_id("node-runner")
     env = {"ANTHROPIC_BASE_URL": engine_gateway.url, "ANTHROPIC_API_KEY": "unused", "ROLLOUT_ID": rid}
@@ -362,7 +362,7 @@ def test_anthropic_node_tool_runner_runs_on_a_thread_and_isone_sequence(engine_g
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
 
 
-def test_langgraph_react_agent_isone_sequence(engine_gateway) -> None:
+def test_langgraph_react_agent_is_one_sequence(engine_gateway) -> None:
     rid = new_id("langgraph")
     env = {"OPENAI_BASE_URL": engine_gateway.base_url, "OPENAI_API_KEY": "unused", "ROLLOUT_ID": rid}
     run = run_client("langgraph_react_agent", env)
@@ -450,7 +450,7 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
         stop_group(stub)
 
 
-def test_responses_with_previous_response_id_isone_sequence(engine_gateway) -> None:
+def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> None:
     """The history the gateway keeps itself (`previous_response_id`, store/responses.py) continues too."""
     rid = new_id("responses")
     tools = [{"type": "function", **{k: v for k, v in ROME_PARIS_TOOLS[0]["function"].items()}}]
