@@ -188,7 +188,11 @@ def _openai_tool_loop(gateway: Any, rid: str, seed: int, stream: bool) -> list[A
 
     for _ in range(2):
         choice = call(tool_choice=FORCED)
-        (tool_call,) = choice.message.tool_calls  # a failed parse raises: the test tries another seed
+        # A failed parse raises, and so does a reply cut at the limit after its call (the plugin returns the
+        # complete call with finish_reason `length`, engine/tool_parser.py): the test tries another seed.
+        if choice.finish_reason == "length":
+            raise ValueError(f"cut at max_tokens after {len(choice.message.tool_calls or [])} call(s)")
+        (tool_call,) = choice.message.tool_calls
         json.loads(tool_call.function.arguments)
         replies.append(choice)
         messages.append(choice.message.model_dump(exclude_none=True))
