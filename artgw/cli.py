@@ -1043,10 +1043,6 @@ def _user_error(exc: BaseException) -> tuple[int, str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a command that seems stuck (a trainer or a
-    # gateway silent at start) is. First of all, before the parser and the config (which imports torch).
-    with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor (captured)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = build_parser().parse_args(argv)
     prog = getattr(args, "prog", "artgw")
     debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE

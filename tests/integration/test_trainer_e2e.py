@@ -124,8 +124,7 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
     except AssertionError as exc:
         if trainer.poll() is None:
             # where each thread waits in the kernel (and its native stack), then every thread's Python stack into
-            # its log (`artgw` registers faulthandler on SIGUSR1 first thing in main(); before that, in the
-            # interpreter's start and the CLI's imports, the signal ends it)
+            # its log (importing the `artgw` package registers faulthandler on SIGUSR1, before any dependency)
             kernel = process_waits(trainer.pid)
             trainer.send_signal(signal.SIGUSR1)
             log = gateway.data_dir / "trainer.log"
