@@ -177,6 +177,49 @@ def test_each_tenant_groups_and_rewards_its_own_rollouts_of_one_id(tenants: Tena
     assert (again.status_code, again.json()["error"]["code"]) == (409, "reward_conflict")
 
 
+def test_tenants_naming_one_group_id_each_get_their_own(tenants: Tenants) -> None:
+    """Group ids are per key, as rollout ids are. Before: one namespace, so the second tenant to name a group id
+    got 409 `group_id_conflict` (and learnt another used it). Now each caller's `group_id` is a group of its own,
+    read back, listed and filtered by under that id; the admin reads a key's by naming its owner."""
+    group_id = f"task-{uuid.uuid4().hex[:8]}"
+    made = {}
+    for who in CALLERS:
+        ids = [f"{group_id}-{who}-{i}" for i in range(2)]
+        for rollout_id in ids:
+            assert tenants.chat(who, rollout_id, f"{who}'s try", model=_model(who)).status_code == 200
+        body = {"model": _model(who), "group_id": group_id, "rollouts": [{"rollout_id": r, "reward": 1.0} for r in ids]}
+        answered = tenants.ask("POST", "/v1/art/groups", who, json=body)
+        assert answered.status_code == 201, (who, answered.text)
+        made[who] = answered.json()
+        assert (made[who]["id"], made[who]["group_id"], made[who]["owner"]) == (
+            group_id,
+            group_id,
+            _key_id(tenants, who) or "",
+        )
+        # The same request again is the same group; other content under its own id is a conflict, as before.
+        assert tenants.ask("POST", "/v1/art/groups", who, json=body).status_code == 200
+        changed = {**body, "metadata": {"changed": True}}
+        conflict = tenants.ask("POST", "/v1/art/groups", who, json=changed)
+        assert (conflict.status_code, conflict.json()["error"]["code"]) == (409, "group_id_conflict")
+    for who in CALLERS:
+        got = tenants.ask("GET", f"/v1/art/groups/{group_id}", who)
+        assert got.status_code == 200 and got.json() == made[who], (who, got.text)
+        members = tenants.ask("GET", f"/v1/art/rollouts?group_id={group_id}", who).json()["data"]
+        assert sorted(r["id"] for r in members) == [r["rollout_id"] for r in made[who]["rollouts"]], who
+        listed = tenants.ask("GET", "/v1/art/groups?limit=1000", who).json()["data"]
+        mine = [g for g in listed if g["id"] == group_id]
+        if who == "admin":  # every owner's, each with its owner
+            assert sorted(g["owner"] for g in mine) == sorted(_key_id(tenants, w) or "" for w in CALLERS)
+        else:
+            assert mine == [made[who]], who
+    # The admin names a key's group by its owner, as it does a rollout; a key cannot name another's.
+    owner = tenants.key_ids["owner"]
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "admin").json() == made["owner"]
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "neighbour").status_code == 404
+    page = tenants.ask("GET", f"/ui/groups/{group_id}?owner={owner}", "admin")
+    assert page.status_code == 200 and f"{group_id}-owner-0" in page.text
+
+
 def test_one_rollout_id_of_one_caller_is_of_one_model(tenants: Tenants) -> None:
     """Within a caller's own ids, a rollout is still its first trainable model's: a call of another model
     naming it is refused (409 `rollout_id_taken`), before the engine sees it."""
