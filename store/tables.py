@@ -255,6 +255,9 @@ api_keys = sa.Table(
     sa.Column("scopes", sa.JSON, nullable=False),  # store.keys.Scope values
     sa.Column("rpm", sa.Integer, nullable=True),  # requests per minute; NULL: no limit
     sa.Column("tpm", sa.Integer, nullable=True),  # tokens per minute; NULL: no limit
+    # Other keys (ids) whose rollouts, groups and stored Responses it may read (store.access.Grant.reads);
+    # NULL: none. Set when the key is made, by the admin.
+    sa.Column("read_keys", sa.JSON, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
 )

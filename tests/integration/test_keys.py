@@ -997,7 +997,18 @@ def test_artgw_keys_create_list_revoke(world: World) -> None:
         "created_at": 0,
         "revoked_at": None,
         "object": "art.api_key",
+        "read_keys": [],
     }
+    # A key granted to read the first one's rollouts, groups and stored Responses (#40); an unknown id is refused.
+    reader = artgw_keys(world, "create", "--name", "reader", "--model", "a", "--scope", "read", "--grant-read", key_id)
+    assert reader.returncode == 0, reader.stderr
+    reader_id = reader.stderr.split("made key ", 1)[1].split(" ", 1)[0]
+    described = world.admin("GET", "/v1/art/keys").json()["data"]
+    assert next(k for k in described if k["id"] == reader_id)["read_keys"] == [key_id]
+    line = next(line for line in artgw_keys(world, "list").stdout.splitlines() if reader_id in line)
+    assert key_id in line
+    unknown = artgw_keys(world, "create", "--name", "reader", "--grant-read", "key_nobody")
+    assert unknown.returncode != 0 and "key_nobody" in unknown.stderr, unknown.stderr
 
     revoked = artgw_keys(world, "revoke", key_id)
     assert revoked.returncode == 0, revoked.stderr

@@ -263,6 +263,69 @@ def test_a_stored_response_is_read_continued_and_deleted_by_its_key_only(tenants
     assert tenants.ask("DELETE", path, "owner").status_code == 200
 
 
+def test_a_key_granted_to_read_another_keys_things_reads_and_continues_them_and_changes_nothing(
+    tenants: Tenants,
+) -> None:
+    """An explicit grant (#40: "admin and explicit grants can"): the admin makes a key with `read_keys` naming
+    the owner's key. It reads the owner's rollouts, groups and stored Responses (naming the owner, as the admin
+    does), lists them beside its own, and continues a Response (the follow-up is its own); it never adds to,
+    rewards, groups or deletes them. A key without the grant still reads nothing of the owner's. Before: no
+    such grant (`read_keys` an unknown field: 400)."""
+    owner = tenants.key_ids["owner"]
+    ids = [f"granted-{i}-{uuid.uuid4().hex[:8]}" for i in range(2)]
+    for rollout_id in ids:
+        assert tenants.chat("owner", rollout_id, "owner's notes").status_code == 200
+    group = {"model": "a", "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(ids)]}
+    group_id = tenants.ask("POST", "/v1/art/groups", "owner", json=group).json()["id"]
+    response_id = tenants.ask("POST", "/v1/responses", "owner", json={"model": "a", "input": "owner's plan"}).json()[
+        "id"
+    ]
+
+    unknown = {"name": "reader", "models": ["a"], "scopes": SCOPES, "read_keys": ["key_nobody"]}
+    refused = tenants.ask("POST", "/v1/art/keys", "admin", json=unknown)
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "read_keys[0]"), refused.text
+    made = tenants.ask("POST", "/v1/art/keys", "admin", json={**unknown, "read_keys": [owner]})
+    assert made.status_code == 201 and made.json()["read_keys"] == [owner], made.text
+    role = f"reader-{uuid.uuid4().hex[:8]}"
+    tenants.keys[role], tenants.key_ids[role] = made.json()["key"], made.json()["id"]
+    listed_keys = tenants.ask("GET", "/v1/art/keys", "admin").json()["data"]
+    assert next(k for k in listed_keys if k["id"] == tenants.key_ids[role])["read_keys"] == [owner]
+
+    # It reads, naming the owner; its own namespace has no such ids.
+    rollout = tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}?owner={owner}", role)
+    assert rollout.status_code == 200 and "owner's notes" in rollout.text, rollout.text
+    assert tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}", role).status_code == 404
+    listed = tenants.ask("GET", "/v1/art/rollouts?limit=1000", role).json()["data"]
+    assert {(r["id"], r["owner"]) for r in listed} >= {(r, owner) for r in ids}
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", role).json()["owner"] == owner
+    assert tenants.ask("GET", f"/ui/rollouts/{ids[0]}?owner={owner}", role).status_code == 200
+    path = f"/v1/responses/{response_id}"
+    assert tenants.ask("GET", path, role).json()["id"] == response_id
+    assert tenants.ask("GET", path + "/input_items", role).status_code == 200
+    body = {"model": "a", "input": "and then?", "previous_response_id": response_id}
+    follow_up = tenants.ask("POST", "/v1/responses", role, json=body)
+    assert follow_up.status_code == 200, follow_up.text
+    # The follow-up is the reader's: the owner, not granted the reader's, cannot read it.
+    assert tenants.ask("GET", f"/v1/responses/{follow_up.json()['id']}", "owner").status_code == 404
+
+    # It changes nothing of the owner's: no delete, no reward, no group, no call added to its rollout.
+    deleted = tenants.ask("DELETE", path, role)
+    assert (deleted.status_code, deleted.json()["error"]["code"]) == (403, "read_only_grant"), deleted.text
+    assert tenants.ask("GET", path, "owner").status_code == 200
+    rewarded = tenants.ask("POST", "/v1/art/rewards", role, json={"rollout_id": ids[0], "reward": 1.0})
+    assert rewarded.status_code == 404, rewarded.text
+    regrouped = tenants.ask("POST", "/v1/art/groups", role, json=group)
+    assert (regrouped.status_code, regrouped.json()["error"]["code"]) == (400, "unknown_rollout")
+    assert tenants.chat(role, ids[0], "reader's turn").status_code == 200  # a rollout of its own
+    calls = tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}", "owner").json()["calls"]
+    assert [c["key_id"] for c in calls] == [owner]
+
+    # Without the grant, another key of the model still reads nothing of the owner's.
+    assert tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}?owner={owner}", "neighbour").status_code == 404
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "neighbour").status_code == 404
+    assert tenants.ask("GET", path, "neighbour").status_code == 404
+
+
 def test_a_message_thread_is_continued_by_its_key_only(tenants: Tenants) -> None:
     """Anthropic's message threads (`thread`, kept beside stored Responses): before, `thread` was ignored, so a
     `continue` got no history (and a runner's forced tool a 400 naming `tool_choice`). Now the key that made
