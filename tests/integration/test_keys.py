@@ -301,6 +301,12 @@ def _owned_rollout(w: World, secret: str | None) -> dict[str, Any]:
     return {"id": w.rollouts["a"][0], "params": owner}
 
 
+def _owned_group(w: World, secret: str | None) -> dict[str, Any]:
+    """`a`'s group (made by `a:all`); group ids are per key too, so the admin names its owner."""
+    owner = {"owner": w.keys["a:all"]["id"]} if secret == w.admin_key else {}
+    return {"id": w.groups["a"], "params": owner}
+
+
 def _next_adapter(w: World) -> dict[str, Any]:
     step = w.admin("GET", "/v1/art/models/a").json()["latest_step"] + 1
     return {"id": "a", "step": step, "json": {"step": step, "path": str(w.adapter_dir)}}
@@ -419,9 +425,7 @@ ENDPOINTS: dict[str, Endpoint] = {
         listed=_listed_by_model,
         owned=True,
     ),
-    "GET /v1/art/groups/{id}": Endpoint(
-        "read", lambda w, _: {"id": w.groups["a"]}, _has(200, id=_id, model="a"), hidden="group", owned=True
-    ),
+    "GET /v1/art/groups/{id}": Endpoint("read", _owned_group, _has(200, id=_id, model="a"), hidden="group", owned=True),
     "GET /v1/art/groups": Endpoint(
         "read",
         lambda w, _: {"params": {"limit": 1000}},
