@@ -314,7 +314,9 @@ async def post_reward(request: Request, promotions: PromotionService, caller: Ca
     **ADMIN,
 )
 async def create_key(request: Request, keys: KeyService) -> Response[KeyCreated]:
-    """A client key; its secret is in this answer only."""
+    """A client key; its secret is in this answer only. It reads, groups, rewards and continues only what it
+    makes itself; `read_keys` (none by default) names other keys whose rollouts, groups and stored Responses it
+    may also read and continue, never change."""
     return Response(await keys.create(decode_body(await request.body(), KeyCreate)), status_code=201)
 
 
