@@ -156,6 +156,16 @@ class KeyCreateOptions:
     tpm: int | None = field(
         default=None, metadata={"help": "tokens per minute, per replica (none: no limit)", "env": "ARTGW_KEY_TPM"}
     )
+    read_keys: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "another key (its id, key_...) whose rollouts, groups and stored Responses this key may read "
+            "and continue, never change; repeat for several (none: its own only)",
+            "flag": "--grant-read",
+            "repeat": True,
+            "env": "ARTGW_KEY_GRANT_READ",
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -697,7 +707,14 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
     # Sent as given: the gateway checks the scopes and bounds, and its 400 names the field.
     scopes = cast("list[Scope]", list(chosen.scopes))
     models = list(chosen.models) or None
-    spec = KeyCreate(name=chosen.name, models=models, scopes=scopes, rpm=chosen.rpm, tpm=chosen.tpm)
+    spec = KeyCreate(
+        name=chosen.name,
+        models=models,
+        scopes=scopes,
+        rpm=chosen.rpm,
+        tpm=chosen.tpm,
+        read_keys=list(chosen.read_keys),
+    )
     with _gateway(args) as gateway:
         made = gateway.create_key(spec)
     print(f"made key {made.id} ({made.name}); its secret, shown this once:", file=sys.stderr)
@@ -713,7 +730,7 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
     if _build(KeyListOptions, args).json:
         print(json.dumps(msgspec.to_builtins(keys), indent=2))
         return 0
-    table = Table("id", "name", "prefix", "models", "scopes", "rpm", "tpm", "revoked")
+    table = Table("id", "name", "prefix", "models", "scopes", "reads", "rpm", "tpm", "revoked")
     table.columns[0].no_wrap = True  # the id is what `revoke` takes: never cut
     for key in keys:
         table.add_row(
@@ -722,6 +739,7 @@ def _cmd_keys_list(args: argparse.Namespace) -> int:
             key.prefix + "…",
             ", ".join(key.models) if key.models is not None else "all",
             ", ".join(key.scopes),
+            ", ".join(key.read_keys) or "-",  # other keys' things it may read
             str(key.rpm or "-"),
             str(key.tpm or "-"),
             "yes" if key.revoked_at else "",

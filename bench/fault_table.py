@@ -45,7 +45,7 @@ Scenarios (`--only` takes their keys), in order:
 - keyless (#40): a gateway with --auth off asked as a web page would: a keyless DELETE of a stored Response,
   a cross-site `text/plain` chat call, and one under a foreign `Host` (DNS rebinding): status, and whether the
   Response is gone or the call recorded; and, with --auth required, another key of the same model naming a
-  key's rollout id.
+  key's rollout id and group id, and a key granted to read another's (`read_keys`) reading its rollout.
 - seeded-burst: `artgw serve --base-model` (the tiny model, a real CPU vLLM of its own), four bursts of four
   seeded calls with ~3,600-token prompts (issue #40): what the calls got, whether the engine died, whether the
   gateway lives; then one burst with chunked prefill forced back on and `--engine-max-restarts 0`: the engine
@@ -1008,7 +1008,7 @@ async def scenario_keyless(b: Bench) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         secrets, key_ids = [], []
         for name in ("owner", "neighbour"):
-            body = {"name": name, "models": ["my-agent"], "scopes": ["infer", "read"]}
+            body = {"name": name, "models": ["my-agent"], "scopes": ["infer", "reward", "read"]}
             made = await client.post(f"{gateway.base_url}/art/keys", json=body, headers=gateway.admin)
             secrets.append({"Authorization": f"Bearer {made.json()['key']}"})
             key_ids.append(made.json()["id"])
@@ -1025,6 +1025,36 @@ async def scenario_keyless(b: Bench) -> None:
             f"{'its own call only' if seen == [[k] for k in key_ids] else seen}",
             "200 each, two rollouts of one id: each key reads its own call only",
             first.status_code == 200 and joined.status_code == 200 and seen == [[k] for k in key_ids],
+        )
+        for secret in secrets:
+            await client.post(url, json=CHAT, headers={**secret, **rid("task-2")})
+        tries = [{"rollout_id": "task-1", "reward": 0.0}, {"rollout_id": "task-2", "reward": 1.0}]
+        group = {"model": "my-agent", "group_id": "g-1", "rollouts": tries}
+        groups = f"{gateway.base_url}/art/groups"
+        posted = [await client.post(groups, json=group, headers=secret) for secret in secrets]
+        owners = [(await client.get(f"{groups}/g-1", headers=secret)).json().get("owner") for secret in secrets]
+        told = " ".join(str(part) for part in (posted[1].status_code, error_code(posted[1])) if part)
+        b.add(
+            "another key of the same model names a key's group id",
+            "409 group_id_conflict: one id space for every key (it told a tenant another used the id)",
+            f"owner {posted[0].status_code}, the other key {told}; "
+            f"each one's read of the id: {'its own group' if owners == key_ids else owners}",
+            "201 each, two groups of one id: each key reads its own",
+            [r.status_code for r in posted] == [201, 201] and owners == key_ids,
+        )
+        grant = {"name": "auditor", "models": ["my-agent"], "scopes": ["read"], "read_keys": [key_ids[0]]}
+        made = await client.post(f"{gateway.base_url}/art/keys", json=grant, headers=gateway.admin)
+        rollout = f"{gateway.base_url}/art/rollouts/task-1?owner={key_ids[0]}"
+        granted = denied = made
+        if made.status_code == 201:
+            granted = await client.get(rollout, headers={"Authorization": f"Bearer {made.json()['key']}"})
+            denied = await client.get(rollout, headers=secrets[1])
+        b.add(
+            "a key made to read another key's (read_keys), and one without the grant, read its rollout",
+            "400 (no such grant: only the admin read another key's)",
+            f"key made {made.status_code}; granted {granted.status_code}, without the grant {denied.status_code}",
+            "201; 200 with the grant, 404 without",
+            made.status_code == 201 and granted.status_code == 200 and denied.status_code == 404,
         )
     gateway.stop()
 

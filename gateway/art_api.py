@@ -124,7 +124,7 @@ async def list_rollouts(
     group_id: str | None = None,
 ) -> RolloutPage:
     """Rollouts of the key's models, oldest first; `key_id`: only those made with that API key; `status`: with a
-    call that ended so; `api`: with a call of that API; `group_id`: the members of that group."""
+    call that ended so; `api`: with a call of that API; `group_id`: the members of that group of the key's."""
     # Plain strings: RolloutFilter says which values `status` and `api` may take, in OpenAI's error shape.
     where = RolloutFilter(
         model=model,
@@ -155,8 +155,10 @@ async def create_group(request: Request, groups: GroupService, caller: Caller) -
 
 
 @get("/v1/art/groups/{group_id:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
-async def get_group(groups: GroupService, caller: Caller, group_id: str) -> GroupOut:
-    return await groups.get(group_id, caller)
+async def get_group(groups: GroupService, caller: Caller, group_id: str, owner: str | None = None) -> GroupOut:
+    """The caller's group `group_id` (group ids are per key, as rollout ids are); the admin key reads key
+    `owner`'s."""
+    return await groups.get(group_id, caller, owner)
 
 
 @get("/v1/art/groups", responses=errors(400, 401, 403, 500, 503), **READ)
@@ -312,7 +314,9 @@ async def post_reward(request: Request, promotions: PromotionService, caller: Ca
     **ADMIN,
 )
 async def create_key(request: Request, keys: KeyService) -> Response[KeyCreated]:
-    """A client key; its secret is in this answer only."""
+    """A client key; its secret is in this answer only. It reads, groups, rewards and continues only what it
+    makes itself; `read_keys` (none by default) names other keys whose rollouts, groups and stored Responses it
+    may also read and continue, never change."""
     return Response(await keys.create(decode_body(await request.body(), KeyCreate)), status_code=201)
 
 

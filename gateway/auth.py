@@ -87,7 +87,9 @@ KEYLESS = Caller(key_id=None, grant=Grant(None), scopes=frozenset({"infer"}), ke
 def client_caller(key: ApiKey) -> Caller:
     return Caller(
         key_id=key.id,
-        grant=Grant(frozenset(key.models) if key.models is not None else None, owner=key.id),
+        grant=Grant(
+            frozenset(key.models) if key.models is not None else None, owner=key.id, reads=frozenset(key.read_keys)
+        ),
         scopes=frozenset(key.scopes),
         rpm=key.rpm,
         tpm=key.tpm,

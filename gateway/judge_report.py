@@ -13,6 +13,7 @@ import logging
 import math
 import time
 
+import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -51,7 +52,14 @@ class JudgeReportService:
         caller.check_model(name)
         if name not in self.registry.models:
             raise model_not_found(name)
-        return await self._make(name)
+        report = await self._make(name)
+        # The figures are the model's; the groups it names are only those the caller may read (its own).
+        readable = caller.grant.owner_of
+        rubrics = [
+            msgspec.structs.replace(r, worst_groups=[g for g in r.worst_groups if readable(g.owner) is not None])
+            for r in report.rubrics
+        ]
+        return msgspec.structs.replace(report, rubrics=rubrics)
 
     async def _make(self, name: str) -> JudgeReport:
         async with self.engine.connect() as conn:

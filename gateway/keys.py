@@ -34,6 +34,15 @@ class KeyService:
                         code="model_not_found",
                     )
         async with self.store.begin() as conn:
+            # A grant names keys that exist (revoked ones too: what they made is still there to read).
+            known = {key.id for key in await list_keys(conn, include_revoked=True)}
+            for i, key_id in enumerate(spec.read_keys):
+                if key_id not in known:
+                    raise invalid_request(
+                        f"No API key `{key_id}` to grant reading of (ids from GET /v1/art/keys).",
+                        param=f"read_keys[{i}]",
+                        code="key_not_found",
+                    )
             key, secret = await create_key(
                 conn,
                 name=spec.name,
@@ -41,6 +50,7 @@ class KeyService:
                 scopes=sorted(set(spec.scopes)),  # type: ignore[arg-type]
                 rpm=spec.rpm,
                 tpm=spec.tpm,
+                read_keys=spec.read_keys,
             )
         self.ring.add(secret_hash(secret), key)
         return KeyCreated(
@@ -52,6 +62,7 @@ class KeyService:
             rpm=key.rpm,
             tpm=key.tpm,
             created_at=key.created_at,
+            read_keys=key.read_keys,
         )
 
     async def list_all(self, include_revoked: bool = False) -> KeyList:

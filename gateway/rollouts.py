@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,6 +20,7 @@ from recording.recorder import Recorder
 from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owner
 from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound
+from store.groups import group_key
 from store.records import RolloutKey
 from store.rollouts import RolloutPage, RolloutReader
 from store.trajectories import Trajectory
@@ -198,5 +200,8 @@ class RolloutService:
         newest_first: bool = False,
     ) -> RolloutPage:
         """A page of the rollouts `where` selects, of the caller's models and its own (every owner's for the
-        admin) only (`newest_first`: as the UI lists them)."""
+        admin) only (`newest_first`: as the UI lists them). `where.group_id` is one of the caller's groups (the
+        admin, whose ids are kept as they are, names a key's group by its store key, `<key id>/<id>`)."""
+        if where.group_id is not None:
+            where = msgspec.structs.replace(where, group_id=group_key(caller.grant.namespace, where.group_id))
         return await self.reader.page(where, grant=caller.grant, limit=limit, cursor=cursor, newest_first=newest_first)

@@ -11,6 +11,11 @@ stored Response it may read, continue or delete are its key's (`owner`), whateve
 key of the same model is someone else. Rollout ids are a namespace per owner (`namespace`): two keys' rollout
 `r1` are two rollouts, and neither can tell that the other's exists. Every key's (`every_owner`) only where
 granted explicitly (the admin, the store's holders), which names another owner's rollout with `owner_of`.
+
+A key may also read named other keys' things (`reads`: granted by the admin when it makes the key, none by
+default): their rollouts, groups and stored Responses it reads (and lists), and a stored Response or thread of
+theirs it may continue (a follow-up is its own), where it covers the model; it never adds to, groups, rewards
+or deletes them.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ class Grant(msgspec.Struct, frozen=True):
     models: frozenset[str] | None
     owner: str | None = None  # the key whose rollouts and stored Responses it may use (None: made without a key)
     every_owner: bool = False  # every key's (the admin; explicit only)
+    reads: frozenset[str] = frozenset()  # other keys whose things it may read, never change (explicit only)
 
     def owns(self, key_id: str | None) -> bool:
         """May it use (add calls to, read, continue, delete) what key `key_id` made, where it covers the model?"""
         return self.every_owner or key_id == self.owner
+
+    def may_read(self, key_id: str | None) -> bool:
+        """May it read (and continue: a follow-up is its own) what key `key_id` made, where it covers the model?"""
+        return self.owns(key_id) or key_id in self.reads
 
     @property
     def namespace(self) -> str:
@@ -36,15 +46,18 @@ class Grant(msgspec.Struct, frozen=True):
         return self.owner or ""
 
     def owner_of(self, requested: str | None) -> str | None:
-        """Whose rollout ids it reads where it asks for `requested`'s (None: its own): another owner's only with
-        every owner's (else None: nothing, as if unknown)."""
+        """Whose rollout and group ids it reads where it asks for `requested`'s (None: its own): another owner's
+        only with every owner's or a grant to read theirs (else None: nothing, as if unknown)."""
         if requested is None or requested == self.namespace:
             return self.namespace
-        return requested if self.every_owner else None
+        return requested if self.every_owner or requested in self.reads else None
 
     def where_owner(self, owner: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
-        """The SQL condition on a table's rollout owner column: its own rows only (every owner's: all)."""
-        return sa.true() if self.every_owner else owner == self.namespace
+        """The SQL condition on a table's rollout owner column, for reading: its own rows and those of the keys
+        it reads (every owner's: all)."""
+        if self.every_owner:
+            return sa.true()
+        return owner.in_([self.namespace, *sorted(self.reads)]) if self.reads else owner == self.namespace
 
     def covers(self, model: str | None) -> bool:
         """May it see (or use) `model`? Base-model data (`None`) only with every model."""

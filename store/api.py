@@ -82,6 +82,9 @@ class KeyCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scopes: Annotated[list[Scope], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["infer"])
     rpm: PerMinute | None = None  # requests per minute (per replica); None: no limit
     tpm: PerMinute | None = None  # prompt + completion tokens per minute (per replica); None: no limit
+    # Other keys (their ids) whose rollouts, groups and stored Responses this key may read, list and continue
+    # (a follow-up is its own), never add to, group, reward or delete; none by default: a key reads its own.
+    read_keys: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
 
 
 class KeyCreated(msgspec.Struct, frozen=True):
@@ -96,6 +99,7 @@ class KeyCreated(msgspec.Struct, frozen=True):
     tpm: int | None
     created_at: float
     object: str = "art.api_key"
+    read_keys: list[str] = []  # the keys whose things it may read, besides its own
 
 
 class KeyList(msgspec.Struct, frozen=True):

@@ -27,7 +27,7 @@ class RolloutFilter(msgspec.Struct, frozen=True, kw_only=True):
     since: float | None = None  # only those whose last call came at or after this time
     status: CallStatus | None = None  # only those with a call that ended so
     api: Api | None = None  # only those with a call of that API
-    group_id: str | None = None  # only the members of that group
+    group_id: str | None = None  # only the members of that group (its store key: store.groups.group_key)
 
     def __post_init__(self) -> None:
         # msgspec checks a Literal when it decodes, not when a struct is built from a query string's values.

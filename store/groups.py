@@ -49,6 +49,19 @@ class LeaseLost(Conflict):
     code = "lease_lost"
 
 
+def group_key(owner: str, group_id: str) -> str:
+    """The store's id of `owner`'s group `group_id`. Group ids are a namespace per owner, as rollout ids are: two
+    keys' `g1` are two groups, and neither can tell of the other's. A client's id never holds a `/`
+    (store.types.GROUP_ID), so `<owner>/<id>` meets no other owner's; the owner "" (the admin's, --auth off's)
+    keeps its ids as they are. Everything inside (the trainer's claims, the scorer) names a group by this key."""
+    return f"{owner}/{group_id}" if owner else group_id
+
+
+def group_name(owner: str, key: str) -> str:
+    """The id `owner` gave the group stored under `key` (group_key's inverse): what its owner sees."""
+    return key.removeprefix(f"{owner}/") if owner else key
+
+
 class CheckOutcome(msgspec.Struct, frozen=True):
     """One rule check of a RULER group on one rollout: did it pass, and what failing it did to the reward."""
 
@@ -112,6 +125,11 @@ class GroupRow(msgspec.Struct, frozen=True):
     members: list[MemberRow] = []
     owner: str = ""  # the owner whose rollouts it groups (the key that made it; "" for none)
 
+    @property
+    def name(self) -> str:
+        """Its id as its owner gave it (`id` is the store's key: group_key)."""
+        return group_name(self.owner, self.id)
+
 
 class NewMember(msgspec.Struct, frozen=True):
     position: int
@@ -124,7 +142,7 @@ class NewMember(msgspec.Struct, frozen=True):
 
 
 class NewGroup(msgspec.Struct, frozen=True):
-    id: str
+    id: str  # the store's key: group_key(owner, the id the caller gave it)
     model: str
     state: GroupState  # `scoring` (RULER will judge it) or `ready` (caller rewards)
     request_hash: str  # same id + other content = a conflict
@@ -199,16 +217,18 @@ async def memberships(conn: AsyncConnection, rollouts: Sequence[RolloutKey]) -> 
     for row in await conn.execute(query):
         data = _plain(row)
         rollout = RolloutKey(data.pop("rollout_owner"), data.pop("rollout_id"))
+        data["group_id"] = group_name(rollout.owner, data["group_id"])  # a group's owner is its members'
         found.setdefault(rollout, []).append(msgspec.convert(data, Membership))
     return found
 
 
 async def taken_refs(conn: AsyncConnection, owner: str, rollout_ids: Sequence[str]) -> dict[str, str]:
-    """rollout_ref -> group id, for every member of any group that uses one of these rollouts of `owner`'s."""
+    """rollout_ref -> group id (as `owner` named it), for every member of any group that uses one of these
+    rollouts of `owner`'s."""
     query = sa.select(group_members.c.rollout_ref, group_members.c.group_id).where(
         group_members.c.rollout_owner == owner, group_members.c.rollout_id.in_(rollout_ids)
     )
-    return {ref: gid for ref, gid in await conn.execute(query)}
+    return {ref: group_name(owner, key) for ref, key in await conn.execute(query)}
 
 
 async def list_group_ids(

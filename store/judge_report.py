@@ -26,6 +26,7 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from store.groups import group_name
 from store.tables import group_members, groups
 
 # agrees: mean per-group Spearman at or above the threshold; flagged: below it; no_ranked_groups: in no group
@@ -44,6 +45,7 @@ class JudgedGroup(msgspec.Struct, frozen=True):
     judge_scores: tuple[float, ...]
     criteria: dict[str, tuple[float, ...]] = {}  # criterion -> each member's score, with criteria
     judge_agreement: float | None = None  # the panel's judgements among themselves (mean pairwise Spearman)
+    owner: str = ""  # whose group it is: `group_id` is as that owner named it
 
 
 class CriterionAgreement(msgspec.Struct, frozen=True):
@@ -60,10 +62,11 @@ class Correlation(msgspec.Struct, frozen=True):
 
 
 class GroupAgreement(msgspec.Struct, frozen=True):
-    group_id: str
+    group_id: str  # as its owner named it (`GET /v1/art/groups/{id}`, with `?owner=` for the admin)
     members: int
     spearman: float
     kendall: float
+    owner: str = ""  # whose group it is: a report lists only the groups its reader may read
 
 
 class RubricAgreement(msgspec.Struct, frozen=True):
@@ -105,6 +108,7 @@ async def judged_groups(conn: AsyncConnection, model: str) -> list[JudgedGroup]:
     query = (
         sa.select(
             groups.c.id,
+            groups.c.owner,
             groups.c.ruler,
             groups.c.judge_agreement,
             group_members.c.caller_reward,
@@ -120,24 +124,27 @@ async def judged_groups(conn: AsyncConnection, model: str) -> list[JudgedGroup]:
         )
         .order_by(groups.c.created_at, groups.c.id, group_members.c.position)
     )
-    found: dict[str, tuple[dict[str, Any], float | None, list[float], list[float], dict[str, list[float]]]] = {}
-    for group_id, ruler, agreement, caller_reward, ruler_score, criteria in await conn.execute(query):
-        _, _, callers, judges, by_criterion = found.setdefault(group_id, (ruler, agreement, [], [], {}))
+    # (owner, store key) -> its ruler, agreement, the callers' rewards, the judges' scores, each criterion's scores
+    found: dict[tuple[str, str], tuple[dict[str, Any], float | None, list[float], list[float], dict[str, list[float]]]]
+    found = {}
+    for key, owner, ruler, agreement, caller_reward, ruler_score, criteria in await conn.execute(query):
+        _, _, callers, judges, by_criterion = found.setdefault((owner, key), (ruler, agreement, [], [], {}))
         callers.append(caller_reward)
         judges.append(ruler_score)
         for name, value in (criteria or {}).items():
             by_criterion.setdefault(name, []).append(value)
     return [
         JudgedGroup(
-            group_id,
+            group_name(owner, key),
             panel_label(ruler),
             ruler.get("rubric") or "",
             tuple(callers),
             tuple(judges),
             {name: tuple(values) for name, values in by_criterion.items() if len(values) == len(callers)},
             agreement,
+            owner,
         )
-        for group_id, (ruler, agreement, callers, judges, by_criterion) in found.items()
+        for (owner, key), (ruler, agreement, callers, judges, by_criterion) in found.items()
     ]
 
 
@@ -175,7 +182,9 @@ def _rubric_agreement(judged: Sequence[JudgedGroup], threshold: float) -> Rubric
         correlation = rank_correlation(group.caller_rewards, group.judge_scores)
         if correlation is not None:
             members = len(group.caller_rewards)
-            ranked.append(GroupAgreement(group.group_id, members, correlation.spearman, correlation.kendall))
+            ranked.append(
+                GroupAgreement(group.group_id, members, correlation.spearman, correlation.kendall, group.owner)
+            )
     pooled = rank_correlation(
         [r for g in judged for r in g.caller_rewards], [s for g in judged for s in g.judge_scores]
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -45,6 +46,7 @@ class ApiKey(msgspec.Struct, frozen=True):
     created_at: float
     revoked_at: float | None = None
     object: str = "art.api_key"
+    read_keys: list[str] = []  # other keys whose rollouts, groups and stored Responses it may read (none: its own)
 
 
 class LiveKey(msgspec.Struct, frozen=True):
@@ -57,6 +59,7 @@ class LiveKey(msgspec.Struct, frozen=True):
 def _key(row: sa.Row[Any]) -> ApiKey:
     values = {str(k): v for k, v in row._asdict().items()}
     values.pop("secret_sha256", None)
+    values["read_keys"] = values.get("read_keys") or []  # NULL: none
     return msgspec.convert(values, ApiKey)
 
 
@@ -68,8 +71,10 @@ async def create_key(
     scopes: list[Scope],
     rpm: int | None,
     tpm: int | None,
+    read_keys: Sequence[str] = (),
 ) -> tuple[ApiKey, str]:
-    """A new key; returns it and its secret (the only time the secret exists outside the client)."""
+    """A new key; returns it and its secret (the only time the secret exists outside the client). `read_keys`:
+    other keys whose things it may read (checked by the caller: keys that exist)."""
     secret = new_secret()
     values = {
         "id": "key_" + secrets.token_hex(8),
@@ -82,10 +87,11 @@ async def create_key(
         "tpm": tpm,
         "created_at": time.time(),
         "revoked_at": None,
+        "read_keys": sorted(set(read_keys)) or None,
     }
     await conn.execute(sa.insert(api_keys).values(**values))
     values.pop("secret_sha256")
-    return msgspec.convert(values, ApiKey), secret
+    return msgspec.convert({**values, "read_keys": values["read_keys"] or []}, ApiKey), secret
 
 
 async def list_keys(conn: AsyncConnection, *, include_revoked: bool = False) -> list[ApiKey]:

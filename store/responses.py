@@ -31,7 +31,8 @@ class StoredResponse(msgspec.Struct, frozen=True):
     # The history it continued, its input, its output: chat messages (Responses), Anthropic's (Messages).
     messages: list[dict[str, Any]]
     created_at: float
-    key_id: str | None  # the API key that made it: only it (or the admin) may read, continue or delete it
+    key_id: str | None  # the API key that made it: only it (or the admin) may delete it; it, the admin and the
+    # keys granted to read its things (store.access.Grant.reads) may read and continue it
     api: StoredApi = "responses"
     # Request fields every follow-up takes from it rather than sends: an Anthropic thread's `system` and `tools`.
     carried: dict[str, Any] | None = None
@@ -50,11 +51,12 @@ class ResponseStore:
             await conn.execute(sa.insert(responses).values(**msgspec.structs.asdict(stored)))
 
     async def get(self, response_id: str, *, grant: Grant, api: StoredApi) -> StoredResponse:
-        """The stored answer of `api`; not found when `grant` does not own it (another key's, even of a model it
-        covers, or of a model it does not cover), or another API made it, as if it did not exist."""
+        """The stored answer of `api`; not found when `grant` may not read it (another key's, even of a model it
+        covers, unless granted to read that key's; or of a model it does not cover), or another API made it, as
+        if it did not exist."""
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(responses).where(responses.c.id == response_id))).one_or_none()
-        if row is None or row.api != api or not (grant.covers_id(row.model) and grant.owns(row.key_id)):
+        if row is None or row.api != api or not (grant.covers_id(row.model) and grant.may_read(row.key_id)):
             raise response_not_found(response_id)
         return msgspec.convert({str(k): v for k, v in row._asdict().items()}, StoredResponse)
 

@@ -16,6 +16,8 @@ metadata = sa.MetaData(
 # Rollout ids are a namespace per owner: the key that made the rollout ("" for none: the admin's, --auth off's).
 # Every table that names a rollout names it by (owner, id) (store.records.RolloutKey).
 OWNER = sa.String(64)
+# Group ids too (store.groups.group_key): a group's key is `<owner>/<id>`, or its id for the owner "".
+GROUP_KEY = sa.String(64 + 1 + 128)
 
 # One row per rollout: the unit a group's reward attaches to.
 rollouts = sa.Table(
@@ -78,7 +80,7 @@ calls = sa.Table(
 groups = sa.Table(
     "groups",
     metadata,
-    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("id", GROUP_KEY, primary_key=True),
     sa.Column("model", sa.String(256), nullable=False, index=True),
     sa.Column("owner", OWNER, nullable=False, server_default="", index=True),  # whose rollouts it groups
     sa.Column("state", sa.String(16), nullable=False, index=True),  # scoring|ready|training|trained|failed
@@ -102,7 +104,7 @@ groups = sa.Table(
 group_members = sa.Table(
     "group_members",
     metadata,
-    sa.Column("group_id", sa.String(128), sa.ForeignKey("groups.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("group_id", GROUP_KEY, sa.ForeignKey("groups.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("position", sa.Integer, primary_key=True),
     sa.Column("rollout_owner", OWNER, nullable=False, server_default=""),  # its group's owner
     sa.Column("rollout_ref", sa.String(140), nullable=False),  # "rid" or "rid/<choice>"
@@ -253,6 +255,9 @@ api_keys = sa.Table(
     sa.Column("scopes", sa.JSON, nullable=False),  # store.keys.Scope values
     sa.Column("rpm", sa.Integer, nullable=True),  # requests per minute; NULL: no limit
     sa.Column("tpm", sa.Integer, nullable=True),  # tokens per minute; NULL: no limit
+    # Other keys (ids) whose rollouts, groups and stored Responses it may read (store.access.Grant.reads);
+    # NULL: none. Set when the key is made, by the admin.
+    sa.Column("read_keys", sa.JSON, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
 )

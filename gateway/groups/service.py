@@ -25,7 +25,16 @@ from gateway.promotion.graders import WebhookGrader
 from gateway.proxy import EVAL_ROLLOUT_PREFIX
 from gateway.rollouts import RolloutService
 from store.api import GroupCreate, GroupOut, GroupPage, GroupRolloutOut, RulerIn
-from store.groups import GroupRow, NewGroup, NewMember, insert_group, list_group_ids, load_groups, taken_refs
+from store.groups import (
+    GroupRow,
+    NewGroup,
+    NewMember,
+    group_key,
+    insert_group,
+    list_group_ids,
+    load_groups,
+    taken_refs,
+)
 from store.records import RolloutKey
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
@@ -53,8 +62,8 @@ def group_out(row: GroupRow) -> GroupOut:
     rewards = [m.reward for m in row.members if m.reward is not None]
     complete = len(rewards) == len(row.members)
     return GroupOut(
-        id=row.id,
-        group_id=row.id,
+        id=row.name,  # as its owner named it: the store's key (`<owner>/<id>`) is never shown
+        group_id=row.name,
         model=row.model,
         state=row.state,
         failure_reason=row.failure_reason,
@@ -185,9 +194,10 @@ class GroupService:
         if not GROUP_ID.fullmatch(group_id):
             raise invalid_request("Invalid group_id: 1 to 128 characters from letters, digits and `._:-`.", "group_id")
         digest = request_hash(spec)
-        existing = await self._row(group_id, ADMIN)  # ids are one namespace: a taken id is taken (see _replay)
+        key = group_key(caller.grant.namespace, group_id)  # group ids are per owner, as rollout ids are
+        existing = await self._row(key, ADMIN)
         if existing is not None:
-            return self._replay(existing, digest, caller), False
+            return self._replay(existing, digest), False
 
         trajectories = await self._check_rollouts(spec, caller)
         members = []
@@ -206,7 +216,7 @@ class GroupService:
             )
         rewards = [r.reward for r in spec.rollouts if r.reward is not None]
         group = NewGroup(
-            id=group_id,
+            id=key,
             model=spec.model,
             owner=caller.grant.namespace,  # its members are the caller's rollouts
             state="scoring" if spec.ruler is not None else "ready",
@@ -221,15 +231,15 @@ class GroupService:
                 await insert_group(conn, group)
         except IntegrityError:
             # A concurrent request took the id or one of the rollouts first.
-            existing = await self._row(group_id, ADMIN)
+            existing = await self._row(key, ADMIN)
             if existing is not None:
-                return self._replay(existing, digest, caller), False
+                return self._replay(existing, digest), False
             raise OpenAIError(
                 409, "A rollout of this group was just put in another group.", code="rollout_in_group"
             ) from None
         self.metrics.rollouts_grouped(spec.model, trajectories)
         if spec.ruler is not None:
-            self.scorer.start(group_id, spec.ruler)
+            self.scorer.start(key, spec.ruler)
         return await self.get(group_id, caller), True
 
     def _validate(self, spec: GroupCreate) -> None:
@@ -343,12 +353,12 @@ class GroupService:
                 )
         return trajectories
 
-    def _replay(self, existing: GroupRow, digest: str, caller: Caller) -> GroupOut:
-        # Another owner's group, even of the same request (its rollout ids are another owner's), is not the caller's.
-        if existing.request_hash != digest or existing.owner != caller.grant.namespace:
+    def _replay(self, existing: GroupRow, digest: str) -> GroupOut:
+        # The caller's own group (its key is in the caller's namespace): another owner's id is never taken here.
+        if existing.request_hash != digest:
             raise OpenAIError(
                 409,
-                f"Group `{existing.id}` exists with other content: use a new group_id / Idempotency-Key.",
+                f"Group `{existing.name}` exists with other content: use a new group_id / Idempotency-Key.",
                 param="group_id",
                 code="group_id_conflict",
             )
@@ -356,13 +366,16 @@ class GroupService:
 
     # ------------------------------------------------------------ read
 
-    async def _row(self, group_id: str, caller: Caller) -> GroupRow | None:
+    async def _row(self, key: str, caller: Caller) -> GroupRow | None:
         async with self.engine.connect() as conn:
-            rows = await load_groups(conn, [group_id], grant=caller.grant)
+            rows = await load_groups(conn, [key], grant=caller.grant)
         return rows[0] if rows else None
 
-    async def get(self, group_id: str, caller: Caller) -> GroupOut:
-        row = await self._row(group_id, caller)
+    async def get(self, group_id: str, caller: Caller, owner: str | None = None) -> GroupOut:
+        """The caller's group `group_id` (`owner`: another owner's, for a caller that may read it; see
+        store.access.Grant.owner_of); another owner's id is unknown, as rollout ids are."""
+        reads = caller.grant.owner_of(owner)
+        row = await self._row(group_key(reads, group_id), caller) if reads is not None else None
         if row is None:
             raise OpenAIError(404, f"No group `{group_id}`.", code="group_not_found")
         return group_out(row)

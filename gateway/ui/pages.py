@@ -172,8 +172,10 @@ class Attempt:
         return self.trajectory.messages[-1] if self.trajectory and self.trajectory.messages else None
 
 
-async def group_detail(groups: GroupService, rollouts: RolloutService, caller: Caller, group_id: str) -> dict[str, Any]:
-    group: GroupOut = await groups.get(group_id, caller)
+async def group_detail(
+    groups: GroupService, rollouts: RolloutService, caller: Caller, group_id: str, owner: str | None = None
+) -> dict[str, Any]:
+    group: GroupOut = await groups.get(group_id, caller, owner)
     scores = advantages([member.reward for member in group.rollouts])
     attempts = []
     for member, advantage in zip(group.rollouts, scores, strict=True):

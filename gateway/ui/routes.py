@@ -105,8 +105,10 @@ async def groups_page(
 
 
 @get("/groups/{group_id:str}", **PAGE)
-async def group_page(groups: GroupService, rollouts: RolloutService, caller: Caller, group_id: str) -> Template:
-    return Template("group.html", context=await pages.group_detail(groups, rollouts, caller, group_id))
+async def group_page(
+    groups: GroupService, rollouts: RolloutService, caller: Caller, group_id: str, owner: str | None = None
+) -> Template:
+    return Template("group.html", context=await pages.group_detail(groups, rollouts, caller, group_id, owner))
 
 
 @get("/login", include_in_schema=False)

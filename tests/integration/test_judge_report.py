@@ -233,3 +233,19 @@ def test_a_model_with_no_judged_group_has_an_empty_report_and_no_plot(gateway: G
     assert result.returncode == 0, result.stderr
     assert "no group of fresh has both caller rewards and RULER scores yet" in result.stdout
     assert not png.exists()
+
+
+def test_a_key_gets_the_models_figures_but_no_other_owners_group_ids(gateway: GatewayProcess) -> None:
+    """Group ids are per key (#40): the report's figures are the model's, for every reader of it, but its worst
+    groups are named only to a reader that may read them. Before: any `read` key of the model got every owner's
+    group ids (here the admin's, all of them)."""
+    body = {"name": "reader", "models": ["my-agent"], "scopes": ["read"]}
+    made = httpx.post(f"{gateway.base_url}/art/keys", json=body, headers=gateway.admin, timeout=30)
+    assert made.status_code == 201, made.text
+    path = f"{gateway.base_url}/art/models/my-agent/judge-report"
+    admins = httpx.get(path, timeout=120, headers=gateway.admin).json()
+    keys = httpx.get(path, timeout=120, headers={"Authorization": f"Bearer {made.json()['key']}"}).json()
+    assert any(row["worst_groups"] for row in admins["rubrics"])
+    assert [row["worst_groups"] for row in keys["rubrics"]] == [[] for _ in keys["rubrics"]]
+    figures = [{k: v for k, v in row.items() if k != "worst_groups"} for row in admins["rubrics"]]
+    assert [{k: v for k, v in row.items() if k != "worst_groups"} for row in keys["rubrics"]] == figures

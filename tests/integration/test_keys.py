@@ -301,6 +301,12 @@ def _owned_rollout(w: World, secret: str | None) -> dict[str, Any]:
     return {"id": w.rollouts["a"][0], "params": owner}
 
 
+def _owned_group(w: World, secret: str | None) -> dict[str, Any]:
+    """`a`'s group (made by `a:all`); group ids are per key too, so the admin names its owner."""
+    owner = {"owner": w.keys["a:all"]["id"]} if secret == w.admin_key else {}
+    return {"id": w.groups["a"], "params": owner}
+
+
 def _next_adapter(w: World) -> dict[str, Any]:
     step = w.admin("GET", "/v1/art/models/a").json()["latest_step"] + 1
     return {"id": "a", "step": step, "json": {"step": step, "path": str(w.adapter_dir)}}
@@ -419,9 +425,7 @@ ENDPOINTS: dict[str, Endpoint] = {
         listed=_listed_by_model,
         owned=True,
     ),
-    "GET /v1/art/groups/{id}": Endpoint(
-        "read", lambda w, _: {"id": w.groups["a"]}, _has(200, id=_id, model="a"), hidden="group", owned=True
-    ),
+    "GET /v1/art/groups/{id}": Endpoint("read", _owned_group, _has(200, id=_id, model="a"), hidden="group", owned=True),
     "GET /v1/art/groups": Endpoint(
         "read",
         lambda w, _: {"params": {"limit": 1000}},
@@ -997,7 +1001,18 @@ def test_artgw_keys_create_list_revoke(world: World) -> None:
         "created_at": 0,
         "revoked_at": None,
         "object": "art.api_key",
+        "read_keys": [],
     }
+    # A key granted to read the first one's rollouts, groups and stored Responses (#40); an unknown id is refused.
+    reader = artgw_keys(world, "create", "--name", "reader", "--model", "a", "--scope", "read", "--grant-read", key_id)
+    assert reader.returncode == 0, reader.stderr
+    reader_id = reader.stderr.split("made key ", 1)[1].split(" ", 1)[0]
+    described = world.admin("GET", "/v1/art/keys").json()["data"]
+    assert next(k for k in described if k["id"] == reader_id)["read_keys"] == [key_id]
+    line = next(line for line in artgw_keys(world, "list").stdout.splitlines() if reader_id in line)
+    assert key_id in line
+    unknown = artgw_keys(world, "create", "--name", "reader", "--grant-read", "key_nobody")
+    assert unknown.returncode != 0 and "key_nobody" in unknown.stderr, unknown.stderr
 
     revoked = artgw_keys(world, "revoke", key_id)
     assert revoked.returncode == 0, revoked.stderr

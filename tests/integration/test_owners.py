@@ -177,6 +177,49 @@ def test_each_tenant_groups_and_rewards_its_own_rollouts_of_one_id(tenants: Tena
     assert (again.status_code, again.json()["error"]["code"]) == (409, "reward_conflict")
 
 
+def test_tenants_naming_one_group_id_each_get_their_own(tenants: Tenants) -> None:
+    """Group ids are per key, as rollout ids are. Before: one namespace, so the second tenant to name a group id
+    got 409 `group_id_conflict` (and learnt another used it). Now each caller's `group_id` is a group of its own,
+    read back, listed and filtered by under that id; the admin reads a key's by naming its owner."""
+    group_id = f"task-{uuid.uuid4().hex[:8]}"
+    made = {}
+    for who in CALLERS:
+        ids = [f"{group_id}-{who}-{i}" for i in range(2)]
+        for rollout_id in ids:
+            assert tenants.chat(who, rollout_id, f"{who}'s try", model=_model(who)).status_code == 200
+        body = {"model": _model(who), "group_id": group_id, "rollouts": [{"rollout_id": r, "reward": 1.0} for r in ids]}
+        answered = tenants.ask("POST", "/v1/art/groups", who, json=body)
+        assert answered.status_code == 201, (who, answered.text)
+        made[who] = answered.json()
+        assert (made[who]["id"], made[who]["group_id"], made[who]["owner"]) == (
+            group_id,
+            group_id,
+            _key_id(tenants, who) or "",
+        )
+        # The same request again is the same group; other content under its own id is a conflict, as before.
+        assert tenants.ask("POST", "/v1/art/groups", who, json=body).status_code == 200
+        changed = {**body, "metadata": {"changed": True}}
+        conflict = tenants.ask("POST", "/v1/art/groups", who, json=changed)
+        assert (conflict.status_code, conflict.json()["error"]["code"]) == (409, "group_id_conflict")
+    for who in CALLERS:
+        got = tenants.ask("GET", f"/v1/art/groups/{group_id}", who)
+        assert got.status_code == 200 and got.json() == made[who], (who, got.text)
+        members = tenants.ask("GET", f"/v1/art/rollouts?group_id={group_id}", who).json()["data"]
+        assert sorted(r["id"] for r in members) == [r["rollout_id"] for r in made[who]["rollouts"]], who
+        listed = tenants.ask("GET", "/v1/art/groups?limit=1000", who).json()["data"]
+        mine = [g for g in listed if g["id"] == group_id]
+        if who == "admin":  # every owner's, each with its owner
+            assert sorted(g["owner"] for g in mine) == sorted(_key_id(tenants, w) or "" for w in CALLERS)
+        else:
+            assert mine == [made[who]], who
+    # The admin names a key's group by its owner, as it does a rollout; a key cannot name another's.
+    owner = tenants.key_ids["owner"]
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "admin").json() == made["owner"]
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "neighbour").status_code == 404
+    page = tenants.ask("GET", f"/ui/groups/{group_id}?owner={owner}", "admin")
+    assert page.status_code == 200 and f"{group_id}-owner-0" in page.text
+
+
 def test_one_rollout_id_of_one_caller_is_of_one_model(tenants: Tenants) -> None:
     """Within a caller's own ids, a rollout is still its first trainable model's: a call of another model
     naming it is refused (409 `rollout_id_taken`), before the engine sees it."""
@@ -218,6 +261,69 @@ def test_a_stored_response_is_read_continued_and_deleted_by_its_key_only(tenants
     body = {"model": "a", "input": "and then?", "previous_response_id": response_id}
     assert tenants.ask("POST", "/v1/responses", "owner", json=body).status_code == 200
     assert tenants.ask("DELETE", path, "owner").status_code == 200
+
+
+def test_a_key_granted_to_read_another_keys_things_reads_and_continues_them_and_changes_nothing(
+    tenants: Tenants,
+) -> None:
+    """An explicit grant (#40: "admin and explicit grants can"): the admin makes a key with `read_keys` naming
+    the owner's key. It reads the owner's rollouts, groups and stored Responses (naming the owner, as the admin
+    does), lists them beside its own, and continues a Response (the follow-up is its own); it never adds to,
+    rewards, groups or deletes them. A key without the grant still reads nothing of the owner's. Before: no
+    such grant (`read_keys` an unknown field: 400)."""
+    owner = tenants.key_ids["owner"]
+    ids = [f"granted-{i}-{uuid.uuid4().hex[:8]}" for i in range(2)]
+    for rollout_id in ids:
+        assert tenants.chat("owner", rollout_id, "owner's notes").status_code == 200
+    group = {"model": "a", "rollouts": [{"rollout_id": r, "reward": float(i)} for i, r in enumerate(ids)]}
+    group_id = tenants.ask("POST", "/v1/art/groups", "owner", json=group).json()["id"]
+    response_id = tenants.ask("POST", "/v1/responses", "owner", json={"model": "a", "input": "owner's plan"}).json()[
+        "id"
+    ]
+
+    unknown = {"name": "reader", "models": ["a"], "scopes": SCOPES, "read_keys": ["key_nobody"]}
+    refused = tenants.ask("POST", "/v1/art/keys", "admin", json=unknown)
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "read_keys[0]"), refused.text
+    made = tenants.ask("POST", "/v1/art/keys", "admin", json={**unknown, "read_keys": [owner]})
+    assert made.status_code == 201 and made.json()["read_keys"] == [owner], made.text
+    role = f"reader-{uuid.uuid4().hex[:8]}"
+    tenants.keys[role], tenants.key_ids[role] = made.json()["key"], made.json()["id"]
+    listed_keys = tenants.ask("GET", "/v1/art/keys", "admin").json()["data"]
+    assert next(k for k in listed_keys if k["id"] == tenants.key_ids[role])["read_keys"] == [owner]
+
+    # It reads, naming the owner; its own namespace has no such ids.
+    rollout = tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}?owner={owner}", role)
+    assert rollout.status_code == 200 and "owner's notes" in rollout.text, rollout.text
+    assert tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}", role).status_code == 404
+    listed = tenants.ask("GET", "/v1/art/rollouts?limit=1000", role).json()["data"]
+    assert {(r["id"], r["owner"]) for r in listed} >= {(r, owner) for r in ids}
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", role).json()["owner"] == owner
+    assert tenants.ask("GET", f"/ui/rollouts/{ids[0]}?owner={owner}", role).status_code == 200
+    path = f"/v1/responses/{response_id}"
+    assert tenants.ask("GET", path, role).json()["id"] == response_id
+    assert tenants.ask("GET", path + "/input_items", role).status_code == 200
+    body = {"model": "a", "input": "and then?", "previous_response_id": response_id}
+    follow_up = tenants.ask("POST", "/v1/responses", role, json=body)
+    assert follow_up.status_code == 200, follow_up.text
+    # The follow-up is the reader's: the owner, not granted the reader's, cannot read it.
+    assert tenants.ask("GET", f"/v1/responses/{follow_up.json()['id']}", "owner").status_code == 404
+
+    # It changes nothing of the owner's: no delete, no reward, no group, no call added to its rollout.
+    deleted = tenants.ask("DELETE", path, role)
+    assert (deleted.status_code, deleted.json()["error"]["code"]) == (403, "read_only_grant"), deleted.text
+    assert tenants.ask("GET", path, "owner").status_code == 200
+    rewarded = tenants.ask("POST", "/v1/art/rewards", role, json={"rollout_id": ids[0], "reward": 1.0})
+    assert rewarded.status_code == 404, rewarded.text
+    regrouped = tenants.ask("POST", "/v1/art/groups", role, json=group)
+    assert (regrouped.status_code, regrouped.json()["error"]["code"]) == (400, "unknown_rollout")
+    assert tenants.chat(role, ids[0], "reader's turn").status_code == 200  # a rollout of its own
+    calls = tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}", "owner").json()["calls"]
+    assert [c["key_id"] for c in calls] == [owner]
+
+    # Without the grant, another key of the model still reads nothing of the owner's.
+    assert tenants.ask("GET", f"/v1/art/rollouts/{ids[0]}?owner={owner}", "neighbour").status_code == 404
+    assert tenants.ask("GET", f"/v1/art/groups/{group_id}?owner={owner}", "neighbour").status_code == 404
+    assert tenants.ask("GET", path, "neighbour").status_code == 404
 
 
 def test_a_message_thread_is_continued_by_its_key_only(tenants: Tenants) -> None:

@@ -16,7 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.rollouts import RolloutOwners
 from gateway.settings import Settings
+from store import create_engine, migrate
+from store.records import RolloutKey
 from tests.conftest import start_stub, stop_group
 from tests.inprocess import InProcessGateway, ManualClock, serve_in_process
 
@@ -103,3 +106,21 @@ def test_a_rollout_stays_on_the_step_of_its_first_call(tmp_path: Path, stub_url:
         assert 6 in status(gateway)["loaded_steps"]
         assert [call(gateway, r) for r in ("late", "after-restart")] == [6, 7]
         assert status(gateway)["pinned_rollouts"] == {"6": 1, "7": 1}
+
+
+async def test_the_pins_are_kept_for_the_newest_rollouts_only(tmp_path: Path) -> None:
+    """The gateway's memory is bounded (README): RSS grows with fresh rollout ids until its three per-rollout
+    tables fill. The writer's cache and the continuations have byte budgets with tests of their own
+    (tests/unit/test_store_codec.py, tests/unit/test_continuation.py); this is the third, the pins: however many
+    rollouts call, it keeps the newest `size` (an unbounded table would hold all ten here)."""
+    store = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}")
+    try:
+        await migrate(store)
+        owners = RolloutOwners(store, size=3)
+        for i in range(10):
+            await owners.claim(RolloutKey("key_a", f"r{i}"), MODEL, 1)
+        assert owners.held_steps(MODEL) == {1: 3}  # every one called just now: only the newest three are kept
+        await owners.claim(RolloutKey("key_a", "r9"), MODEL, 1)  # one of them again: still three
+        assert owners.held_steps(MODEL) == {1: 3}
+    finally:
+        await store.dispose()

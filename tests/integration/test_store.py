@@ -35,7 +35,16 @@ from store.calls import (
 from store.codec import CallCache, compact
 from store.db import alembic_config
 from store.errors import Invalid, NotFound
-from store.groups import claim_groups, list_group_ids, load_groups, renew_lease
+from store.groups import (
+    NewGroup,
+    NewMember,
+    claim_groups,
+    group_key,
+    insert_group,
+    list_group_ids,
+    load_groups,
+    renew_lease,
+)
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.responses import ResponseStore, StoredResponse
 from store.rollouts import RolloutReader
@@ -186,8 +195,8 @@ async def test_migration_0012_files_each_rollout_under_its_owner(store_url: str)
                 for key in (RolloutKey("key_a", "r1"), RolloutKey("", "r2"), RolloutKey("key_b", "r1"))
             }
             assert await rollout_calls(conn, RolloutKey("", "r1")) is None
-            (group,) = await load_groups(conn, ["g1"], grant=EVERYTHING)
-            assert await load_groups(conn, ["g1"], grant=Grant(None, owner="key_b")) == []
+            (group,) = await load_groups(conn, [group_key("key_a", "g1")], grant=EVERYTHING)  # 0013: key_a's g1
+            assert await load_groups(conn, [group_key("key_a", "g1")], grant=Grant(None, owner="key_b")) == []
             rewarded = (await conn.execute(sa.select(rewards.c.owner, rewards.c.rollout_id))).all()
         assert kept == {
             RolloutKey("key_a", "r1"): ["m1", "m2"],
@@ -196,6 +205,56 @@ async def test_migration_0012_files_each_rollout_under_its_owner(store_url: str)
         }
         assert group.owner == "key_a" and [m.rollout_key for m in group.members] == [RolloutKey("key_a", "r1")]
         assert [tuple(row) for row in rewarded] == [("", "r2")]
+    finally:
+        await engine.dispose()
+
+
+async def test_migration_0013_files_each_group_id_under_its_owner(store_url: str) -> None:
+    """Groups made before group ids were per owner (#40) read back under their owner's key with their members
+    (the admin's keep their ids); after it, two keys' groups may share an id; downgrading gives the ids back."""
+    engine = create_engine(store_url)
+    try:
+        await migrate(engine, "0012")
+
+        def fill(conn: Connection) -> None:
+            old = sa.MetaData()
+            table = {name: sa.Table(name, old, autoload_with=conn) for name in ("groups", "group_members")}
+            group = {"model": "agent", "state": "ready", "request_hash": "h", "created_at": 1.0, "updated_at": 1.0}
+            made = [group | {"id": "g1", "owner": "key_a"}, group | {"id": "g2", "owner": ""}]
+            conn.execute(table["groups"].insert(), made)
+            member = {"position": 0, "reward": 1.0}
+            conn.execute(
+                table["group_members"].insert(),
+                [
+                    member | {"group_id": "g1", "rollout_owner": "key_a", "rollout_ref": "r1", "rollout_id": "r1"},
+                    member | {"group_id": "g2", "rollout_owner": "", "rollout_ref": "r2", "rollout_id": "r2"},
+                ],
+            )
+
+        async with engine.begin() as conn:
+            await conn.run_sync(fill)
+        await migrate(engine, "head")
+        longest = "x" * 128  # a client's longest id, under a key's: the widened column holds it
+        async with engine.begin() as conn:
+            now = {"model": "agent", "state": "ready", "request_hash": "h", "created_at": 2.0, "updated_at": 2.0}
+            made = [now | {"id": group_key("key_b", name), "owner": "key_b"} for name in ("g1", longest)]
+            await conn.execute(sa.insert(groups), made)
+        async with engine.connect() as conn:
+            stored = sorted((await conn.execute(sa.select(groups.c.id))).scalars())
+            found = await load_groups(conn, ["key_a/g1", "g2"], grant=EVERYTHING)
+            assert await load_groups(conn, ["g1"], grant=EVERYTHING) == []
+        assert stored == sorted(["key_a/g1", "g2", "key_b/g1", f"key_b/{longest}"])
+        assert [(g.id, g.name, [m.rollout_id for m in g.members]) for g in found] == [
+            ("key_a/g1", "g1", ["r1"]),
+            ("g2", "g2", ["r2"]),
+        ]
+
+        async with engine.begin() as conn:
+            await conn.execute(sa.delete(groups).where(groups.c.owner == "key_b"))
+        await downgrade(engine, "0012")
+        async with engine.connect() as conn:
+            members = (await conn.execute(sa.text("SELECT group_id, rollout_id FROM group_members"))).all()
+        assert sorted(tuple(m) for m in members) == [("g1", "r1"), ("g2", "r2")]
     finally:
         await engine.dispose()
 
@@ -631,6 +690,33 @@ async def test_a_lease_holds_until_it_expires_on_the_claimers_clock(engine: Asyn
     assert await claim("three", now=119.5) == ["g-1"]  # its lease ran out: taken over
     assert await renew("one", now=119.6) == 0  # the first trainer lost it
     assert await renew("three", now=119.6) == 1
+
+
+async def test_two_owners_groups_of_one_id_are_claimed_and_trained_apart(engine: AsyncEngine) -> None:
+    """Group ids are per owner (#40): two keys' `g1` and the admin's are three groups that the trainer claims,
+    reads and commits by their store keys, each with its own members; a key's grant reads only its own."""
+    keys = [group_key(owner, "g1") for owner in ("key_a", "key_b", "")]
+    async with engine.begin() as conn:
+        for at, (key, owner) in enumerate(zip(keys, ("key_a", "key_b", ""), strict=True)):
+            member = NewMember(0, "r1", "r1", None, float(at), float(at), None)
+            await insert_group(conn, NewGroup(key, "agent", "ready", "h", None, None, False, [member], owner))
+    async with engine.begin() as conn:
+        claimed = await claim_groups(conn, model="agent", owner="trainer", lease_seconds=60, limit=10, now=1e12)
+        rows = await load_groups(conn, claimed, grant=EVERYTHING)  # the trainer reads every owner's
+        await commit_step(
+            conn, model="agent", step=1, path="/a/1", metrics=None, group_ids=claimed, lease_owner="trainer"
+        )
+    assert sorted(claimed) == sorted(["key_a/g1", "key_b/g1", "g1"])
+    assert sorted((g.owner, g.name, g.members[0].reward) for g in rows) == [
+        ("", "g1", 2.0),
+        ("key_a", "g1", 0.0),
+        ("key_b", "g1", 1.0),
+    ]
+    async with engine.connect() as conn:
+        trained = await load_groups(conn, keys, grant=EVERYTHING)
+        own = await load_groups(conn, keys, grant=Grant(None, owner="key_b"))
+    assert [(g.state, g.trained_step) for g in trained] == [("trained", 1)] * 3
+    assert [g.id for g in own] == ["key_b/g1"]
 
 
 async def test_adapter_history_records_loads_unloads_and_refusals(engine: AsyncEngine) -> None:

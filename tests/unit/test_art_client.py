@@ -116,7 +116,7 @@ def test_keys_send_the_servers_struct_and_read_its_answers(stand_in: StandIn) ->
     posted = stand_in.seen[0]
     assert posted.headers["content-type"] == "application/json"
     assert json.loads(posted.body) == {"name": "bot", "models": ["my-agent"], "scopes": ["infer", "read"],
-                                       "rpm": None, "tpm": 1000}  # fmt: skip
+                                       "rpm": None, "tpm": 1000, "read_keys": []}  # fmt: skip
     assert msgspec.json.decode(posted.body, type=KeyCreate) == spec  # what the server decodes it to
     assert {r.headers["authorization"] for r in stand_in.seen} == {"Bearer admin-secret"}
 

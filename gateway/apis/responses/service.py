@@ -129,15 +129,22 @@ class ResponsesService:
         return await self.calls.run(spec, origin, hang_up)
 
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
-        """The stored response, if the caller's key made it (or is the admin's); else not found, as if it did not
-        exist: another key of the same model can neither read nor continue it."""
+        """The stored response, if the caller's key made it (or is the admin's, or granted to read its maker's);
+        else not found, as if it did not exist: another key of the same model can neither read nor continue it."""
         return await self.store.get(response_id, grant=caller.grant, api="responses")
 
     async def get(self, response_id: str, caller: Caller) -> dict[str, Any]:
         return (await self._stored(response_id, caller)).response
 
     async def delete(self, response_id: str, caller: Caller) -> dict[str, Any]:
-        await self._stored(response_id, caller)
+        stored = await self._stored(response_id, caller)
+        if not caller.grant.owns(stored.key_id):  # a key granted to read it knows it exists: it may not delete it
+            raise OpenAIError(
+                403,
+                "This API key may read this response (a grant to read its key's), not delete it.",
+                param="response_id",
+                code="read_only_grant",
+            )
         await self.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
