@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import time
@@ -31,16 +30,8 @@ import pytest
 
 from artgw import demo_task
 from client import ArtClient
-from tests.conftest import (
-    Background,
-    GatewayProcess,
-    poll,
-    poll_quietly,
-    process_waits,
-    start_gateway,
-    start_trainer,
-    stop_group,
-)
+from tests.conftest import Background, GatewayProcess, start_gateway, start_trainer, stop_group
+from tests.trainer_checks import wait_trained
 
 pytestmark = pytest.mark.engine
 
@@ -98,44 +89,6 @@ def held_out_reward(gateway: GatewayProcess, bias: dict[str, int], tag: str) -> 
     done = asyncio.run(episodes(gateway, jobs, bias))
     assert not [e.error for e in done if e.error]
     return statistics.fmean(e.reward for e in done)
-
-
-def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subprocess.Popen[bytes]) -> int:
-    """Wait until the trainer consumed the groups and the gateway serves the step that trained them."""
-    states: list[str] = []
-
-    def trained_and_served() -> tuple[int] | None:
-        # Asked before the reads: the trainer exits by itself after its last step (--max-steps), and what a
-        # trainer that had already exited left in the store is final; asked after, it could exit in between.
-        exited = trainer.poll()
-        groups = [
-            httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10, headers=gateway.admin).json() for g in group_ids
-        ]
-        states[:] = [g["state"] for g in groups]
-        if all(state == "trained" for state in states):
-            served = model_status(gateway)["served_step"]
-            if served >= max(g["trained_step"] for g in groups):
-                return (int(served),)
-        assert exited is None, f"the trainer exited ({exited}) before training the groups"
-        return None
-
-    try:
-        (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
-    except AssertionError as exc:
-        if trainer.poll() is None:
-            # where each thread waits in the kernel (and its native stack), then every thread's Python stack into
-            # its log (`artgw` registers faulthandler on SIGUSR1 first thing in main(); before that, in the
-            # interpreter's start and the CLI's imports, the signal ends it)
-            kernel = process_waits(trainer.pid)
-            trainer.send_signal(signal.SIGUSR1)
-            log = gateway.data_dir / "trainer.log"
-            if not poll_quietly(lambda: "most recent call first" in log.read_text(errors="replace"), 10):
-                raise AssertionError(
-                    f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
-                ) from None
-            raise AssertionError(f"{exc}; group states {states}; the trainer's threads: {kernel}") from None
-        raise AssertionError(f"{exc}; group states {states}") from None
-    return served
 
 
 def test_grpo_steps_raise_held_out_reward_while_serving(
