@@ -205,7 +205,9 @@ DEMO_HELP = {
     "groups_per_step": "scenarios per step (smollm2: 4)",
     "attempts": "attempts per scenario: the group GRPO compares",
     "eval_scenarios": "held-out scenarios (--quick: 32; smollm2: 48, --quick 16)",
-    "learning_rate": "the trainer's LoRA learning rate (smollm2: 1e-3)",
+    "learning_rate": "the trainer's LoRA learning rate (smollm2: 2e-3)",
+    "train_minutes": "take no GRPO step after this many minutes of training (0: all --steps); the held-out "
+    "evaluation after runs anyway",
     "seed": "seed of the scenarios and the trainer",
     "port": "the gateway's port (0: a free one)",
     "trainer_args": "more `artgw train` options, one shell-quoted string",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -60,8 +61,8 @@ SMOLLM2_PRESET: dict[str, Any] = {
     "attempts": 8,
     "eval_scenarios": 48,
     "eval_samples": 4,
-    "eval_every": 8,
-    "learning_rate": 1e-3,
+    "eval_every": 0,
+    "learning_rate": 2e-3,
 }
 QUICK: dict[str, dict[str, Any]] = {
     "tiny": {"steps": 8, "eval_scenarios": 32, "eval_samples": 2, "eval_every": 0},
@@ -81,6 +82,7 @@ class DemoConfig:
     eval_scenarios: int = 64  # held-out scenarios
     eval_samples: int = 4  # sampled attempts per held-out scenario (plus one greedy)
     eval_every: int = 4  # also evaluate every N steps (0: before and after only)
+    train_minutes: float = 0.0  # take no step after this many minutes of training (0: all `steps`)
     learning_rate: float = 5e-3
     lora_rank: int = 8
     lora_alpha: int = 16
@@ -620,6 +622,8 @@ class Demo:
         c.out.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log(f"run directory (store, checkpoints, logs): {self.run_dir}")
+        for name in ("httpx", "httpx2"):  # the SDK's client logs every request at INFO once anything sets it up
+            logging.getLogger(name).setLevel(logging.WARNING)
         started = self.started = time.monotonic()
         progress = Progress(
             SpinnerColumn(),
@@ -638,7 +642,11 @@ class Demo:
                 self.start_gateway(progress, model)
                 self.start_trainer(model)
                 self.result.before = self.evaluate(progress)
+                training = time.monotonic()
                 for step in range(1, c.steps + 1):
+                    if c.train_minutes and time.monotonic() - training > c.train_minutes * 60:
+                        self.log(f"--train-minutes {c.train_minutes:g} spent: {step - 1} of {c.steps} steps taken")
+                        break
                     self.train_step(progress, step)
                     if c.eval_every and step % c.eval_every == 0 and step != c.steps:
                         self.evaluate(progress)
