@@ -4,8 +4,10 @@ demo's presets and intervals (no engine: the loop on the real model is tests/int
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,8 +76,11 @@ def _client(content: str) -> Any:
 
 def test_an_episode_is_one_call_scored_by_its_answer() -> None:
     q = Question("q1", "Which number is larger: 12 or 57?", ("12", "57"), "57")
-    right, wrong, cut, failing = _client('{"answer": "57"}'), _client('{"answer": "12"}'), _client('{"ans'), _client(
-        "raise"
+    right, wrong, cut, failing = (
+        _client('{"answer": "57"}'),
+        _client('{"answer": "12"}'),
+        _client('{"ans'),
+        _client("raise"),
     )
     jobs = [(q, "r-1")]
     (good,) = asyncio.run(real_task.run_episodes(right, jobs, model="my-agent", temperature=0.0))
@@ -106,3 +111,29 @@ def test_intervals() -> None:
     assert mean_interval([0.5] * 10) == (0.5, 0.5)
     low, high = mean_interval([0.0, 1.0] * 24)
     assert low < 0.5 < high and high - low == pytest.approx(2 * 1.96 * 0.505 / 48**0.5, abs=0.01)
+
+
+def test_the_outputs_name_the_real_task_and_show_intervals(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from artgw.demo import REAL_LABELS, DemoResult, EvalResult, StepResult, write_outputs
+
+    def evaluation(step: int, reward: float, elapsed: float) -> EvalResult:
+        return EvalResult(step, reward, reward, 1.0, 0, 30.0, (reward - 0.1, reward + 0.1), (0.2, 0.7), elapsed)
+
+    result = DemoResult(
+        config={},
+        before=evaluation(0, 0.4, 100.0),
+        after=evaluation(2, 0.6, 400.0),
+        steps=[StepResult(s, s - 1, s, 0.5, 0.5, 1.0, 0, 10.0, 60.0, 0, 100.0 + 100 * s) for s in (1, 2)],
+        examples=[{"question": "Which number is larger: 12 or 57?", "shown": "12 or 57", "correct": "57",
+                   "answers": {"0": "12", "2": "57"}}],
+    )  # fmt: skip
+    result.evals = [result.before, result.after]  # type: ignore[list-item]
+    write_outputs(result, tmp_path, Console(file=io.StringIO()), REAL_LABELS)
+    table = (tmp_path / "table.txt").read_text()
+    assert "answer correct (greedy, T=0)" in table and "tool argument" not in table
+    assert "0.400 [0.30, 0.50]" in table and "0.600 [0.50, 0.70]" in table and "+0.200" in table
+    assert "Which number is larger: 12 or 57?" in table and "12 or 57" in table
+    assert (tmp_path / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "results.json").read_text())["after"]["reward_ci"] == [0.5, 0.7]
