@@ -253,6 +253,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=6.0, help="each one's training budget")
     parser.add_argument("--steps", type=int, default=16, help="at most")
     parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--eval-scenarios", type=int, default=32, help="held-out questions")
+    parser.add_argument("--task", choices=list(real_task.TASKS), default=real_task.DEFAULT_TASK)
     parser.add_argument("--out", type=Path, default=Path("bench-out/trl_compare"))
     args = parser.parse_args()
     from artgw.real_model import build_real_model
@@ -263,6 +265,8 @@ def main() -> None:
         model="smollm2",
         steps=args.steps,
         eval_every=args.eval_every,
+        eval_scenarios=args.eval_scenarios,
+        task=args.task,
         train_minutes=args.minutes,
         data_dir=args.model_dir.parent / "artgw-trl-compare",
         out=args.out / "artgw-demo",
