@@ -201,10 +201,10 @@ class DemoOptions:
 DEMO_HELP = {
     "out": "where the table, results.json and the PNG go",
     "data_dir": "the model's directory, and one run directory (store, checkpoints, logs) per run",
-    "steps": "GRPO steps (--quick: 8; smollm2: 16, --quick 4)",
+    "steps": "GRPO steps (--quick: 8; smollm2: 10, --quick 4)",
     "groups_per_step": "scenarios per step (smollm2: 4)",
     "attempts": "attempts per scenario: the group GRPO compares",
-    "eval_scenarios": "held-out scenarios (--quick: 32; smollm2: 48, --quick 16)",
+    "eval_scenarios": "held-out scenarios (--quick: 32; smollm2: 32, --quick 16)",
     "learning_rate": "the trainer's LoRA learning rate (smollm2: 2e-3)",
     "train_minutes": "take no GRPO step after this many minutes of training (0: all --steps); the held-out "
     "evaluation after runs anyway",

@@ -98,7 +98,7 @@ def test_an_episode_is_one_call_scored_by_its_answer() -> None:
 
 def test_the_real_models_preset_is_under_what_was_given() -> None:
     real = DemoConfig.preset(model="smollm2")
-    assert (real.steps, real.groups_per_step, real.learning_rate) == (16, 4, 2e-3)
+    assert (real.steps, real.groups_per_step, real.learning_rate) == (10, 4, 2e-3)
     assert DemoConfig.preset(quick=True, model="smollm2", steps=2).steps == 2
     assert DemoConfig.preset(quick=True, model="smollm2").steps == 4
     assert DemoConfig.preset() == DemoConfig() and DemoConfig.quick().steps == 8  # the toy's are as they were
