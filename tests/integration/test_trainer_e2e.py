@@ -31,7 +31,7 @@ import pytest
 from artgw import demo_task
 from client import ArtClient
 from tests.conftest import Background, GatewayProcess, start_gateway, start_trainer, stop_group
-from tests.trainer_checks import wait_trained
+from tests.trainer_checks import status, wait_trained
 
 pytestmark = pytest.mark.engine
 
@@ -67,12 +67,6 @@ def trainer(rl_gateway: GatewayProcess, tiny_model: Path) -> Iterator[subprocess
     print(f"--- trainer log (tail) ---\n{log_path.read_text(errors='replace')[-3000:]}")
 
 
-def model_status(gateway: GatewayProcess) -> dict:
-    answer = httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", timeout=10, headers=gateway.admin)
-    answer.raise_for_status()
-    return answer.json()
-
-
 async def episodes(
     gateway: GatewayProcess, jobs: list[tuple[demo_task.Scenario, str]], bias: dict[str, dict[str, int]]
 ) -> list[demo_task.Episode]:
@@ -95,7 +89,7 @@ def test_grpo_steps_raise_held_out_reward_while_serving(
     rl_gateway: GatewayProcess, trainer: subprocess.Popen[bytes], tiny_model: Path
 ) -> None:
     bias = demo_task.call_logit_bias(tiny_model)
-    assert model_status(rl_gateway)["served_step"] == 0
+    assert status(rl_gateway)["served_step"] == 0
     before = held_out_reward(rl_gateway, bias, "before")
 
     pool = demo_task.scenarios("train", ROUNDS * GROUPS, seed=SEED)
@@ -125,8 +119,8 @@ def test_grpo_steps_raise_held_out_reward_while_serving(
     )
     # The adapter serving `my-agent` advanced with every round (a round's groups train one step).
     assert served_steps == list(range(1, ROUNDS + 1))
-    status = model_status(rl_gateway)
-    assert status["served_step"] == ROUNDS and ROUNDS in status["loaded_steps"]
+    seen = status(rl_gateway)
+    assert seen["served_step"] == ROUNDS and ROUNDS in seen["loaded_steps"]
     ids = [m["id"] for m in httpx.get(f"{rl_gateway.base_url}/models", timeout=10).json()["data"]]
     assert f"{MODEL}@{ROUNDS}" in ids
     # Serving never stopped: every call made while training ran and adapters swapped was answered.
