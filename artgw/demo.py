@@ -75,7 +75,7 @@ QUICK: dict[str, dict[str, Any]] = {
 class DemoConfig:
     out: Path = Path("demo-out")
     data_dir: Path = Path("data/demo")  # the model's directory, and runs/<time>/ (store, checkpoints, logs) per run
-    model: DemoModel = "tiny"
+    model: DemoModel = field(default="tiny", metadata={"env": "ARTGW_DEMO_MODEL"})  # not the trainer's ARTGW_MODEL
     task: real_task.TaskName = real_task.DEFAULT_TASK  # the real model's
     steps: int = 16  # GRPO steps
     groups_per_step: int = 8  # scenarios per step

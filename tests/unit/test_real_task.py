@@ -137,3 +137,11 @@ def test_the_outputs_name_the_real_task_and_show_intervals(tmp_path: Path) -> No
     assert "Which number is larger: 12 or 57?" in table and "12 or 57" in table
     assert (tmp_path / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "results.json").read_text())["after"]["reward_ci"] == [0.5, 0.7]
+
+
+def test_the_demos_model_option_is_not_the_trainers_variable() -> None:
+    from artgw import cli, options
+
+    args = cli.build_parser().parse_args(["demo"])
+    options.resolve(args, {"ARTGW_MODEL": "my-agent", "ARTGW_DEMO_MODEL": "smollm2"})  # the trainer's is ignored
+    assert options.given(args, DemoConfig) == {"model": "smollm2"}
