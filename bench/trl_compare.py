@@ -243,6 +243,17 @@ def run_artgw(args: argparse.Namespace, config: DemoConfig) -> Run:
     return run
 
 
+def from_demo_results(path: Path) -> Run:
+    """An earlier `artgw demo --model smollm2`'s held-out curve (its memory was not sampled: 0)."""
+    result = json.loads(path.read_text())
+    evals = result["evals"]
+    start = evals[0]["elapsed"]
+    run = Run(f"artgw ({path.parent.name})", steps=len(result["steps"]))
+    run.points = [Point(e["step"], e["elapsed"] - start, e["reward"], tuple(e["reward_ci"])) for e in evals]
+    run.train_seconds = evals[-1]["elapsed"] - start
+    return run
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -255,6 +266,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--eval-scenarios", type=int, default=32, help="held-out questions")
     parser.add_argument("--task", choices=list(real_task.TASKS), default=real_task.DEFAULT_TASK)
+    parser.add_argument(
+        "--artgw-results", type=Path, default=None, help="with --which trl: an earlier demo's results.json, beside"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/trl_compare"))
     args = parser.parse_args()
     from artgw.real_model import build_real_model
@@ -277,6 +291,8 @@ def main() -> None:
     runs = []
     if args.which in ("both", "artgw"):
         runs.append(run_artgw(args, config))
+    elif args.artgw_results:
+        runs.append(from_demo_results(args.artgw_results))
     if args.which in ("both", "trl"):
         runs.append(run_trl(args, config))
     (args.out / f"{args.which}.json").write_text(
