@@ -320,7 +320,7 @@ def plot(runs: list[Run], path: Path) -> None:
         ys = [p.reward for p in r.points]
         low = [y - p.interval[0] for y, p in zip(ys, r.points, strict=True)]
         high = [p.interval[1] - y for y, p in zip(ys, r.points, strict=True)]
-        label = f"{r.name}, peak {r.peak_rss_mb:,.0f} MB"
+        label = f"{r.name}, peak {r.peak_rss_mb:,.0f} MB" if r.peak_rss_mb else f"{r.name} (memory not sampled)"
         ax.errorbar(xs, ys, yerr=[low, high], fmt="o-", color=colour, capsize=3, label=label)
     ax.set_xlabel("minutes of training (after the first held-out evaluation)")
     ax.set_ylabel("held-out reward (sampled, 95 % interval)")
