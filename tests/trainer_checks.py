@@ -1,16 +1,19 @@
 """What the trainer tests check of a gateway after training: each group trained exactly once by a committed step of
-its own, the store and the disk agreeing (test_trainer_crash, test_trainer_distributed, test_trainer_models)."""
+its own, the store and the disk agreeing (test_trainer_crash, test_trainer_distributed, test_trainer_models); and
+waiting for a round of groups to be trained and served (test_trainer_e2e, test_real_model)."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import GatewayProcess, query_store
+from tests.conftest import GatewayProcess, poll, poll_quietly, process_waits, query_store
 
 MODEL = "my-agent"
 
@@ -75,3 +78,40 @@ def assert_exactly_once(gateway: GatewayProcess, group_ids: list[str], model: st
     )
     assert answer.status_code == 200, answer.text
     return steps
+
+
+def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subprocess.Popen[bytes]) -> int:
+    """Wait until the trainer consumed the groups and the gateway serves the step that trained them."""
+    states: list[str] = []
+
+    def trained_and_served() -> tuple[int] | None:
+        # Asked before the reads: the trainer exits by itself after its last step (--max-steps), and what a
+        # trainer that had already exited left in the store is final; asked after, it could exit in between.
+        exited = trainer.poll()
+        groups = [
+            httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10, headers=gateway.admin).json() for g in group_ids
+        ]
+        states[:] = [g["state"] for g in groups]
+        if all(state == "trained" for state in states):
+            served = status(gateway)["served_step"]
+            if served >= max(g["trained_step"] for g in groups):
+                return (int(served),)
+        assert exited is None, f"the trainer exited ({exited}) before training the groups"
+        return None
+
+    try:
+        (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
+    except AssertionError as exc:
+        if trainer.poll() is None:
+            # where each thread waits in the kernel (and its native stack), then every thread's Python stack into
+            # its log (importing the `artgw` package registers faulthandler on SIGUSR1, before any dependency)
+            kernel = process_waits(trainer.pid)
+            trainer.send_signal(signal.SIGUSR1)
+            log = gateway.data_dir / "trainer.log"
+            if not poll_quietly(lambda: "most recent call first" in log.read_text(errors="replace"), 10):
+                raise AssertionError(
+                    f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
+                ) from None
+            raise AssertionError(f"{exc}; group states {states}; the trainer's threads: {kernel}") from None
+        raise AssertionError(f"{exc}; group states {states}") from None
+    return served

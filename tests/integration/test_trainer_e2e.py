@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import time
@@ -31,16 +30,8 @@ import pytest
 
 from artgw import demo_task
 from client import ArtClient
-from tests.conftest import (
-    Background,
-    GatewayProcess,
-    poll,
-    poll_quietly,
-    process_waits,
-    start_gateway,
-    start_trainer,
-    stop_group,
-)
+from tests.conftest import Background, GatewayProcess, start_gateway, start_trainer, stop_group
+from tests.trainer_checks import status, wait_trained
 
 pytestmark = pytest.mark.engine
 
@@ -76,12 +67,6 @@ def trainer(rl_gateway: GatewayProcess, tiny_model: Path) -> Iterator[subprocess
     print(f"--- trainer log (tail) ---\n{log_path.read_text(errors='replace')[-3000:]}")
 
 
-def model_status(gateway: GatewayProcess) -> dict:
-    answer = httpx.get(f"{gateway.url}/v1/art/models/{MODEL}", timeout=10, headers=gateway.admin)
-    answer.raise_for_status()
-    return answer.json()
-
-
 async def episodes(
     gateway: GatewayProcess, jobs: list[tuple[demo_task.Scenario, str]], bias: dict[str, dict[str, int]]
 ) -> list[demo_task.Episode]:
@@ -100,48 +85,11 @@ def held_out_reward(gateway: GatewayProcess, bias: dict[str, int], tag: str) -> 
     return statistics.fmean(e.reward for e in done)
 
 
-def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subprocess.Popen[bytes]) -> int:
-    """Wait until the trainer consumed the groups and the gateway serves the step that trained them."""
-    states: list[str] = []
-
-    def trained_and_served() -> tuple[int] | None:
-        # Asked before the reads: the trainer exits by itself after its last step (--max-steps), and what a
-        # trainer that had already exited left in the store is final; asked after, it could exit in between.
-        exited = trainer.poll()
-        groups = [
-            httpx.get(f"{gateway.base_url}/art/groups/{g}", timeout=10, headers=gateway.admin).json() for g in group_ids
-        ]
-        states[:] = [g["state"] for g in groups]
-        if all(state == "trained" for state in states):
-            served = model_status(gateway)["served_step"]
-            if served >= max(g["trained_step"] for g in groups):
-                return (int(served),)
-        assert exited is None, f"the trainer exited ({exited}) before training the groups"
-        return None
-
-    try:
-        (served,) = poll(trained_and_served, 300, "the groups to be trained and their step served", every=0.3)
-    except AssertionError as exc:
-        if trainer.poll() is None:
-            # where each thread waits in the kernel (and its native stack), then every thread's Python stack into
-            # its log (importing the `artgw` package registers faulthandler on SIGUSR1, before any dependency)
-            kernel = process_waits(trainer.pid)
-            trainer.send_signal(signal.SIGUSR1)
-            log = gateway.data_dir / "trainer.log"
-            if not poll_quietly(lambda: "most recent call first" in log.read_text(errors="replace"), 10):
-                raise AssertionError(
-                    f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
-                ) from None
-            raise AssertionError(f"{exc}; group states {states}; the trainer's threads: {kernel}") from None
-        raise AssertionError(f"{exc}; group states {states}") from None
-    return served
-
-
 def test_grpo_steps_raise_held_out_reward_while_serving(
     rl_gateway: GatewayProcess, trainer: subprocess.Popen[bytes], tiny_model: Path
 ) -> None:
     bias = demo_task.call_logit_bias(tiny_model)
-    assert model_status(rl_gateway)["served_step"] == 0
+    assert status(rl_gateway)["served_step"] == 0
     before = held_out_reward(rl_gateway, bias, "before")
 
     pool = demo_task.scenarios("train", ROUNDS * GROUPS, seed=SEED)
@@ -171,8 +119,8 @@ def test_grpo_steps_raise_held_out_reward_while_serving(
     )
     # The adapter serving `my-agent` advanced with every round (a round's groups train one step).
     assert served_steps == list(range(1, ROUNDS + 1))
-    status = model_status(rl_gateway)
-    assert status["served_step"] == ROUNDS and ROUNDS in status["loaded_steps"]
+    seen = status(rl_gateway)
+    assert seen["served_step"] == ROUNDS and ROUNDS in seen["loaded_steps"]
     ids = [m["id"] for m in httpx.get(f"{rl_gateway.base_url}/models", timeout=10).json()["data"]]
     assert f"{MODEL}@{ROUNDS}" in ids
     # Serving never stopped: every call made while training ran and adapters swapped was answered.
