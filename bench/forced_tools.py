@@ -21,6 +21,7 @@ in `city`, in the integer `days`, or after the arguments (the envelope's tail); 
     nice -n 5 .venv/bin/python bench/forced_tools.py                  # 24 seeds, max_tokens 48 and 160 (~5 min)
     .venv/bin/python bench/forced_tools.py --seeds 64 --max-tokens 48
     .venv/bin/python bench/forced_tools.py --before d8e8c8e           # against the plugin of an earlier commit
+    .venv/bin/python bench/forced_tools.py --schema city              # the tool without its integer argument
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ SCHEMA = {
     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
     "required": ["city"],
 }
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+# --schema city: without the optional integer, which an untrained model rarely ends (any digit may follow a digit)
+SCHEMAS = {"weather": SCHEMA, "city": {**SCHEMA, "properties": {"city": SCHEMA["properties"]["city"]}}}
 CHOICES = {"named": {"type": "function", "function": {"name": "get_weather"}}, "required": "required"}
 # before: the plugin's parser name overridden by vLLM's own (the last --tool-call-parser wins)
 HERMES = ("--tool-call-parser", "hermes")
@@ -104,14 +106,14 @@ def head_tokens(tokenizer: Any, ids: list[int]) -> int | None:
     return None
 
 
-def outcome(answer: dict[str, Any], text: str) -> dict[str, int]:
+def outcome(answer: dict[str, Any], text: str, schema: dict[str, Any]) -> dict[str, int]:
     """valid (every call schema-valid, at least one), cut (the token limit), dropped (complete calls not in
     tool_calls), tokens."""
     choice = answer["choices"][0]
     calls = choice["message"].get("tool_calls") or []
     try:
         for call in calls:
-            jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
         valid = bool(calls)
     except (ValueError, jsonschema.ValidationError):
         valid = False
@@ -155,7 +157,10 @@ def main() -> None:
     parser.add_argument(
         "--before", default="hermes", help="`hermes` (vLLM's own parser) or a git revision: the plugin as it was there"
     )
+    parser.add_argument("--schema", choices=SCHEMAS, default="weather", help="city (enum) and days (integer), or city")
     args = parser.parse_args()
+    schema = SCHEMAS[args.schema]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
     limits = [int(n) for n in args.max_tokens.split(",")]
     console = Console(stderr=True)
     results: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -179,7 +184,7 @@ def main() -> None:
                             {
                                 "model": "tiny",
                                 "messages": [{"role": "user", "content": "What is the weather?"}],
-                                "tools": TOOLS,
+                                "tools": tools,
                                 "tool_choice": choice,
                                 "max_tokens": limit,
                                 "return_token_ids": True,
@@ -194,7 +199,7 @@ def main() -> None:
                             ).json()
                             sampled = answer["choices"][0]["token_ids"]
                             text = tokenizer.decode(sampled)
-                            got = outcome(answer, text)
+                            got = outcome(answer, text, schema)
                             for key, value in got.items():
                                 totals[key] += value
                             if not got["valid"]:
@@ -203,7 +208,8 @@ def main() -> None:
                                 heads[cell].append(head)
                         results[cell] = totals
     n = args.seeds
-    title = f"forced tool calls, tiny model, {n} seeds a cell: before (vLLM's hermes) | after (artgw_hermes)"
+    before = "vLLM's hermes" if args.before == "hermes" else f"artgw_hermes at {args.before}"
+    title = f"forced tool calls ({args.schema}), tiny model, {n} seeds a cell: before ({before}) | after (artgw_hermes)"
     table = Table(title=title)
     for column in ("tool_choice", "max_tokens", "schema-valid", "cut at the limit", "complete calls dropped", "tokens"):
         table.add_column(column)
