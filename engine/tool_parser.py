@@ -73,8 +73,8 @@ def pinned_markers(node: Any, start: str, end: str, ids: tuple[int, int]) -> Any
         if node.begin.startswith(start) and node.end.endswith(end):
             head, tail = node.begin[len(start) :], node.end[: -len(end)]  # hermes': both not empty
             body = [ConstStringFormat(value=head), node.content, ConstStringFormat(value=tail)]
-            pinned = {"begin": TokenFormat(token=ids[0]), "end": TokenFormat(token=ids[1])}
-            return TagFormat(content=SequenceFormat(elements=body), **pinned)
+            begin, close = TokenFormat(token=ids[0]), TokenFormat(token=ids[1])
+            return TagFormat(begin=begin, content=SequenceFormat(elements=body), end=close)
     if isinstance(node, TriggeredTagsFormat) and node.triggers == [start]:
         return TokenTriggeredTagsFormat(
             trigger_tokens=[ids[0]],
