@@ -40,11 +40,13 @@ def cut(base_url: str, limit: int) -> dict[str, object]:
     return {
         "finish_reason": stream.finish_reason and stream.finish_reason.value,
         "tool_calls": [(call.name, call.args) for call in stream.tool_calls],
+        "texts": [text.text for text in stream.texts],  # the structured answer's call is text to mirascope
     }
 
 
-# The first limit at which the plain stream is cut inside a call, past its name (mirascope 2.8 raises on a stream
-# cut before any call's name: the gateway then sends an empty message, `output_text.done` with no delta before it).
+# The first limit at which the plain stream is cut inside a call, past its name: of get_weather, or of the
+# structured answer's tool, whose arguments mirascope streams as text (mirascope 2.8 raises on a stream cut before
+# any call's name: the gateway then sends an empty message, `output_text.done` with no delta before it).
 # Each plain try is a new rollout (PLAIN_ROLLOUT-limit), so that none continues another.
 tried = {}
 for limit in range(28, 80, 8):
@@ -53,7 +55,7 @@ for limit in range(28, 80, 8):
     except RuntimeError as error:
         tried[limit] = str(error)
         continue
-    if plain["finish_reason"] == "max_tokens" and plain["tool_calls"]:
+    if plain["finish_reason"] == "max_tokens" and (plain["tool_calls"] or plain["texts"]):
         result(limit=limit, tried=tried, plain=plain, spliced=cut(os.environ["OPENAI_BASE_URL"], limit))
         break
     tried[limit] = plain

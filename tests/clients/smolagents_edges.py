@@ -65,10 +65,12 @@ def step(tools: list, stream: bool = False, **model_arguments: object) -> dict[s
         output = agent.run(QUESTION)
     except Exception as exc:  # the step's tool calls are what the test checks; the run may end without an answer
         print(f"run ended: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+    # The calls smolagents got from the model's reply (it runs them all; a final answer beside other calls it then
+    # refuses, an error of the step).
     calls = [
-        {"name": call.name, "arguments": call.arguments}
+        {"name": call.function.name, "arguments": call.function.arguments}
         for memory in agent.memory.steps
-        for call in (getattr(memory, "tool_calls", None) or ())
+        for call in (getattr(getattr(memory, "model_output_message", None), "tool_calls", None) or ())
     ]
     errors = [str(memory.error)[:300] for memory in agent.memory.steps if getattr(memory, "error", None)]
     return {"calls": calls, "seen": list(seen), "errors": errors, "output": None if output is None else str(output)}

@@ -62,8 +62,9 @@ def test_smolagents_forced_calls_at_their_edges(engine_gateway, tokenizer) -> No
         assert said["calls"] == [{"name": "final_answer", "arguments": {"answer": marked}}], said
         assert (said["seen"], said["output"]) == ([marked], marked), said
     cut = run["cut"]
-    assert len(cut["calls"]) >= 2 and not cut["errors"], cut  # the complete calls of a reply cut in a later one
+    # The complete calls of a reply cut in a later one: each run (smolagents refuses a final answer beside others
+    # only once it has run them all).
+    assert len(cut["calls"]) >= 2, cut
     assert sorted(cut["seen"]) == sorted(value for call in cut["calls"] for value in call["arguments"].values()), cut
     assert set(cut["seen"]) <= {"Paris", "Rome"}, cut
-    calls = rollout(engine_gateway, rid)["calls"]
-    assert calls[-1]["finish_reasons"] == ["length"], calls[-1]
+    assert ["length"] in [c["finish_reasons"] for c in rollout(engine_gateway, rid)["calls"]]  # the cut reply
