@@ -1,8 +1,9 @@
 """mirascope v2 (`llm.Model`, its OpenAI provider: the Responses API for an `openai/` model it does not know) with
 a tool and a structured answer in `tool` mode, which it asks for as `tool_choice: {"type": "allowed_tools", "mode":
-"required"}`: a first answer, then a stream going on from it with a token limit that cuts the forced call
-(#42 item 1). The stream is asked twice on the same history: as the rollout's continuing call (OPENAI_BASE_URL) and
-as a new rollout's first call (PLAIN_ROLLOUT). Greedy: mirascope sends no `seed` to the Responses API."""
+"required"}`: a forced call that ends, then a stream going on from it with a token limit that cuts the next
+forced call (#42 item 1). The stream is asked twice on the same history: as the rollout's continuing call
+(OPENAI_BASE_URL) and as a new rollout's first call (PLAIN_ROLLOUT). Greedy: mirascope sends no `seed` to the
+Responses API."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ announce("mirascope", "openai")
 
 
 class Answer(BaseModel):
-    summary: str
+    summary: Literal["sunny", "rainy"]  # short: a random model's free string would run to any limit
 
 
 @llm.tool
@@ -27,8 +28,13 @@ def get_weather(city: Literal["Paris", "Rome"]) -> str:
 
 
 forced = llm.format(Answer, mode="tool")
-first = llm.Model("openai/my-agent", max_tokens=8, temperature=0).call("What is the weather in Rome and in Paris?")
-history = [*first.messages, llm.messages.user("And tomorrow?")]
+# The first call has the tools the stream has (another set of tools is a new sequence): a forced call, run.
+first = llm.Model("openai/my-agent", max_tokens=160, temperature=0).call(
+    "What is the weather in Rome and in Paris?", tools=[get_weather], format=forced
+)
+if first.finish_reason is not None:
+    raise SystemExit(f"the first call did not end: {first.finish_reason}")
+history = [*first.messages, llm.messages.user(first.execute_tools() if first.tool_calls else "And tomorrow?")]
 
 
 def cut(base_url: str, limit: int) -> dict[str, object]:
@@ -49,7 +55,7 @@ def cut(base_url: str, limit: int) -> dict[str, object]:
 # any call's name: the gateway then sends an empty message, `output_text.done` with no delta before it).
 # Each plain try is a new rollout (PLAIN_ROLLOUT-limit), so that none continues another.
 tried = {}
-for limit in range(28, 80, 8):
+for limit in range(24, 80, 4):
     try:
         plain = cut(f"{os.environ['PLAIN_ROLLOUT']}-{limit}/v1", limit)
     except RuntimeError as error:
