@@ -1,10 +1,10 @@
 """Agent frameworks at the edges of #42, each as an app at its defaults (tests/clients/, tests/clients-js/), on the
 toy and a real vLLM.
 
-- A streamed continuing call cut at its token limit (item 1): Vercel's `streamText` and mirascope's stream ask it
-  twice on one history, as the rollout's continuing call and as a new rollout's first call. Both must hear what the
-  plain path says (`length`, `max_tokens`); before, the spliced stream ended `response.completed` and the cut-off
-  call came as a complete one with partial arguments.
+- A streamed continuing call cut at its token limit (item 1): Vercel's `streamText` and mirascope's stream (its
+  forced calls are Responses' `allowed_tools`) ask it twice on one history, as the rollout's continuing call and as
+  a new rollout's first call. Both must hear what the plain path says (`length`, `max_tokens`); before, the spliced
+  stream ended `response.completed`: Vercel said `tool-calls`, mirascope no finish reason at all.
 - Forced calls at their edges (item 4), smolagents: a string argument holding `</tool_call>` is a call (before: no
   call, or broken arguments when streamed), and a reply cut after complete calls keeps them (before: none, the raw
   `<tool_call>` text as the content, which smolagents cannot parse).
