@@ -32,6 +32,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def app_env(gateway: Any) -> tuple[str, dict[str, str]]:
+    """A new rollout id and the environment of an app whose base URL points at that rollout of the gateway."""
+    rid = new_id("env")
+    return rid, {"OPENAI_BASE_URL": f"{gateway.url}/rollouts/{rid}/v1", "OPENAI_API_KEY": "unused"}
+
+
 def rollout(gateway: Any, rollout_id: str) -> dict[str, Any]:
     r = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin)
     assert r.status_code == 200, r.text

@@ -7,15 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import poll, run_client
-from tests.recorded import new_id, rollout, texts
+from tests.recorded import app_env, rollout, texts
 
 pytestmark = pytest.mark.engine
-
-
-def app_env(gateway) -> tuple[str, dict[str, str]]:
-    """A new rollout id and the environment of an app whose base URL points at that rollout of the gateway."""
-    rid = new_id("env")
-    return rid, {"OPENAI_BASE_URL": f"{gateway.url}/rollouts/{rid}/v1", "OPENAI_API_KEY": "unused"}
 
 
 def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engine_gateway, tokenizer) -> None:
