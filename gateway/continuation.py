@@ -49,6 +49,7 @@ DERENDER_PATH = "/v1/chat/completions/derender"
 # Request fields besides the tools that change how the history renders: a call that changes one does not continue.
 _RENDER_KEYS = ("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")
 _PROMPT_TAIL = 8  # prompt ids derender reads (it seeds detokenization with the last few)
+_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams.max_tokens default, which its render's answer leaves out
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -287,7 +288,10 @@ class Splicer:
         generate["token_ids"] = prompt_ids
         generate["stream"] = stream
         generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
-        params = generate.get("sampling_params") or {}
+        params = generate.setdefault("sampling_params", {})
+        # The render leaves out a param at its default (max_tokens 16), and generate takes one left out as unasked:
+        # it would sample to the end of the context.
+        params.setdefault("max_tokens", _DEFAULT_MAX_TOKENS)
         asked = upstream.get("max_completion_tokens") or upstream.get("max_tokens")
         if asked is None and isinstance(params.get("max_tokens"), int):
             # vLLM's default is what the context leaves after the prompt it rendered; the splice is another length
