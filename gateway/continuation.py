@@ -11,6 +11,9 @@ scale-out endpoints (`--enable-scale-out`):
 
     prompt = previous prompt ids + the sampled ids + the template's end of turn + the rendered new messages
 
+The template may render the reply and the history before it otherwise than when the reply was sampled (Qwen3's
+drops earlier turns' reasoning): the new messages' ids are found in the request's render, after the reply's turn,
+with sentinel texts in the reply's place (`Splicer.splice`).
 `/v1/chat/completions/render` gives the ids of the new messages and the sampling params (the tool-call grammar
 included), `/inference/v1/generate` samples from the ids, `/v1/chat/completions/derender` turns its answer (or
 each streamed chunk) back into a chat completion with vLLM's own tool-call and reasoning parsers. The client
