@@ -11,6 +11,9 @@ scale-out endpoints (`--enable-scale-out`):
 
     prompt = previous prompt ids + the sampled ids + the template's end of turn + the rendered new messages
 
+The template may render the reply and the history before it otherwise than when the reply was sampled (Qwen3's
+drops earlier turns' reasoning): the new messages' ids are found in the request's render, after the reply's turn,
+with sentinel texts in the reply's place (`Splicer.splice`).
 `/v1/chat/completions/render` gives the ids of the new messages and the sampling params (the tool-call grammar
 included), `/inference/v1/generate` samples from the ids, `/v1/chat/completions/derender` turns its answer (or
 each streamed chunk) back into a chat completion with vLLM's own tool-call and reasoning parsers. The client
@@ -49,6 +52,7 @@ DERENDER_PATH = "/v1/chat/completions/derender"
 # Request fields besides the tools that change how the history renders: a call that changes one does not continue.
 _RENDER_KEYS = ("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")
 _PROMPT_TAIL = 8  # prompt ids derender reads (it seeds detokenization with the last few)
+_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams.max_tokens default, which its render's answer leaves out
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -238,40 +242,63 @@ class Splicer:
         return self.available
 
     async def splice(self, upstream: dict[str, Any], continued: Continued, stream: bool) -> Splice | Served:
-        """The splice of a continuing call (`upstream`: the engine's chat request), or why it is not spliced."""
+        """The splice of a continuing call (`upstream`: the engine's chat request), or why it is not spliced.
+
+        Where the reply's turn ends in the request's render is found without assuming the template renders the
+        reply, or the history before it, as it did when the reply was sampled (Qwen3's drops an earlier turn's
+        reasoning; a template may wrap tool calls in its own markers): the request and the history through the
+        reply are each rendered twice, the reply's text replaced by one sentinel then another. What follows the
+        reply's text is what the two renders of each share at their end: in the history, the reply's tool calls
+        and the template's end of turn; in the request, those and then the new messages."""
         if self.available is None:
             await self.probe()
         if not self.available:
             return "no_scale_out"
         model = str(upstream["model"])
-        history = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
-        history.update(model=model, messages=upstream["messages"][: continued.history_len])
-        history["add_generation_prompt"] = False
+        options = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
+        history = {**options, "model": model, "add_generation_prompt": False}
+        messages, reply_at = upstream["messages"], continued.history_len - 1
         try:
-            rendered, through_reply, tail = await asyncio.gather(
-                self._render(upstream), self._render(history), self._tail(model, history)
+            whole_a, whole_b, through_a, through_b, tail = await asyncio.gather(
+                *(
+                    self._render({**request, "messages": _with_reply(messages[:end], reply_at, sentinel)})
+                    for request, end in ((upstream, None), (history, reply_at + 1))
+                    for sentinel in _SENTINELS
+                ),
+                self._tail(model, options),
             )
         except ScaleOutUnavailable:
             self.available = False
             return "no_scale_out"
         except _RenderFailed:
             return "render_failed"
-        new_ids: list[int] = rendered["token_ids"]
-        reply_ids: list[int] = through_reply["token_ids"]
-        if new_ids[: len(reply_ids)] != reply_ids or (tail and reply_ids[-len(tail) :] != tail):
-            return "template_mismatch"  # the template renders the reply otherwise when it is not last
+        whole: list[int] = whole_a["token_ids"]
+        after_reply = whole[len(whole) - _shared_end(whole, whole_b["token_ids"]) :]
+        through: list[int] = through_a["token_ids"]
+        reply_end = through[len(through) - _shared_end(through, through_b["token_ids"]) :]
+        if (
+            not tail
+            or len(reply_end) == len(through)  # the template does not render the reply's text
+            or after_reply[: len(reply_end)] != reply_end
+            or reply_end[-len(tail) :] != tail
+        ):
+            return "template_mismatch"  # where the reply's turn ends is not found in the request's render
         sampled = continued.sampled_ids
-        end_of_turn = tail[1:] if tail and sampled[-1] == tail[0] else tail  # the model's own end, if it sampled it
-        prompt_ids = continued.prefix_ids + end_of_turn + new_ids[len(reply_ids) :]
-        generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
+        end_of_turn = tail[1:] if sampled[-1] == tail[0] else tail  # the model's own end, if it sampled it
+        prompt_ids = continued.prefix_ids + end_of_turn + after_reply[len(reply_end) :]
+        # The sentinel's render serves for the sampling params: they do not depend on the history's text.
+        generate = {k: v for k, v in whole_a.items() if k not in ("token_offsets", "request_id")}
         generate["token_ids"] = prompt_ids
         generate["stream"] = stream
         generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
-        params = generate.get("sampling_params") or {}
+        params = generate.setdefault("sampling_params", {})
+        # The render leaves out a param at its default (max_tokens 16), and generate takes one left out as unasked:
+        # it would sample to the end of the context.
+        params.setdefault("max_tokens", _DEFAULT_MAX_TOKENS)
         asked = upstream.get("max_completion_tokens") or upstream.get("max_tokens")
         if asked is None and isinstance(params.get("max_tokens"), int):
             # vLLM's default is what the context leaves after the prompt it rendered; the splice is another length
-            params["max_tokens"] = params["max_tokens"] + len(new_ids) - len(prompt_ids)
+            params["max_tokens"] = params["max_tokens"] + len(whole) - len(prompt_ids)
             if params["max_tokens"] < 1:
                 return "template_mismatch"
         return Splice(prompt_ids, generate, upstream, model)
@@ -322,20 +349,20 @@ class Splicer:
         if self.fingerprint is None and answer.get("system_fingerprint"):
             self.fingerprint = answer["system_fingerprint"]
 
-    async def _tail(self, model: str, like: dict[str, Any]) -> list[int]:
-        """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model."""
-        if model not in self._tails:
-            base = {key: like[key] for key in ("chat_template", "chat_template_kwargs") if key in like}
-            asking = {**base, "model": model, "messages": [{"role": "user", "content": "x"}]}
-            answered = {
-                **asking,
-                "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
-                "add_generation_prompt": False,
-            }
-            prompt, turn = await asyncio.gather(self._render(asking), self._render(answered))
-            head, whole = prompt["token_ids"], turn["token_ids"]
-            self._tails[model] = whole[len(head) :] if whole[: len(head)] == head else []
-        return self._tails[model]
+    async def _tail(self, model: str, options: dict[str, Any]) -> list[int]:
+        """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model and
+        template options: what a one-turn history with each sentinel as the reply renders the same at its end."""
+        base = {key: options[key] for key in ("chat_template", "chat_template_kwargs") if key in options}
+        key = model + _canonical(base).decode()
+        if key not in self._tails:
+            turns = [
+                {**base, "model": model, "add_generation_prompt": False, "messages": [_ASKED, _assistant(sentinel)]}
+                for sentinel in _SENTINELS
+            ]
+            a, b = (rendered["token_ids"] for rendered in await asyncio.gather(*map(self._render, turns)))
+            shared = _shared_end(a, b)
+            self._tails[key] = a[len(a) - shared :] if shared < len(a) else []
+        return self._tails[key]
 
     async def _render(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -354,6 +381,32 @@ class Splicer:
         if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
             raise _RenderFailed("unreadable render answer")
         return rendered
+
+
+# Two texts for the reply's place in a render, ending differently: what their renders share at the end is what
+# the template puts after the reply's text.
+_SENTINELS = ("artgw reply sentinel A", "artgw reply sentinel Z")
+_ASKED = {"role": "user", "content": "x"}
+
+
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def _with_reply(messages: list[dict[str, Any]], at: int, text: str) -> list[dict[str, Any]]:
+    """`messages` with the one `at`'s text replaced by `text`: its role, tool calls and reasoning kept, so the
+    template renders its turn as it renders the reply's."""
+    return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1 :]]
+
+
+def _shared_end(a: list[int], b: list[int]) -> int:
+    """How many ids `a` and `b` end with in common."""
+    n = 0
+    for x, y in zip(reversed(a), reversed(b), strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class _RenderFailed(Exception):

@@ -1,70 +1,227 @@
 """Real model families served end to end: `artgw serve` speaks the family of the model it serves.
 
 A tiny random-weight model with Qwen3's real tokenizer and chat template (`artgw tiny-model --family qwen3`),
-served with no engine arguments: the gateway picks vLLM's hermes tool-call parser and qwen3 reasoning parser
-from the model's files, says so, and the OpenAI SDK gets tool calls and reasoning in their own fields.
+served with no engine arguments (one engine for the module): the gateway picks vLLM's hermes tool-call parser and
+qwen3 reasoning parser from the model's files, says so, and the OpenAI SDK gets tool calls and reasoning in their
+own fields. A rollout on that template is one sequence, thinking on or off, whatever the client does with the
+model's reasoning (gateway/continuation.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import WEATHER_TOOLS, start_gateway, wait_http
+from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, start_gateway, wait_http
+from tests.recorded import ROME_PARIS_QUESTION, ROME_PARIS_TOOLS, new_id, one_sequence, sampled_by_call
 
 pytestmark = pytest.mark.engine
 
 
-def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(
-    family_model: Callable[[str], Path], tmp_path: Path
-) -> None:
+@dataclass(frozen=True)
+class Served:
+    gateway: GatewayProcess
+    tokenizer: Any
+
+
+@pytest.fixture(scope="module")
+def qwen3(family_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`artgw serve --base-model` the tiny Qwen3, no engine arguments: one engine for the module."""
     model = family_model("qwen3")
-    gateway = start_gateway(tmp_path, "--base-model", str(model), wait=False)
+    gateway = start_gateway(tmp_path_factory.mktemp("qwen3"), "--base-model", str(model), wait=False)
     try:
         try:
             wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
         except Exception:
             print(gateway.log()[-5000:])
             raise
-        log = gateway.log()
-        assert "vLLM's parsers: tool calls hermes, reasoning qwen3 (a Qwen3 template" in log, log[-3000:]
-        started = re.search(r"starting vLLM: (.*) \(log: ", log)
-        assert started is not None, log[-3000:]
-        assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(
-            1
-        )  # hermes: our plugin of it
-
-        token = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids
-        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
-        question = [{"role": "user", "content": "What is the weather in Paris?"}]
-        # Thinking on: a random model closes its reasoning only when `</think>` is favoured; vLLM then samples
-        # the forced call under its grammar, where `"` and `}` favoured end the JSON instead of endless whitespace.
-        bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
-        reply = client.chat.completions.create(
-            model="my-agent",
-            messages=question,  # type: ignore[arg-type]
-            tools=WEATHER_TOOLS,  # type: ignore[arg-type]
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=200,
-            extra_body={"logit_bias": bias},
-        )
-        calls = reply.choices[0].message.tool_calls
-        assert calls, reply.model_dump_json()
-        assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-        assert json.loads(calls[0].function.arguments)["city"] in {"Paris", "Rome"}  # type: ignore[union-attr]
-        assert "<tool_call>" not in (reply.choices[0].message.content or "")
-
-        # A free answer with thinking on: the qwen3 reasoning parser puts it in `reasoning`, not in the content.
-        free = client.chat.completions.create(model="my-agent", messages=question, max_tokens=8)  # type: ignore[arg-type]
-        message = free.choices[0].message
-        assert free.choices[0].finish_reason == "length"
-        assert not message.content, message.model_dump_json()
-        assert (message.model_extra or {}).get("reasoning"), message.model_dump_json()
+        yield Served(gateway, AutoTokenizer.from_pretrained(model))
     finally:
         gateway.stop()
+
+
+def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen3: Served) -> None:
+    gateway = qwen3.gateway
+    log = gateway.log()
+    assert "vLLM's parsers: tool calls hermes, reasoning qwen3 (a Qwen3 template" in log, log[-3000:]
+    started = re.search(r"starting vLLM: (.*) \(log: ", log)
+    assert started is not None, log[-3000:]
+    assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(1)  # hermes: our plugin of it
+
+    token = qwen3.tokenizer.convert_tokens_to_ids
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # Thinking on: a random model closes its reasoning only when `</think>` is favoured; vLLM then samples
+    # the forced call under its grammar, where `"` and `}` favoured end the JSON instead of endless whitespace.
+    bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+    reply = client.chat.completions.create(
+        model="my-agent",
+        messages=question,  # type: ignore[arg-type]
+        tools=WEATHER_TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        extra_body={"logit_bias": bias},
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls, reply.model_dump_json()
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments)["city"] in {"Paris", "Rome"}  # type: ignore[union-attr]
+    assert "<tool_call>" not in (reply.choices[0].message.content or "")
+
+    # A free answer with thinking on: the qwen3 reasoning parser puts it in `reasoning`, not in the content.
+    free = client.chat.completions.create(model="my-agent", messages=question, max_tokens=8)  # type: ignore[arg-type]
+    message = free.choices[0].message
+    assert free.choices[0].finish_reason == "length"
+    assert not message.content, message.model_dump_json()
+    assert (message.model_extra or {}).get("reasoning"), message.model_dump_json()
+
+
+# -- one rollout, one sequence on Qwen3's template ---------------------------------------------------------------
+
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+# What the client does with the model's reasoning, and whether thinking is on: the OpenAI SDK's own message sends
+# it back as `reasoning` (the field vLLM renders); `reasoning_content` is what other clients send (vLLM 0.32 does
+# not render it); most agent code keeps only content and tool calls; thinking off renders an empty think block.
+CLIENTS = ["sdk message", "reasoning_content", "reasoning dropped", "thinking off"]
+
+
+def _sent_back(message: Any, client: str) -> dict[str, Any]:
+    sent: dict[str, Any] = message.model_dump(exclude_none=True)
+    reasoning = sent.pop("reasoning", None)
+    if client == "sdk message" and reasoning is not None:
+        sent["reasoning"] = reasoning
+    elif client == "reasoning_content" and reasoning is not None:
+        sent["reasoning_content"] = reasoning
+    return sent
+
+
+class _Loop:
+    """A rollout's calls through the OpenAI SDK on the tiny Qwen3, whole or streamed, each reply sent back as
+    `client` does."""
+
+    def __init__(self, qwen3: Served, rid: str, client: str, stream: bool, seed: int) -> None:
+        self.sdk = openai.OpenAI(
+            base_url=qwen3.gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
+        )
+        self.client, self.stream, self.seed = client, stream, seed
+        self.messages: list[dict[str, Any]] = [*ROME_PARIS_QUESTION]
+        self.replies: list[Any] = []
+        token = qwen3.tokenizer.convert_tokens_to_ids
+        # A forced call closes its reasoning at once (a random model rarely samples `</think>`), then ends its JSON
+        # where `"` and `}` are favoured: test_serve_picks_qwen3s_parsers_... above.
+        self.forced_bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+
+    def call(self, **fields: Any) -> Any:
+        fields = {"model": "my-agent", "messages": self.messages, "max_tokens": 48, "seed": self.seed, **fields}
+        if self.client == "thinking off":
+            fields["extra_body"] = {**fields.get("extra_body", {}), "chat_template_kwargs": {"enable_thinking": False}}
+        if not self.stream:
+            choice = self.sdk.chat.completions.create(**fields).choices[0]
+        else:
+            with self.sdk.chat.completions.stream(**fields) as events:
+                for _ in events:
+                    pass
+                choice = events.current_completion_snapshot.choices[0]
+        self.replies.append(choice)
+        self.messages.append(_sent_back(choice.message, self.client))
+        return choice
+
+    def forced_call(self) -> None:
+        choice = self.call(tools=ROME_PARIS_TOOLS, tool_choice=FORCED, extra_body={"logit_bias": self.forced_bias})
+        if choice.finish_reason == "length":  # the JSON ran past max_tokens: another seed
+            raise ValueError(f"cut at max_tokens after {len(choice.message.tool_calls or [])} call(s)")
+        (tool_call,) = choice.message.tool_calls
+        json.loads(tool_call.function.arguments)
+        self.messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"})
+
+
+def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
+    failures = []
+    for seed in range(seeds):
+        try:
+            return seed, run(seed)
+        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError) as exc:
+            failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
+    pytest.fail("no run completed:\n" + "\n".join(failures))
+
+
+def _received(text: str, thinking: bool) -> tuple[str, str]:
+    """Sampled text as the qwen3 reasoning parser splits it: the reasoning (all of it until `</think>`, the
+    template's generation prompt opened the block) and the content after it."""
+    if not thinking:
+        return "", text
+    reasoning, closed, content = text.partition("</think>")
+    return reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n") if closed else ""
+
+
+def _assert_one_sequence_of_what_the_client_got(qwen3: Served, rid: str, loop: _Loop, before: dict[str, float]) -> None:
+    gateway = qwen3.gateway
+    recorded = one_sequence(gateway, rid, len(loop.replies))
+    sampled = sampled_by_call(recorded)
+    for call, reply in zip(recorded["calls"], loop.replies, strict=True):
+        text = qwen3.tokenizer.decode(sampled[call["id"]], skip_special_tokens=False).removesuffix("<|im_end|>")
+        reasoning, content = _received(text, loop.client != "thinking off")
+        message = reply.message
+        assert reasoning == ((message.model_extra or {}).get("reasoning") or "").strip("\n"), (text, message)
+        if message.tool_calls:  # the sampled ids are the tool call the client parsed
+            (tool_call,) = message.tool_calls
+            assert json.loads(content.split("<tool_call>", 1)[1].split("</tool_call>")[0]) == {
+                "name": "get_weather",
+                "arguments": json.loads(tool_call.function.arguments),
+            }
+        else:
+            assert content == (message.content or ""), (text, message)
+    for how, was in before.items():  # every continuing call spliced, none served as sent
+        now = metric(gateway.url, "artgw_continued_calls_total", how=how) - was
+        assert now == (len(loop.replies) - 1 if how == "spliced" else 0), (how, now)
+
+
+def _counts(gateway: GatewayProcess) -> dict[str, float]:
+    return {
+        how: metric(gateway.url, "artgw_continued_calls_total", how=how) for how in ("spliced", "template_mismatch")
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("client", CLIENTS)
+def test_openai_sdk_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, client: str, stream: bool) -> None:
+    """Two forced tool calls, an answer, a follow-up. Before, Qwen3's template rendered the reply with its think
+    block as the last message and without one after it: every continuing call was served as sent
+    (`template_mismatch`) and the rollout was 4 sequences."""
+    rid = new_id("qwen3-tools")
+
+    def run(seed: int) -> tuple[_Loop, dict[str, float]]:
+        before = _counts(qwen3.gateway)
+        loop = _Loop(qwen3, f"{rid}-{seed}", client, stream, seed)
+        loop.forced_call()
+        loop.forced_call()
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        loop.messages.append({"role": "user", "content": "And tomorrow?"})
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        return loop, before
+
+    seed, (loop, before) = _first_run(run)
+    _assert_one_sequence_of_what_the_client_got(qwen3, f"{rid}-{seed}", loop, before)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("client", CLIENTS)
+def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: str, stream: bool) -> None:
+    """Three user turns, each answered (a random model's answer is its reasoning, cut at the limit): the template
+    drops an earlier turn's reasoning once a user message follows it."""
+    rid = new_id("qwen3-text")
+    before = _counts(qwen3.gateway)
+    loop = _Loop(qwen3, rid, client, stream, seed=1)
+    for follow_up in ("And tomorrow?", "And the day after?", None):
+        loop.call(max_tokens=12)
+        if follow_up:
+            loop.messages.append({"role": "user", "content": follow_up})
+    _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
