@@ -6,10 +6,7 @@ image mounts this one file.
   elsewhere) instead of with free whitespace. vLLM's `--structured-outputs-config.disable_any_whitespace` does
   not reach the structural tag that tool calls are sampled under, and a random or untrained model under free
   whitespace pads a forced call with blanks until the token limit (issue 42). The spacing is the one the chat
-  template renders earlier calls with. And where the tokenizer has `<tool_call>` and `</tool_call>` as tokens of
-  their own, a call begins and ends with those tokens: vLLM's tag matches the markers as text, which an untrained
-  model spells in one-character pieces (`<`, `tool`, `_`, ...) and a cut call the parser cannot see as begun.
-  trainer/grammar.py rebuilds the same tag (`_compact_json`, `_pinned`).
+  template renders earlier calls with. trainer/grammar.py rebuilds the same tag (`_compact_json`).
 - The parsing: each call's end is the first `</tool_call>` outside a JSON string, so an argument that contains
   the marker is still parsed; a reply with complete calls and an unfinished last one (cut at the token limit)
   returns the complete calls, where vLLM 0.32 returned none and the raw text as content.
@@ -28,17 +25,7 @@ from vllm.logger import init_logger
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllm.tool_parsers.utils import is_complete_json, partial_tag_overlap
-from xgrammar.structural_tag import (
-    ConstStringFormat,
-    GrammarFormat,
-    JSONSchemaFormat,
-    SequenceFormat,
-    TagFormat,
-    TagsWithSeparatorFormat,
-    TokenFormat,
-    TokenTriggeredTagsFormat,
-    TriggeredTagsFormat,
-)
+from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, TagFormat
 
 logger = init_logger(__name__)
 
@@ -65,36 +52,11 @@ def _compact_arguments(node: Any) -> None:
             _compact_arguments(item)
 
 
-def pinned_markers(node: Any, start: str, end: str, ids: tuple[int, int]) -> Any:
-    """hermes' call tags with the markers `start` and `end` sampled as their tokens `ids`: a tag's begin
-    `<tool_call>...` and end `...</tool_call>` become the marker's token and the rest of its text, and the `auto`
-    trigger a token trigger. Token ids, not strings: vLLM validates a tag without the tokenizer."""
-    if isinstance(node, TagFormat) and isinstance(node.begin, str) and isinstance(node.end, str):
-        if node.begin.startswith(start) and node.end.endswith(end):
-            head, tail = node.begin[len(start) :], node.end[: -len(end)]  # hermes': both not empty
-            body = [ConstStringFormat(value=head), node.content, ConstStringFormat(value=tail)]
-            begin, close = TokenFormat(token=ids[0]), TokenFormat(token=ids[1])
-            return TagFormat(begin=begin, content=SequenceFormat(elements=body), end=close)
-    if isinstance(node, TriggeredTagsFormat) and node.triggers == [start]:
-        return TokenTriggeredTagsFormat(
-            trigger_tokens=[ids[0]],
-            tags=[pinned_markers(tag, start, end, ids) for tag in node.tags],
-            at_least_one=node.at_least_one,
-            stop_after_first=node.stop_after_first,
-        )
-    if isinstance(node, TagsWithSeparatorFormat):
-        return node.model_copy(update={"tags": [pinned_markers(tag, start, end, ids) for tag in node.tags]})
-    return node
-
-
 class ArtgwHermesToolParser(Hermes2ProToolParser):
     def get_structural_tag(self, request: Any, **kwargs: Any) -> Any:
         tag = super().get_structural_tag(request, **kwargs)
         if tag is not None:
             _compact_arguments(tag.format)
-            start, end = self.tool_call_start_token, self.tool_call_end_token
-            if start in self.vocab and end in self.vocab:
-                tag.format = pinned_markers(tag.format, start, end, (self.vocab[start], self.vocab[end]))
         return tag
 
     def _extract_tool_call_jsons(self, text: str) -> list[tuple[str, bool]]:

@@ -19,8 +19,7 @@ with a warning naming the parser, rather than scored under a grammar vLLM did no
   with VLLM_ENFORCE_STRICT_TOOL_CALLING on (the default), a named or `required` tool_choice, or `auto` when a
   tool is `strict` or `parallel_tool_calls` is false, is sampled under hermes' structural tag: `<tool_call>`
   envelopes whose arguments follow the tool's schema when the tool is strict, any JSON otherwise, spaced as
-  `json.dumps` spaces them (the plugin's change: no free whitespace in a call), the markers one token each where
-  the tokenizer has them as tokens (the plugin's too). With it off,
+  `json.dumps` spaces them (the plugin's change: no free whitespace in a call). With it off,
   named / `required` use the JSON schema of vllm/tool_parsers/utils.py (get_json_schema_from_tools).
 - compilation (vllm/v1/structured_output/backend_xgrammar.py): TokenizerInfo.from_huggingface with the model's
   vocab size; JSON schemas with any whitespace (compact with `--structured-outputs-config.disable_any_whitespace`);
@@ -73,8 +72,6 @@ _XGRAMMAR_STRING_FORMATS = frozenset(
         "relative-json-pointer",
     }
 )
-# hermes' tool call markers
-_START, _END = "<tool_call>", "</tool_call>"
 # StructuredOutputsParams' constraints, in the order vLLM picks the one that applies (get_structured_output_key).
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -86,15 +83,11 @@ class GrammarSpec(NamedTuple):
     text: str
 
 
-def grammar_spec(
-    request: dict[str, Any], *, strict_tool_calling: bool = True, marker_tokens: tuple[int, int] | None = None
-) -> GrammarSpec | None:
+def grammar_spec(request: dict[str, Any], *, strict_tool_calling: bool = True) -> GrammarSpec | None:
     """The grammar vLLM compiles for a chat or completions request as sent to it; None when it samples under none,
     or under a grammar of a backend other than xgrammar (a JSON schema with features xgrammar lacks).
 
     `strict_tool_calling`: vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING (on unless the engine's environment turns it off).
-    `marker_tokens`: the ids of `<tool_call>` and `</tool_call>` where the tokenizer has them as tokens of their
-    own (hermes models do), which the engine's tool parser plugin samples a call's markers as.
     """
     structured = _structured_outputs(request)
     own = _constraint_spec(structured)
@@ -106,7 +99,7 @@ def grammar_spec(
         return None  # vLLM leaves the tools unconstrained and hands the output to guidance
     single_call = request.get("parallel_tool_calls") is False
     if strict_tool_calling:
-        tag = _hermes_tag(tools, tool_choice, single_call, structured, marker_tokens)
+        tag = _hermes_tag(tools, tool_choice, single_call, structured)
         return GrammarSpec("structural_tag", tag) if tag is not None else own
     if structured is not None and "structural_tag" in structured:
         return own  # the parser keeps a structural tag the client gave
@@ -137,8 +130,6 @@ class GrammarMasks:
         self.parsers = parsers
         self._refused: set[str] = set()  # the refusals already logged (once each)
         self.strict_tool_calling = strict_tool_calling
-        vocab = tokenizer.get_vocab()
-        self.marker_tokens = (vocab[_START], vocab[_END]) if _START in vocab and _END in vocab else None
         self.disable_any_whitespace = disable_any_whitespace
         self._stop_ids = {*eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
         self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
@@ -166,7 +157,7 @@ class GrammarMasks:
         compile): the caller then treats those tokens as context. ValueError when the grammar rejects a
         sampled token (the request does not describe what vLLM sampled under). None too, with a warning, when
         the model's parsers are ones this module does not mirror (`refusal`)."""
-        spec = grammar_spec(request, strict_tool_calling=self.strict_tool_calling, marker_tokens=self.marker_tokens)
+        spec = grammar_spec(request, strict_tool_calling=self.strict_tool_calling)
         if spec is None:
             return None
         refusal = self.refusal(request)
@@ -326,14 +317,9 @@ def _needs_other_backend(schema: Any) -> bool:
 
 
 def _hermes_tag(
-    tools: list[dict[str, Any]],
-    tool_choice: Any,
-    single_call: bool,
-    structured: dict[str, Any] | None,
-    pin: tuple[int, int] | None,
+    tools: list[dict[str, Any]], tool_choice: Any, single_call: bool, structured: dict[str, Any] | None
 ) -> str | None:
-    """The structural tag (JSON) vLLM's hermes parser samples tool calls under; None when it sets none. `pin`:
-    the token ids the plugin samples `<tool_call>` and `</tool_call>` as (None: as text)."""
+    """The structural tag (JSON) vLLM's hermes parser samples tool calls under; None when it sets none."""
     is_auto = tool_choice == "auto"
     functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
     # --tool-strict-level auto, raised to `function` when a single call must be enforced.
@@ -357,33 +343,25 @@ def _hermes_tag(
         for f in functions
     ]
     chosen, _, simplified = xgr.normalize_tool_choice(dumped, tool_choice)
-    envelopes = (('\n{"name": "', "}\n"), ('{"name": "', "}"))
-    arguments = {tool.function.name: _compact_json(_arguments_schema(tool.function)) for tool in chosen}
+    envelopes = (('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>"))
     tags = [
-        _call_tag(f'{head}{tool.function.name}", "arguments": ', arguments[tool.function.name], tail, pin)
+        st.TagFormat(
+            begin=f'{begin}{tool.function.name}", "arguments": ',
+            content=_compact_json(_arguments_schema(tool.function)),
+            end=end,
+        )
         for tool in chosen
-        for head, tail in envelopes
+        for begin, end in envelopes
     ]
     calls: st.Format
-    if simplified == "auto" and pin:
-        calls = st.TokenTriggeredTagsFormat(trigger_tokens=[pin[0]], tags=tags, stop_after_first=single_call)
-    elif simplified == "auto":
-        calls = st.TriggeredTagsFormat(triggers=[_START], tags=tags, stop_after_first=single_call)
+    if simplified == "auto":
+        calls = st.TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags, stop_after_first=single_call)
     else:
         calls = st.TagsWithSeparatorFormat(
             tags=tags, separator="", at_least_one=True, stop_after_first=single_call or simplified == "forced"
         )
     tag = st.StructuralTag(format=calls if output is None else st.OrFormat(elements=[calls, output]))
     return json.dumps(tag.model_dump())
-
-
-def _call_tag(head: str, arguments: st.Format, tail: str, pin: tuple[int, int] | None) -> st.TagFormat:
-    """One hermes call envelope, `<tool_call>head arguments tail</tool_call>`. `pin`: the markers' token ids, as
-    the engine's tool parser plugin samples them (pinned_markers)."""
-    if pin is None:
-        return st.TagFormat(begin=_START + head, content=arguments, end=tail + _END)
-    body = st.SequenceFormat(elements=[st.ConstStringFormat(value=head), arguments, st.ConstStringFormat(value=tail)])
-    return st.TagFormat(begin=st.TokenFormat(token=pin[0]), content=body, end=st.TokenFormat(token=pin[1]))
 
 
 def _arguments_schema(function: Any) -> dict[str, Any] | bool:

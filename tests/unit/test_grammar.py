@@ -110,7 +110,7 @@ def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | N
 def test_spec_is_what_vllm_compiles(name: str, tokenizer: Any) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **REQUESTS[name]}
     theirs = vllm_spec(copy.deepcopy(body), tokenizer)
-    ours = grammar_spec(copy.deepcopy(body), marker_tokens=GrammarMasks(tokenizer, len(tokenizer)).marker_tokens)
+    ours = grammar_spec(copy.deepcopy(body))
     if theirs is None or not theirs[2]:  # no grammar, or another backend's
         assert ours is None
         return
@@ -134,11 +134,8 @@ def test_named_tool_call_masks_every_position(tokenizer: Any, masks: GrammarMask
     assert bitmask.dtype == torch.int32 and tuple(bitmask.shape) == (len(sampled), (len(tokenizer) + 31) // 32)
     for position, token in enumerate(sampled):
         assert token in allowed(bitmask[position], len(tokenizer)), position
-    # The first token opens the envelope: only `<tool_call>`'s own token, never its text in pieces (`<`, `tool`,
-    # ...: an untrained model's spelling); no free text, no stop. The call ends with `</tool_call>`'s token.
-    start, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
-    assert allowed(bitmask[0], len(tokenizer)) == {start}
-    assert allowed(bitmask[sampled.index(end)], len(tokenizer)) == {end}
+    # The first token opens the envelope: only pieces of `<tool_call>`; no free text, no stop.
+    assert allowed_text(tokenizer, bitmask[0]) <= {"<tool_call>", *("<tool_call>"[:k] for k in range(1, 11))}
     # The forced call closes with `}`, then the only way on is the stop token.
     assert allowed(bitmask[-1], len(tokenizer)) == {tokenizer.eos_token_id}
 
