@@ -30,6 +30,12 @@ from tests.stand_in_judge import Answer, StandInJudge
 ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
 BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
+# vLLM on CPU runs the model in a third process of its own (its executor's worker, started with `spawn`: one more
+# import of torch and vLLM, ~10 s of CPU and ~13 s of a start here). The engines the tests start (the session's,
+# and every `artgw serve --base-model` or `artgw demo`, which inherit this) run the model in their engine core
+# instead: vLLM's one-process executor, what it uses on one GPU. test_engine_restart keeps the layout users run
+# (it checks that every process of a dead engine is gone), and so do the deployment's containers.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
 END_TOKEN = 2  # `<|im_end|>`, its end of sequence (pinned there too): a logit bias on it ends an answer at once
 
@@ -777,11 +783,19 @@ def stand_in() -> Iterator[Callable[[Answer], StandInJudge]]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With ARTGW_TEST_TIMELINE=FILE: one JSON line per test (its worker, start and end, setup and teardown
-    included) appended to FILE, for `bench/suite_timeline.py` to show where each worker's time went."""
+    included) appended to FILE, for `bench/suite_timeline.py` to show where each worker's time went. `cpu`: the
+    CPU seconds the worker and the processes it waited for used meanwhile (a gateway and the vLLM it supervised
+    count when the test stops them; what the test leaves running counts at its end, what outlives its parent never
+    does): on a shared machine the wall time says little, the CPU what the test costs."""
     path = os.environ.get("ARTGW_TEST_TIMELINE")
-    started = time.time()
+    started, cpu = time.time(), _cpu_seconds()
     yield
     if path:
         line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid}
         with open(path, "a") as out:
-            out.write(json.dumps({**line, "start": started, "end": time.time()}) + "\n")
+            out.write(json.dumps({**line, "start": started, "end": time.time(), "cpu": _cpu_seconds() - cpu}) + "\n")
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
