@@ -25,6 +25,7 @@ import pytest
 
 from engine.supervisor import EngineConfig
 from store.records import CallRecord, CallStatus, ChoiceRecord
+from tests import zygote
 from tests.stand_in_judge import Answer, StandInJudge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,14 +332,14 @@ def start_gateway(
     command = [ARTGW, "serve", "--port", str(port), "--data-dir", str(data_dir)]
     command += [arg for model in models for arg in ("--model-name", model)]
     inherited = {k: v for k, v in os.environ.items() if not (isolated and k.startswith("ARTGW_"))}
+    environment = {**inherited, **(env or {})}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [*command, *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**inherited, **(env or {})},
-            start_new_session=True,
-        )
+        if zygote.forkable(environment):  # forked from this worker's fork server: no second import of it all
+            proc: Any = zygote.spawn([*command, *args], stdout=log.fileno(), env=environment)
+        else:
+            proc = subprocess.Popen(
+                [*command, *args], stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            )
     gateway = GatewayProcess(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
     if wait:
         try:
@@ -798,4 +799,4 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _cpu_seconds() -> float:
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    return times.user + times.system + times.children_user + times.children_system + zygote.children_cpu
