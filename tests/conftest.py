@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -315,6 +315,16 @@ class GatewayProcess:
         return int(self.proc.returncode)
 
 
+def start_serve(command: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> Any:
+    """`artgw serve ...` as a process of its own session, stdout and stderr to `log`: forked from this worker's
+    fork server where the environment allows (tests/zygote.py: no second import of what it imports), else
+    started anew. Popen's interface either way."""
+    env = dict(os.environ) if env is None else env
+    if zygote.forkable(env):
+        return zygote.spawn(command, stdout=log.fileno(), env=env)
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
 def start_gateway(
     tmp_path: Path,
     *args: str,
@@ -332,14 +342,8 @@ def start_gateway(
     command = [ARTGW, "serve", "--port", str(port), "--data-dir", str(data_dir)]
     command += [arg for model in models for arg in ("--model-name", model)]
     inherited = {k: v for k, v in os.environ.items() if not (isolated and k.startswith("ARTGW_"))}
-    environment = {**inherited, **(env or {})}
     with log_path.open("wb") as log:
-        if zygote.forkable(environment):  # forked from this worker's fork server: no second import of it all
-            proc: Any = zygote.spawn([*command, *args], stdout=log.fileno(), env=environment)
-        else:
-            proc = subprocess.Popen(
-                [*command, *args], stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-            )
+        proc = start_serve([*command, *args], log, {**inherited, **(env or {})})
     gateway = GatewayProcess(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
     if wait:
         try:

@@ -8,13 +8,13 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from recording.journal import Journal, Position
-from tests.conftest import ARTGW, free_port, poll, stop_group, wait_http
+from tests.conftest import ARTGW, free_port, poll, start_serve, stop_group, wait_http
 
 
 class Gateway:
@@ -25,7 +25,7 @@ class Gateway:
         self.log_path = log_path or data_dir / "gateway.log"
         self.upstream = upstream
         self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Any = None  # a process (Popen's interface): tests/conftest.py start_serve
         self.url = ""
         data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -42,15 +42,13 @@ class Gateway:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = start_serve(
                 [
                     *(ARTGW, "serve", "--port", str(port), "--data-dir", str(self.data_dir)),
                     *("--upstream", self.upstream, "--model-name", "my-agent", "--log-level", "warning"),
                     *self.extra,
                 ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                log,
             )
         try:
             wait_http(f"{self.url}/readyz", 60, self.proc)
