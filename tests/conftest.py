@@ -789,9 +789,9 @@ def stand_in() -> Iterator[Callable[[Answer], StandInJudge]]:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With ARTGW_TEST_TIMELINE=FILE: one JSON line per test (its worker, start and end, setup and teardown
     included) appended to FILE, for `bench/suite_timeline.py` to show where each worker's time went. `cpu`: the
-    CPU seconds the worker and the processes it waited for used meanwhile (a gateway and the vLLM it supervised
-    count when the test stops them; what the test leaves running counts at its end, what outlives its parent never
-    does): on a shared machine the wall time says little, the CPU what the test costs."""
+    CPU seconds the worker and every process under it used meanwhile (the session's engine answering this test's
+    calls included; a process that outlives its parent is lost): on a shared machine the wall time says little,
+    the CPU what the test costs."""
     path = os.environ.get("ARTGW_TEST_TIMELINE")
     started, cpu = time.time(), _cpu_seconds()
     yield
@@ -802,5 +802,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _cpu_seconds() -> float:
+    """The CPU this worker, the processes it waited for, and the ones still running under it (the session's
+    engine, a module's gateway, the fork server and what it waited for) have used so far."""
+    import psutil
+
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system + zygote.children_cpu
+    used = times.user + times.system + times.children_user + times.children_system
+    for process in psutil.Process().children(recursive=True):
+        with suppress(psutil.Error):
+            own = process.cpu_times()
+            used += own.user + own.system + own.children_user + own.children_system
+    return used

@@ -70,13 +70,13 @@ def serve(path: str) -> None:
             connection.sendall(f"{pid}\n".encode())
             waiting[pid] = connection
         while waiting:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             connection = waiting.pop(pid, None)
             if connection is not None:
-                with contextlib.suppress(OSError):  # its exit status, and the CPU it and what it waited for used
-                    connection.sendall(f"{status} {usage.ru_utime + usage.ru_stime}\n".encode())
+                with contextlib.suppress(OSError):
+                    connection.sendall(f"{status}\n".encode())
                 connection.close()
     for pid in waiting:  # the worker is gone: so are its gateways, as if they were its own children
         with contextlib.suppress(OSError):
@@ -159,11 +159,8 @@ class ForkedProcess:
                 self.returncode = -signal.SIGKILL
                 return
             line += chunk
-        status, cpu = line.split()
-        self.returncode = os.waitstatus_to_exitcode(int(status))
+        self.returncode = os.waitstatus_to_exitcode(int(line))
         self._connection.close()
-        global children_cpu
-        children_cpu += float(cpu)
 
 
 class _Server:
@@ -201,8 +198,6 @@ class _Server:
 
 
 _server = _Server()
-# CPU seconds of the forked gateways that have ended (what `os.times()` counts for a waited-for child of one's own)
-children_cpu = 0.0
 
 
 def forkable(env: dict[str, str]) -> bool:
