@@ -31,12 +31,6 @@ from tests.stand_in_judge import Answer, StandInJudge
 ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
 BASE_NAME = "tiny"  # the name the session's vLLM serves the base weights under
-# vLLM on CPU runs the model in a third process of its own (its executor's worker, started with `spawn`: one more
-# import of torch and vLLM, ~10 s of CPU and ~13 s of a start here). The engines the tests start (the session's,
-# and every `artgw serve --base-model` or `artgw demo`, which inherit this) run the model in their engine core
-# instead: vLLM's one-process executor, what it uses on one GPU. test_engine_restart keeps the layout users run
-# (it checks that every process of a dead engine is gone), and so do the deployment's containers.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 QUOTE_TOKEN = 4  # `"` in the tiny model's vocabulary (tests/unit/test_tiny_model.py pins it)
 END_TOKEN = 2  # `<|im_end|>`, its end of sequence (pinned there too): a logit bias on it ends an answer at once
 

@@ -282,7 +282,6 @@ def test_a_killed_engine_is_ended_whole_and_restarted(long_tiny_model: Path, gat
     gateway = gateway_factory(
         *("--base-model", str(long_tiny_model), "--engine-port", str(engine_port)),
         *("--max-model-len", str(MAX_MODEL_LEN)),
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},  # the engine's process tree as users run it (tests/conftest.py)
         wait=False,
     )
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
