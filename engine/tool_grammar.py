@@ -27,11 +27,22 @@ from xgrammar.structural_tag import GrammarFormat
 
 SAFE_INTEGER = 2**53 - 1
 
-# Keywords whose value is a subschema, a list of them, or a name -> subschema map. Not `not` or `if`: a bound
+# Keywords whose value is a subschema or a list of them, or a name -> subschema map. Not `not` or `if`: a bound
 # there would widen what the schema accepts. Not `propertyNames`: names are strings.
-_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains")
-_SUBSCHEMA += ("additionalItems", "then", "else")
-_SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMAS = (
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contains",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "then",
+    "else",
+)
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
@@ -49,7 +60,7 @@ def bounded_integers(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMA + _SUBSCHEMAS:
+    for key in _SUBSCHEMAS:
         if key in out:
             out[key] = bounded_integers(out[key])
     for key in _NAMED_SUBSCHEMAS:
