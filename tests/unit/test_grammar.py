@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.supervisor import TOOL_PARSER, TOOL_PARSER_PLUGIN
+from engine.tool_grammar import SAFE_INTEGER, bounded_integers
 from trainer.grammar import GrammarMasks, GrammarSpec, grammar_spec
 
 CITY_SCHEMA = {
@@ -321,3 +322,35 @@ def test_a_calls_integers_end_within_the_safe_integers(
     else:
         with pytest.raises(ValueError, match="rejects"):
             masks.for_call(REQUESTS["named_integers"], sampled)
+
+
+def test_only_integers_without_a_bound_get_one_and_nothing_is_widened() -> None:
+    safe = {"minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    kept = [
+        {"type": "integer", "minimum": 1, "maximum": 9},
+        {"type": "integer", "enum": [2**60]},  # finite already: a bound would refuse the client's value
+        {"type": "integer", "const": 3},
+        {"type": ["integer", "number"]},  # the bound would cap the number's fraction too
+        {"type": "number"},
+        {"not": {"type": "integer"}},  # a bound under `not` would widen what the schema accepts
+        {"if": {"type": "integer"}, "then": {"type": "integer", "maximum": 5, "minimum": 0}},
+    ]
+    for schema in kept:
+        assert bounded_integers(schema) == schema, schema
+    assert bounded_integers({"type": "integer", "exclusiveMinimum": 0}) == {
+        "type": "integer",
+        "exclusiveMinimum": 0,
+        "maximum": SAFE_INTEGER,
+    }
+    # A client's bound beyond the safe integers leaves that side's other bound off: the schema never empties.
+    assert bounded_integers({"type": "integer", "minimum": 2**60}) == {"type": "integer", "minimum": 2**60}
+    nested = {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}],
+        "items": {"oneOf": [{"type": ["integer", "null"]}]},
+    }
+    assert bounded_integers(nested) == {
+        "type": "array",
+        "prefixItems": [{"type": "integer", **safe}],
+        "items": {"oneOf": [{"type": ["integer", "null"], **safe}]},
+    }
