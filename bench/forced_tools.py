@@ -9,8 +9,8 @@ gateway/apis/chat/translate.py strict_forced_calls):
 - before: vLLM's own `hermes` tool parser (free whitespace in a call's JSON; a reply cut in its last call loses
   every call, its raw text becomes the content), or with `--before REV` the plugin as of git revision REV;
 - after: the gateway's engine plugin, `artgw_hermes` (engine/tool_parser.py: arguments spaced as `json.dumps`
-  spaces them, `<tool_call>` and `</tool_call>` sampled as their own tokens, the complete calls of a cut reply
-  returned).
+  spaces them, integers without bounds bounded to JSON's safe integers (engine/tool_grammar.py), the complete
+  calls of a cut reply returned).
 
 It prints one table, before and after side by side per tool_choice (named, `required`) and max_tokens: replies
 whose calls are all schema-valid (at least one), replies cut at the limit (finish_reason `length`), complete
@@ -22,6 +22,7 @@ in `city`, in the integer `days`, or after the arguments (the envelope's tail); 
     .venv/bin/python bench/forced_tools.py --seeds 64 --max-tokens 48
     .venv/bin/python bench/forced_tools.py --before d8e8c8e           # against the plugin of an earlier commit
     .venv/bin/python bench/forced_tools.py --schema city              # the tool without its integer argument
+    .venv/bin/python bench/forced_tools.py --show-invalid             # print each reply that is not schema-valid
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def main() -> None:
         "--before", default="hermes", help="`hermes` (vLLM's own parser) or a git revision: the plugin as it was there"
     )
     parser.add_argument("--schema", choices=SCHEMAS, default="weather", help="city (enum) and days (integer), or city")
+    parser.add_argument("--show-invalid", action="store_true", help="print the sampled text of each invalid reply")
     args = parser.parse_args()
     schema = SCHEMAS[args.schema]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
@@ -173,9 +175,18 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(tiny)
         parsers = {"before": HERMES, "after": ()}
         if args.before != "hermes":  # the last --tool-parser-plugin wins
-            old = Path(tmp) / "tool_parser_before.py"
-            old.write_bytes(subprocess.check_output(["git", "show", f"{args.before}:engine/tool_parser.py"], cwd=ROOT))
-            parsers["before"] = ("--tool-parser-plugin", str(old))
+            before_dir = Path(tmp) / "before"
+            before_dir.mkdir()
+            for name in ("tool_parser.py", "tool_grammar.py"):  # the plugin, and the grammar it loads once it has one
+                show = subprocess.run(
+                    ["git", "show", f"{args.before}:engine/{name}"],
+                    cwd=ROOT,
+                    capture_output=True,
+                    check=name != "tool_grammar.py",
+                )
+                if show.returncode == 0:
+                    (before_dir / name).write_bytes(show.stdout)
+            parsers["before"] = ("--tool-parser-plugin", str(before_dir / "tool_parser.py"))
         for label, extra in parsers.items():
             with console.status(f"starting vLLM ({label})"), engine(tiny, extra, Path(tmp) / f"{label}.log") as url:
                 for name, choice in CHOICES.items():
@@ -204,6 +215,9 @@ def main() -> None:
                                 totals[key] += value
                             if not got["valid"]:
                                 where[cell][cut_in(text)] += 1
+                                if args.show_invalid:
+                                    console.print(f"{cell} seed {seed}: {answer['choices'][0]['finish_reason']}")
+                                    console.print(repr(text), markup=False, highlight=False)
                             if (head := head_tokens(tokenizer, sampled)) is not None:
                                 heads[cell].append(head)
                         results[cell] = totals

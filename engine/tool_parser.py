@@ -1,12 +1,11 @@
 """vLLM's hermes tool parser with two changes, loaded into the engine as a plugin (`--tool-parser-plugin` with
-this file, `--tool-call-parser artgw_hermes`). Self-contained (vLLM and xgrammar only): a deployment's own vLLM
-image mounts this one file.
+this file, `--tool-call-parser artgw_hermes`). vLLM, xgrammar and its sibling engine/tool_grammar.py only: a
+deployment's own vLLM image mounts the two files side by side.
 
 - The grammar: a call's arguments are written as `json.dumps` writes them (one space after `,` and `:`, none
-  elsewhere) instead of with free whitespace. vLLM's `--structured-outputs-config.disable_any_whitespace` does
-  not reach the structural tag that tool calls are sampled under, and a random or untrained model under free
-  whitespace pads a forced call with blanks until the token limit (issue 42). The spacing is the one the chat
-  template renders earlier calls with. trainer/grammar.py rebuilds the same tag (`_compact_json`).
+  elsewhere) instead of with free whitespace, and an integer without bounds is bounded to JSON's safe integers
+  (engine/tool_grammar.py says why: an untrained model can then end a forced call). trainer/grammar.py rebuilds
+  the same tag with the same file.
 - The parsing: each call's end is the first `</tool_call>` outside a JSON string, so an argument that contains
   the marker is still parsed; a reply with complete calls and an unfinished last one (cut at the token limit)
   returns the complete calls, where vLLM 0.32 returned none and the raw text as content.
@@ -14,18 +13,20 @@ image mounts this one file.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import xgrammar as xgr
 from pydantic import BaseModel
 from vllm.entrypoints.generate.base.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
 from vllm.logger import init_logger
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllm.tool_parsers.utils import is_complete_json, partial_tag_overlap
-from xgrammar.structural_tag import GrammarFormat, JSONSchemaFormat, TagFormat
+from xgrammar.structural_tag import JSONSchemaFormat, TagFormat
 
 logger = init_logger(__name__)
 
@@ -35,15 +36,22 @@ NAME = "artgw_hermes"
 _STRING_OR_END = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\Z)|</tool_call>', re.DOTALL)
 
 
-def compact_json(schema: dict[str, Any] | bool) -> GrammarFormat:
-    """The JSON `schema` admits, spaced as `json.dumps` spaces it (xgrammar's any_whitespace=False)."""
-    return GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+def _sibling(name: str) -> ModuleType:
+    """A file next to this one, imported by its path: vLLM imports this plugin by its path, not as a package."""
+    spec = importlib.util.spec_from_file_location(f"artgw_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tool_grammar = _sibling("tool_grammar")
 
 
 def _compact_arguments(node: Any) -> None:
-    """Every call's JSON arguments in a structural tag made compact, in place."""
+    """Every call's JSON arguments in a structural tag given the gateway's grammar (tool_grammar), in place."""
     if isinstance(node, TagFormat) and isinstance(node.content, JSONSchemaFormat) and node.content.style == "json":
-        node.content = compact_json(node.content.json_schema)
+        node.content = tool_grammar.arguments_grammar(node.content.json_schema)
     elif isinstance(node, BaseModel):
         for name in type(node).model_fields:
             _compact_arguments(getattr(node, name))

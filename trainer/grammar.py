@@ -19,7 +19,8 @@ with a warning naming the parser, rather than scored under a grammar vLLM did no
   with VLLM_ENFORCE_STRICT_TOOL_CALLING on (the default), a named or `required` tool_choice, or `auto` when a
   tool is `strict` or `parallel_tool_calls` is false, is sampled under hermes' structural tag: `<tool_call>`
   envelopes whose arguments follow the tool's schema when the tool is strict, any JSON otherwise, spaced as
-  `json.dumps` spaces them (the plugin's change: no free whitespace in a call). With it off,
+  `json.dumps` spaces them and with unbounded integers bounded to JSON's safe integers (the plugin's change,
+  engine/tool_grammar.py, which both import). With it off,
   named / `required` use the JSON schema of vllm/tool_parsers/utils.py (get_json_schema_from_tools).
 - compilation (vllm/v1/structured_output/backend_xgrammar.py): TokenizerInfo.from_huggingface with the model's
   vocab size; JSON schemas with any whitespace (compact with `--structured-outputs-config.disable_any_whitespace`);
@@ -44,6 +45,7 @@ import xgrammar as xgr
 from torch import Tensor
 from xgrammar import structural_tag as st
 
+from engine.tool_grammar import arguments_grammar
 from store.families import HERMES, HERMES_ONLY, EngineParsers, parsers_for_model
 
 if TYPE_CHECKING:
@@ -347,7 +349,7 @@ def _hermes_tag(
     tags = [
         st.TagFormat(
             begin=f'{begin}{tool.function.name}", "arguments": ',
-            content=_compact_json(_arguments_schema(tool.function)),
+            content=arguments_grammar(_arguments_schema(tool.function)),
             end=end,
         )
         for tool in chosen
@@ -370,12 +372,6 @@ def _arguments_schema(function: Any) -> dict[str, Any] | bool:
         return True
     parameters: dict[str, Any] = function.parameters
     return parameters
-
-
-def _compact_json(schema: dict[str, Any] | bool) -> st.GrammarFormat:
-    """A call's arguments spaced as `json.dumps` spaces them: the engine's tool parser plugin samples them so
-    (engine/tool_parser.py, compact_json; it runs inside vLLM and cannot be imported here without vLLM)."""
-    return st.GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
 
 
 def _output_format(structured: dict[str, Any]) -> st.Format:

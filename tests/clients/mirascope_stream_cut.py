@@ -49,19 +49,22 @@ def cut(base_url: str, limit: int) -> dict[str, object]:
     }
 
 
+# A stream cut before any call's name (8 tokens: inside `<tool_call>`): mirascope 2.8 raised on the empty message
+# the gateway sent for it (`output_text.done` with no delta before it).
+try:
+    early: object = cut(f"{os.environ['PLAIN_ROLLOUT']}-early/v1", 8)
+except RuntimeError as error:
+    early = str(error)
+
 # The first limit at which the plain stream is cut inside a call, past its name: of get_weather, or of the
-# structured answer's tool, whose arguments mirascope streams as text (mirascope 2.8 raises on a stream cut before
-# any call's name: the gateway then sends an empty message, `output_text.done` with no delta before it).
-# Each plain try is a new rollout (PLAIN_ROLLOUT-limit), so that none continues another.
+# structured answer's tool, whose arguments mirascope streams as text. Each plain try is a new rollout
+# (PLAIN_ROLLOUT-limit), so that none continues another.
 tried = {}
 for limit in range(24, 80, 4):
-    try:
-        plain = cut(f"{os.environ['PLAIN_ROLLOUT']}-{limit}/v1", limit)
-    except RuntimeError as error:
-        tried[limit] = str(error)
-        continue
+    plain = cut(f"{os.environ['PLAIN_ROLLOUT']}-{limit}/v1", limit)
     if plain["finish_reason"] == "max_tokens" and (plain["tool_calls"] or plain["texts"]):
-        result(limit=limit, tried=tried, plain=plain, spliced=cut(os.environ["OPENAI_BASE_URL"], limit))
+        spliced = cut(os.environ["OPENAI_BASE_URL"], limit)
+        result(limit=limit, tried=tried, early=early, plain=plain, spliced=spliced)
         break
     tried[limit] = plain
 else:

@@ -5,6 +5,8 @@ toy and a real vLLM.
   forced calls are Responses' `allowed_tools`) ask it twice on one history, as the rollout's continuing call and as
   a new rollout's first call. Both must hear what the plain path says (`length`, `max_tokens`); before, the spliced
   stream ended `response.completed`: Vercel said `tool-calls`, mirascope no finish reason at all.
+- A Responses stream cut before any call's name (noticed in session 26): mirascope gets an incomplete turn with
+  nothing in it; before, the gateway sent an empty message, which mirascope 2.8 raised on.
 - Forced calls at their edges (item 4), smolagents: a string argument holding `</tool_call>` is a call (before: no
   call, or broken arguments when streamed), and a reply cut after complete calls keeps them (before: none, the raw
   `<tool_call>` text as the content, which smolagents cannot parse).
@@ -50,6 +52,9 @@ def test_mirascope_stream_cut_at_its_limit_finishes_max_tokens(engine_gateway) -
     assert run["plain"]["finish_reason"] == "max_tokens", run
     assert run["spliced"] == run["plain"], run
     assert recorded["calls"][1]["finish_reasons"] == ["length"]
+    # Cut before any call's name: an incomplete turn with nothing in it (before: an empty message, which mirascope
+    # raised on).
+    assert run["early"] == {"finish_reason": "max_tokens", "tool_calls": [], "texts": []}, run
     # mirascope asks for the forced call as Responses' `allowed_tools` (#42 item 5): recorded as `required`.
     assert recorded["calls"][1]["grammar_request"]["tool_choice"] == "required"
 

@@ -465,10 +465,13 @@ def test_gateway_and_trainer_are_wired_to_vllm_postgres_and_each_other(compose: 
         "--tool-call-parser": "artgw_hermes",
     }.items():
         assert option(vllm, flag) == value
-    # the plugin (engine/tool_parser.py) the trainer's grammar mirrors, mounted into vLLM's own image
+    # the plugin (engine/tool_parser.py) the trainer's grammar mirrors, mounted into vLLM's own image with the
+    # call grammar it loads from beside it
     assert option(vllm, "--tool-parser-plugin") == "/artgw/tool_parser.py"
-    plugin = {target: (source, ro) for source, target, ro in mounts(services["vllm"])}["/artgw/tool_parser.py"]
-    assert plugin[0].endswith("engine/tool_parser.py") and plugin[1], plugin
+    mounted = {target: (source, ro) for source, target, ro in mounts(services["vllm"])}
+    for name in ("tool_parser.py", "tool_grammar.py"):
+        source, read_only = mounted[f"/artgw/{name}"]
+        assert source.endswith(f"engine/{name}") and read_only, (name, source)
     # --enable-scale-out: the token-level chat a continuing call goes through (gateway/continuation.py)
     assert {"--enable-lora", "--enable-auto-tool-choice", "--enable-scale-out"} <= set(vllm)
     assert environment(services["vllm"])["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

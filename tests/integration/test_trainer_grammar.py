@@ -1,12 +1,13 @@
 """Tokens sampled under a grammar are scored the way vLLM sampled them (issue 14): real vLLM, the gateway, the
 unmodified OpenAI SDK, real xgrammar.
 
-Calls with a named tool_choice (a schema with an enum, an integer and a string argument), with `required` and
-with a json_schema response_format, at temperature 1. Each recorded call's request is turned back into vLLM's
-grammar masks (trainer/grammar.py); the base model's logprob of each sampled token, log-softmaxed over the tokens
-its mask allows, must match the logprob vLLM reported: mean exp(trainer - vLLM) within 5% of 1. Unmasked, it is
-far off (vLLM's logprobs are renormalized over the allowed tokens): that is what the masks fix, and what shows
-this test can fail. Then `artgw train` takes one step on such rollouts and must report the same ratio.
+Calls with a named tool_choice (a schema with an enum, two integers, one bounded only below, and a string
+argument), with `required` and with a json_schema response_format, at temperature 1. Each recorded call's
+request is turned back into vLLM's grammar masks (trainer/grammar.py); the base model's logprob of each sampled
+token, log-softmaxed over the tokens its mask allows, must match the logprob vLLM reported: mean
+exp(trainer - vLLM) within 5% of 1. Unmasked, it is far off (vLLM's logprobs are renormalized over the allowed
+tokens): that is what the masks fix, and what shows this test can fail. Then `artgw train` takes one step on
+such rollouts and must report the same ratio.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ FORECAST = {
             "properties": {
                 "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
                 "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                # bounded above by the gateway's grammar (JSON's safe integers, engine/tool_grammar.py)
+                "hour": {"type": "integer", "minimum": 0},
                 "note": {"type": "string", "maxLength": 12},
             },
-            "required": ["city", "days", "note"],
+            "required": ["city", "days", "hour", "note"],
             "additionalProperties": False,
         },
     },

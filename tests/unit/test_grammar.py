@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.supervisor import TOOL_PARSER, TOOL_PARSER_PLUGIN
+from engine.tool_grammar import SAFE_INTEGER, bounded_integers
 from trainer.grammar import GrammarMasks, GrammarSpec, grammar_spec
 
 CITY_SCHEMA = {
@@ -29,6 +30,22 @@ LOOKUP = {  # not strict: vLLM constrains its call envelope, not its arguments
     "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
 }
 
+# Integers with and without bounds, at several depths (engine/tool_grammar.py bounds the unbounded ones).
+COUNTS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "days": {"type": "integer"},
+        "hours": {"type": ["integer", "null"], "minimum": 0},
+        "list": {"type": "array", "items": {"$ref": "#/$defs/small"}},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "ratio": {"type": "number"},
+    },
+    "required": ["days"],
+    "additionalProperties": False,
+    "$defs": {"small": {"type": "integer", "maximum": 10}},
+}
+COUNT = {"type": "function", "function": {"name": "count", "strict": True, "parameters": COUNTS_SCHEMA}}
+
 
 def named(tool: str) -> dict[str, Any]:
     return {"tools": [WEATHER, LOOKUP], "tool_choice": {"type": "function", "function": {"name": tool}}}
@@ -42,6 +59,7 @@ WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome
 REQUESTS: dict[str, dict[str, Any]] = {
     "named": NAMED,
     "named_not_strict": named("lookup"),
+    "named_integers": {"tools": [COUNT], "tool_choice": {"type": "function", "function": {"name": "count"}}},
     "required": {"tools": [WEATHER, LOOKUP], "tool_choice": "required"},
     "required_single_call": {"tools": [WEATHER, LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
     "auto_strict_tool": {"tools": [WEATHER, LOOKUP]},
@@ -275,3 +293,64 @@ def test_each_grammar_is_compiled_once(tokenizer: Any) -> None:
     masks.for_call({"response_format": CITY_FORMAT}, ids(tokenizer, '{"city": "Rome"}'))
     masks.for_call(REQUESTS["plain"], ids(tokenizer, "x"))  # no grammar: nothing compiled
     assert (masks.cache_info().misses, masks.cache_info().hits) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "valid"),
+    [
+        ('{"days": 9007199254740991}', True),  # 2**53 - 1: 16 digits
+        ('{"days": -9007199254740991}', True),
+        ('{"days": 9007199254740992}', False),
+        ('{"days": 12345678901234567}', False),  # a 17th digit
+        ('{"days": 1, "hours": 9007199254740991, "list": [-9007199254740991, 10], "either": 7}', True),
+        ('{"days": 1, "hours": 9007199254740992}', False),
+        ('{"days": 1, "list": [-9007199254740992]}', False),  # under $defs, the client's maximum kept
+        ('{"days": 1, "either": 9007199254740992}', False),  # in an anyOf
+        ('{"days": 1, "hours": -1}', False),  # the client's own bounds are kept
+        ('{"days": 1, "list": [11]}', False),
+        ('{"days": 1, "hours": null, "either": "x", "ratio": -1234567890123456789.1234567e300}', True),  # number
+    ],
+)
+def test_a_calls_integers_end_within_the_safe_integers(
+    arguments: str, valid: bool, tokenizer: Any, masks: GrammarMasks
+) -> None:
+    """An integer schema without bounds is sampled within JSON's safe integers, so a number ends after at most 16
+    digits (engine/tool_grammar.py); the client's bounds and `number`s are as the schema says."""
+    sampled = ids(tokenizer, f'<tool_call>\n{{"name": "count", "arguments": {arguments}}}\n</tool_call>')
+    if valid:
+        assert masks.for_call(REQUESTS["named_integers"], sampled) is not None
+    else:
+        with pytest.raises(ValueError, match="rejects"):
+            masks.for_call(REQUESTS["named_integers"], sampled)
+
+
+def test_only_integers_without_a_bound_get_one_and_nothing_is_widened() -> None:
+    safe = {"minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    kept = [
+        {"type": "integer", "minimum": 1, "maximum": 9},
+        {"type": "integer", "enum": [2**60]},  # finite already: a bound would refuse the client's value
+        {"type": "integer", "const": 3},
+        {"type": ["integer", "number"]},  # the bound would cap the number's fraction too
+        {"type": "number"},
+        {"not": {"type": "integer"}},  # a bound under `not` would widen what the schema accepts
+        {"if": {"type": "integer"}, "then": {"type": "integer", "maximum": 5, "minimum": 0}},
+    ]
+    for schema in kept:
+        assert bounded_integers(schema) == schema, schema
+    assert bounded_integers({"type": "integer", "exclusiveMinimum": 0}) == {
+        "type": "integer",
+        "exclusiveMinimum": 0,
+        "maximum": SAFE_INTEGER,
+    }
+    # A client's bound beyond the safe integers leaves that side's other bound off: the schema never empties.
+    assert bounded_integers({"type": "integer", "minimum": 2**60}) == {"type": "integer", "minimum": 2**60}
+    nested = {
+        "type": "array",
+        "prefixItems": [{"type": "integer"}],
+        "items": {"oneOf": [{"type": ["integer", "null"]}]},
+    }
+    assert bounded_integers(nested) == {
+        "type": "array",
+        "prefixItems": [{"type": "integer", **safe}],
+        "items": {"oneOf": [{"type": ["integer", "null"], **safe}]},
+    }

@@ -937,6 +937,25 @@ def test_stream_without_output_still_has_a_message() -> None:
     assert output_messages(events[-1]["response"]) == [{"role": "assistant", "content": ""}]
 
 
+def test_a_turn_cut_before_it_wrote_anything_has_no_message() -> None:
+    """A forced call cut before its name (vLLM streams nothing of it): no empty message, whose
+    `output_text.done` with no delta before it mirascope 2.8 raises on; the response is incomplete with the output
+    the model wrote, none, streamed and not, as OpenAI announces an item only once the model writes one."""
+    events = events_of(stream_bytes(request(stream=True), [chunk({"role": "assistant", "content": ""}, "length")])[0])
+    assert types_of(events) == ["created", "in_progress", "incomplete"]
+    assert events[-1]["response"]["output"] == [] and events[-1]["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
+    whole = as_sent(to_response(chat_answer({"content": None}, "length"), request(), "resp_1", 1.0))
+    assert (whole["status"], whole["output"]) == ("incomplete", [])
+    Response.model_validate(whole)
+    # After reasoning: the reasoning item only.
+    chunks = [chunk({"reasoning": "Hm"}), chunk({}, "length")]
+    events = events_of(stream_bytes(request(stream=True), chunks)[0])
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning"]
+    assert "output_text.done" not in types_of(events)
+
+
 def test_stream_that_fails_mid_text() -> None:
     stream = ResponsesStream(request(stream=True), "resp_1", 1.0)
     body = stream.start() + stream.take(chunk({"content": "Hal"}))

@@ -286,6 +286,14 @@ def _outcome(finish_reason: str | None) -> tuple[ResponseStatus, IncompleteDetai
     return "completed", None
 
 
+def _empty_turn(status: ResponseStatus) -> bool:
+    """Whether an answer with no text and no tool call gets an empty message: only a turn the model ended. One
+    cut before it wrote any (a forced call cut before its name: vLLM streams nothing of it) has no message, as
+    OpenAI announces an item only once the model writes one; an empty message would stream `output_text.done`
+    with no text before it, which clients that pair it with a first delta (mirascope 2.8) raise on."""
+    return status == "completed"
+
+
 def _usage(usage: dict[str, Any] | None) -> Usage | None:
     """Chat usage as Responses usage."""
     if not usage:
@@ -370,17 +378,19 @@ def _tool_echo(tool: Tool) -> FunctionToolEcho:
 
 def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: str, created_at: float) -> Response:
     """vLLM's chat.completion (one choice) as a Responses object: reasoning, then the text, then the tool calls,
-    in the order the model wrote them. Without text or tool calls there is still an (empty) message, so the
-    turn shows in the history, as a chat client would send back `{"role": "assistant", "content": ""}`."""
+    in the order the model wrote them. A turn that ended without text or tool calls is still an (empty) message,
+    so it shows in the history, as a chat client would send back `{"role": "assistant", "content": ""}`; a
+    turn cut before it wrote any has none (`_empty_turn`)."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
+    status, details = _outcome(choice.get("finish_reason"))
     output: list[OutputItem] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
         output.append(ReasoningItem(id=_new_id("rs"), content=[ReasoningText(reasoning)]))
     content = message.get("content") or ""
     calls = message.get("tool_calls") or []
-    if content or not calls:
+    if content or (not calls and _empty_turn(status)):
         output.append(MessageItem(id=_new_id("msg"), status="completed", content=[OutputText(content)]))
     for call in calls:
         function = call.get("function") or {}
@@ -393,9 +403,8 @@ def to_response(chat: dict[str, Any], request: ResponsesRequest, response_id: st
                 status="completed",
             )
         )
-    status, details = _outcome(choice.get("finish_reason"))
-    last = output[-1]
-    if status == "incomplete" and not isinstance(last, ReasoningItem):
+    last = output[-1] if output else None
+    if status == "incomplete" and isinstance(last, MessageItem | FunctionCallItem):
         output[-1] = msgspec.structs.replace(last, status="incomplete")  # the item the limit cut off
     return _response_object(
         request,
@@ -487,7 +496,7 @@ class ResponsesStream:
         status, details = _outcome(self._finish_reason)
         item_status: ItemStatus = "incomplete" if status == "incomplete" else "completed"
         out = self._close(item_status)
-        if not any(isinstance(item, MessageItem | FunctionCallItem) for item in self._output):
+        if _empty_turn(status) and not any(isinstance(item, MessageItem | FunctionCallItem) for item in self._output):
             out += self._open_message() + self._close(item_status)  # an empty turn, as to_response gives
         self._status, self._incomplete_details, self._ended = status, details, True
         kind = "response.completed" if status == "completed" else "response.incomplete"
