@@ -203,7 +203,11 @@ class Services:
         ready = ready and journal
         body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
         if several:
-            body["engines"] = f"{len(self.engines.in_rotation)} of {len(self.engines)} in rotation"
+            each = ", ".join(
+                f"{e.url} {'in rotation' if e.healthy else 'out of rotation'} ({e.in_flight} in flight)"
+                for e in self.engines.engines
+            )
+            body["engines"] = f"{len(self.engines.in_rotation)} of {len(self.engines)} in rotation: {each}"
         body["store"] = await self.store_state()
         body["journal"] = "ok" if journal else f"unavailable ({self.recorder.journal_failure})"
         return ready, body

@@ -21,6 +21,7 @@ import pytest
 
 from engine.supervisor import EngineConfig
 from tests.conftest import (
+    ARTGW,
     BASE_NAME,
     free_port,
     metric,
@@ -133,23 +134,34 @@ def test_an_engine_killed_mid_run_is_out_of_rotation_and_back_when_it_answers(tm
         gateway.stop()
 
 
-def test_readiness_says_how_many_engines_are_in_rotation(tmp_path: Path, stubs) -> None:
+def test_readiness_and_status_say_which_engines_are_in_rotation(tmp_path: Path, stubs) -> None:
     stubs.append(first := start_stub())
     stubs.append(second := start_stub())
     gateway = start_gateway(
         tmp_path, "--upstream", first[0], "--upstream", second[0], "--engine-health-interval", "0.5"
     )
+
+    def engines() -> str:
+        return str(httpx.get(f"{gateway.url}/readyz", timeout=10).json().get("engines"))
+
     try:
-        assert httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"] == "2 of 2 in rotation"
+        assert engines().startswith("2 of 2 in rotation: ")
         stop_group(second[1])
-        poll(
-            lambda: httpx.get(f"{gateway.url}/readyz", timeout=10).json().get("engines") == "1 of 2 in rotation",
-            30,
-            "the stopped engine out of rotation",
-        )
+        poll(lambda: engines().startswith("1 of 2 in rotation"), 30, "the stopped engine out of rotation")
+        assert f"{second[0]} out of rotation" in engines() and f"{first[0]} in rotation" in engines()
         assert httpx.get(f"{gateway.url}/readyz", timeout=10).status_code == 200  # one engine serves
         assert chat(gateway, "after-stop").status_code == 200
         assert engines_of(gateway, "after-stop") == [first[0]]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}
+        status = subprocess.run(
+            [ARTGW, "status", "--gateway", gateway.url, "--data-dir", str(gateway.data_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stderr
+        assert f"engines: 1 of 2 in rotation: {first[0]} in rotation" in status.stdout, status.stdout
     finally:
         gateway.stop()
 
