@@ -170,7 +170,7 @@ def test_readiness_and_status_say_which_engines_are_in_rotation(tmp_path: Path, 
 
 
 @pytest.fixture
-def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[str]]:
+def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     """Two vLLM servers of the tiny model (with --enable-scale-out, as the supervised engine has it)."""
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []
@@ -196,7 +196,7 @@ def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[str]]:
             urls.append(config.url)
         for url, proc in zip(urls, procs, strict=True):
             wait_http(f"{url}/health", 600, proc)
-        yield urls
+        yield list(zip(urls, procs, strict=True))
     finally:
         for proc in procs:
             stop_group(proc)
@@ -204,22 +204,32 @@ def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[str]]:
 
 @pytest.mark.engine
 def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequence(
-    tmp_path: Path, two_vllm_engines: list[str]
+    tmp_path: Path, two_vllm_engines: list[tuple[str, subprocess.Popen[bytes]]]
 ) -> None:
-    gateway = start_gateway(tmp_path, "--upstream", ",".join(two_vllm_engines))
+    """Its calls reach one engine, spliced there from the model's own tokens; when that engine dies, the next call
+    goes to the other and is spliced there: the rollout is still one sequence."""
+    (first, _), (second, second_proc) = two_vllm_engines
+    gateway = start_gateway(tmp_path, "--upstream", f"{first},{second}")
     try:
         assert chat(gateway, "warm", max_tokens=2).status_code == 200  # another rollout first: the first engine
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Count with me: one"}]
-        for turn in ("two", "three"):
+
+        def turn(then: str) -> None:
             answer = chat(gateway, "counting", messages=messages, max_tokens=4, temperature=0)
             assert answer.status_code == 200, answer.text
-            messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": turn}]
-        assert chat(gateway, "counting", messages=messages, max_tokens=4, temperature=0).status_code == 200
+            messages.extend([answer.json()["choices"][0]["message"], {"role": "user", "content": then}])
 
-        assert engines_of(gateway, "counting") == [two_vllm_engines[1]] * 3
-        assert engines_of(gateway, "warm") == [two_vllm_engines[0]]
+        for then in ("two", "three", "four"):
+            turn(then)
+        assert engines_of(gateway, "warm") == [first]
+        assert engines_of(gateway, "counting") == [second] * 3
+        os.killpg(second_proc.pid, signal.SIGKILL)  # its engine dies: the next call goes to the other
+        second_proc.wait()
+        turn("five")
+        assert engines_of(gateway, "counting") == [second] * 3 + [first]
         rollout = httpx.get(f"{gateway.base_url}/art/rollouts/counting", headers=gateway.admin, timeout=60).json()
         assert [s["split_cause"] for s in rollout["sequences"]] == [None], rollout["sequences"]
-        assert len(rollout["sequences"][0]["call_ids"]) == 3
+        assert len(rollout["sequences"][0]["call_ids"]) == 4
+        assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 3
     finally:
         gateway.stop()
