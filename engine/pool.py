@@ -72,6 +72,11 @@ class EnginePool:
         """The engine for a call of `rollout` (None: a call of no rollout), counted in flight until `done`.
         With no engine in rotation the call still goes somewhere (its rollout's, else the first): it fails there
         with the engine's own error, as it would with one engine."""
+        if len(self.engines) == 1:  # the supervised engine, or one --upstream: nothing to choose or remember
+            only = self.engines[0]
+            only.in_flight += 1
+            only.calls += 1
+            return Pick(only)
         sticky = self._sticky.get(rollout) if rollout is not None else None
         moved: str | None = None
         chosen: Engine | None = None
