@@ -134,6 +134,30 @@ def test_an_engine_killed_mid_run_is_out_of_rotation_and_back_when_it_answers(tm
         gateway.stop()
 
 
+def test_an_engine_that_dies_mid_stream_is_out_of_rotation_and_its_rollout_goes_on(tmp_path: Path, stubs) -> None:
+    stubs.append(dying := start_stub("--die-mid-stream"))
+    stubs.append(other := start_stub())
+    gateway = start_gateway(tmp_path, "--upstream", dying[0], "--upstream", other[0])
+    try:
+        with httpx.stream(
+            "POST",
+            f"{gateway.base_url}/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-ART-Rollout-Id": "cut"},
+            timeout=60,
+        ) as answer:
+            events = answer.read().decode()
+        assert "The engine connection was lost mid-stream." in events  # what the client saw, not acknowledged
+        assert metric(gateway.url, "artgw_engine_healthy", engine=dying[0]) == 0
+        assert chat(gateway, "cut").status_code == 200  # the rollout goes on, on the other engine
+        assert engines_of(gateway, "cut") == [dying[0], other[0]]
+        statuses = query_store(gateway.db_path, "SELECT status FROM calls WHERE rollout_id = 'cut' ORDER BY started_at")
+        assert statuses == [("upstream_error",), ("ok",)]
+        assert metric(gateway.url, "artgw_engine_moves_total", reason="unhealthy") == 1
+    finally:
+        gateway.stop()
+
+
 def test_readiness_and_status_say_which_engines_are_in_rotation(tmp_path: Path, stubs) -> None:
     stubs.append(first := start_stub())
     stubs.append(second := start_stub())
