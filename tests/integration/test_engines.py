@@ -55,11 +55,14 @@ def chat(gateway: Any, rollout_id: str, **extra: Any) -> httpx.Response:
 
 
 def engines_of(gateway: Any, rollout_id: str) -> list[str]:
-    """The engine of each recorded call of the rollout, in order (read once the rollout is stored)."""
+    """The engine of each recorded call of the rollout, in order, as the store has it and the rollout's API shows
+    it (read once the rollout is stored)."""
     answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin, timeout=60)
     assert answer.status_code == 200, answer.text
     rows = query_store(gateway.db_path, "SELECT engine FROM calls WHERE rollout_id = ? ORDER BY started_at", rollout_id)
-    return [row[0] for row in rows]
+    stored = [row[0] for row in rows]
+    assert [call["engine"] for call in answer.json()["calls"]] == stored
+    return stored
 
 
 def test_a_rollouts_calls_reach_one_engine_and_new_rollouts_go_to_the_least_loaded(tmp_path: Path, stubs) -> None:
