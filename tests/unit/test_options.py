@@ -436,11 +436,14 @@ def test_status_decodes_typed_step_metrics(
         ],
     }
     answers["/v1/art/models/my-agent"] = body
+    engines = "1 of 2 in rotation: http://a:8000 in rotation (2 in flight), http://b:8000 out of rotation (0 in flight)"
+    answers["/readyz"] = {"status": "ready", "engine": "ready", "engines": engines}
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table to the terminal otherwise
     args = parse("status", "--port", str(port), "--model", "my-agent", env={"ARTGW_ADMIN_KEY": "a" * 20})
     assert cli._cmd_status(args) == 0
     out = capsys.readouterr().out
-    assert seen == [("/v1/art/models/my-agent", "Bearer " + "a" * 20)]
+    assert seen == [("/v1/art/models/my-agent", "Bearer " + "a" * 20), ("/readyz", "Bearer " + "a" * 20)]
+    assert f"engines: {engines}" in out  # several engines: which are in rotation
     assert "serves step 2" in out and "ready=1, trained=3" in out
     assert "0.2500" in out and "0.500" in out and "engine said no" in out
 
@@ -449,7 +452,7 @@ def test_status_decodes_typed_step_metrics(
     answers["/v1/art/models"] = {"data": ["my-agent", "b"], "object": "list"}
     answers["/v1/art/models/b"] = {**body, "name": "b"}
     assert cli._cmd_status(parse("status", "--port", str(port))) == 0
-    assert [path.rsplit("/", 1)[1] for path, _ in seen] == ["models", "my-agent", "b"]
+    assert [path.rsplit("/", 1)[1] for path, _ in seen] == ["models", "my-agent", "b", "readyz"]
     assert capsys.readouterr().out.count("serves step 2") == 2
 
     with pytest.raises(cli.CommandError, match=r"answered 404: no such model"):
