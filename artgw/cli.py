@@ -488,10 +488,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     chosen = _build(StatusOptions, args)
     with _gateway(args) as gateway:
         statuses = [gateway.model_status(name) for name in (chosen.models or gateway.models())]
+        engines = None if chosen.json else gateway.readiness().get("engines")  # only with several engines
     if chosen.json:
         print(json.dumps(msgspec.to_builtins(statuses), indent=2))
         return 0
     console = _stdout_console()
+    if isinstance(engines, str):  # several engines: which are in rotation
+        console.print(f"engines: {engines}")
     for status in statuses:
         _print_status(console, status)
     return 0

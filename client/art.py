@@ -72,6 +72,15 @@ class ArtClient:
         """What `model` serves, its groups by state, its steps (newest first), promotions and evaluations."""
         return self._send("GET", f"/v1/art/models/{_segment(model)}", ModelStatus)
 
+    def readiness(self) -> dict[str, Any]:
+        """`GET /readyz`'s body, ready or not: the engine's state, each engine's health with several, the store's."""
+        answer = self.http.get("/readyz")
+        try:
+            body = msgspec.json.decode(answer.content, type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise NotAnArtGateway(f"GET /readyz: the answer is not the ART gateway's ({exc})") from None
+        return body
+
     def judge_report(self, model: str) -> JudgeReport:
         """How RULER's rankings agree with the callers' rewards in `model`'s groups that have both."""
         return self._send("GET", f"/v1/art/models/{_segment(model)}/judge-report", JudgeReport)

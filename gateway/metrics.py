@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from engine.pool import EnginePool
 from store.adapters import TrainerSummary, trainer_summaries
 from store.groups import count_by_state
 from store.judge_report import JudgeReport
@@ -191,6 +192,37 @@ class _RecorderCollector(Collector):
         )
 
 
+class _EngineCollector(Collector):
+    """Each engine's calls, calls in flight and health (engine/pool.py), read live at scrape time."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Any]:
+        calls = CounterMetricFamily("artgw_engine_calls", "Calls this gateway sent to each engine.", labels=["engine"])
+        in_flight = GaugeMetricFamily(
+            "artgw_engine_in_flight", "Calls of this gateway in flight on each engine.", labels=["engine"]
+        )
+        healthy = GaugeMetricFamily(
+            "artgw_engine_healthy",
+            "1 while an engine is in rotation; 0 from a failed call's connection or health probe until its probe "
+            "answers again.",
+            labels=["engine"],
+        )
+        for engine in self.pool.engines:
+            calls.add_metric([engine.url], engine.calls)
+            in_flight.add_metric([engine.url], engine.in_flight)
+            healthy.add_metric([engine.url], 1 if engine.healthy else 0)
+        moves = CounterMetricFamily(
+            "artgw_engine_moves",
+            "Rollouts moved off the engine that served them (unhealthy, saturated, or unreachable at a call).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.pool.moves.items()):
+            moves.add_metric([reason], count)
+        yield from (calls, in_flight, healthy, moves)
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -294,6 +326,10 @@ class GatewayMetrics:
     def watch_recorder(self, recorder: Any) -> None:
         """Export the recorder's journal and refusal figures (recording/recorder.py)."""
         self.registry.register(_RecorderCollector(recorder))
+
+    def watch_engines(self, pool: EnginePool) -> None:
+        """Export each engine's calls, in-flight calls and health (engine/pool.py)."""
+        self.registry.register(_EngineCollector(pool))
 
     # -- live updates
 

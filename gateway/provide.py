@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ import sqlalchemy as sa
 from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
+from engine.pool import EnginePool
 from engine.supervisor import (
     EngineConfig,
     EngineFailed,
@@ -143,6 +145,7 @@ class Services:
         promotions: PromotionService,
         metrics: GatewayMetrics,
         engine: EngineSupervisor | UpstreamEngine,
+        engines: EnginePool,
         client: httpx.AsyncClient,
     ) -> None:
         self.settings = settings
@@ -163,6 +166,7 @@ class Services:
         self.promotions = promotions  # the promotion gate: eval sets and their evaluations
         self.metrics = metrics
         self.engine = engine
+        self.engines = engines  # every engine calls go to (the supervised one, or each --upstream)
         self.client = client  # the engine's control API (health, models, LoRA loading)
         self.fatal: list[str] = []  # why the gateway gave up, if it did
 
@@ -182,7 +186,10 @@ class Services:
         balancer must keep sending chat traffic; only the store-backed `/v1/art/*` endpoints answer 503 then.
         """
         ready = self.engine.state == "ready"
-        if ready:
+        several = len(self.engines) > 1
+        if ready and several:  # ready while any engine is in rotation (each probed every --engine-health-interval)
+            ready = bool(self.engines.in_rotation)
+        elif ready:
             # Any failure is "not ready", never a 500: httpx has raised AttributeError on a connection cut by the
             # engine's death.
             try:
@@ -195,6 +202,12 @@ class Services:
         journal = self.recorder.journal_failure is None or await asyncio.to_thread(self.recorder.journal_writable)
         ready = ready and journal
         body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
+        if several:
+            each = ", ".join(
+                f"{e.url} {'in rotation' if e.healthy else 'out of rotation'} ({e.in_flight} in flight)"
+                for e in self.engines.engines
+            )
+            body["engines"] = f"{len(self.engines.in_rotation)} of {len(self.engines)} in rotation: {each}"
         body["store"] = await self.store_state()
         body["journal"] = "ok" if journal else f"unavailable ({self.recorder.journal_failure})"
         return ready, body
@@ -225,6 +238,15 @@ class Services:
         models = ",".join(self.registry.models)
         auth = "required" if s.auth_required else "off"
         print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
+
+
+async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the engine at `url` answers its /health with 200 within 2 s."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as answer:
+            return answer.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False
 
 
 def services_of(state: State) -> Services:
@@ -309,14 +331,16 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             max_concurrent_judges=settings.max_concurrent_judges,
             tracer=tracer,
         )
-        # The splicer's renders wait as long as a call's engine request would.
-        splicer = (
-            Splicer(
-                session, settings.upstream_url, aiohttp.ClientTimeout(total=None, sock_read=settings.request_timeout)
-            )
+        engines = EnginePool(settings.engine_urls, saturation=settings.engine_saturation)
+        metrics.watch_engines(engines)
+        # Each engine's splicer; its renders wait as long as a call's engine request would.
+        render_timeout = aiohttp.ClientTimeout(total=None, sock_read=settings.request_timeout)
+        splicers = (
+            {url: Splicer(session, url, render_timeout) for url in settings.engine_urls}
             if settings.continuity == "splice"
             else None
         )
+        splicer = splicers[settings.upstream_url] if splicers is not None else None
         engine: EngineSupervisor | UpstreamEngine
         if settings.base_model is not None:
             assert base_name is not None
@@ -357,10 +381,10 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         else:
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(
-            splicer=splicer,
+            splicers=splicers,
             continuation_bytes=settings.continuation_cache_bytes,
             session=session,
-            upstream_url=settings.upstream_url,
+            engines=engines,
             request_timeout=settings.request_timeout,
             registry=registry,
             recorder=recorder,
@@ -407,6 +431,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             ),
             metrics=metrics,
             engine=engine,
+            engines=engines,
             client=client,
         )
         await recorder.start()
@@ -424,6 +449,10 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             asyncio.create_task(promotions.watch_live_rewards(), name="promotion-live-rewards"),
             asyncio.create_task(LoopWatch(metrics.registry, profile=settings.loop_profile).run(), name="loop-watch"),
         ]
+        if len(engines) > 1:  # one engine stays in rotation whatever its health: nowhere else to send a call
+            probe = functools.partial(_healthy, session)
+            watch = engines.watch(probe, settings.engine_health_interval)
+            background.append(asyncio.create_task(watch, name="engines-health"))
         try:
             yield services
         finally:

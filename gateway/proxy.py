@@ -24,6 +24,7 @@ import msgspec
 import tenacity
 from opentelemetry.trace import Span
 
+from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineState
 from gateway.adapters import AdapterRegistry, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
@@ -33,6 +34,7 @@ from gateway.continuation import (
     Continuations,
     DerenderedStream,
     DerenderFailed,
+    Served,
     Splice,
     Splicer,
     message_digests,
@@ -106,6 +108,11 @@ ENGINE_DATA_ERRORS = (msgspec.DecodeError, KeyError, TypeError, AttributeError, 
 # connection (ClientConnectorError, a subclass: the engine is down or restarting) is not sent again.
 RESENDABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 ENGINE_SENDS = 3  # a burst can find more than one dropped connection in the pool
+
+
+# A send that did not reach the engine, after its resends (refused, reset, cut before any answer, no connection in
+# time): with several engines the engine leaves rotation and the call goes to another (engine/pool.py).
+UNREACHED = (*RESENDABLE, aiohttp.ConnectionTimeoutError)
 
 
 def _resendable(exc: BaseException) -> bool:
@@ -254,7 +261,7 @@ class EngineCalls:
         self,
         *,
         session: aiohttp.ClientSession,
-        upstream_url: str,
+        engines: EnginePool,
         request_timeout: float,
         registry: AdapterRegistry,
         recorder: Recorder,
@@ -263,7 +270,7 @@ class EngineCalls:
         owners: RolloutOwners,
         limits: RateLimits | None = None,
         tracer: CallTracer | None = None,
-        splicer: Splicer | None = None,
+        splicers: dict[str, Splicer] | None = None,
         continuation_bytes: int = 64 << 20,
     ) -> None:
         self.metrics = metrics
@@ -272,7 +279,7 @@ class EngineCalls:
         # aiohttp on the data path: httpx's connection pool rescans every connection per request
         # (quadratic; encode/httpx#3215) and collapses at a few hundred concurrent calls.
         self.session = session
-        self.upstream_url = upstream_url
+        self.engines = engines  # which engine serves each call: its rollout's, else the least loaded
         # sock_connect: a loopback connect is instant, but its timer runs on this event loop, so a stall of the
         # loop (a busy 2-core machine) can fire a short one on a connect that had succeeded.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
@@ -281,9 +288,10 @@ class EngineCalls:
         self.owners = owners  # a rollout's calls are all of one model
         self.engine_state = engine_state
         # One rollout, one sequence (gateway/continuation.py): each rollout's last chat call, and with
-        # `--continuity splice` the splicer that serves a call continuing it from the model's own tokens.
+        # `--continuity splice` each engine's splicer (by URL), which serves a call continuing it from the model's
+        # own tokens: on any engine, since the tokens are the gateway's.
         self.continuations = Continuations(continuation_bytes)
-        self.splicer = splicer
+        self.splicers = splicers
 
     async def route(self, requested: str, origin: CallOrigin) -> Route:
         """Where a call asking for `requested` goes: a rollout's calls to `NAME` go to the step its first call
@@ -321,10 +329,23 @@ class EngineCalls:
 
     async def _answer(self, call: _Call, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         spec = call.spec
+        served: Served | None = None
         try:
-            splice = await self._splice(call)
-            path, body = (spec.path, spec.body) if splice is None else (GENERATE_PATH, _encode(splice.generate))
-            upstream = await self._send(call, path, body)
+            try:
+                while True:
+                    splice, served = await self._splice(call)
+                    path, body = (spec.path, spec.body) if splice is None else (GENERATE_PATH, _encode(splice.generate))
+                    try:
+                        upstream = await self._send(call, path, body)
+                        break
+                    except UNREACHED:
+                        # Nothing reached the engine: it leaves rotation, and the call (spliced anew there) goes to
+                        # another; with none left, the client gets the engine's error.
+                        if not self._fail_over(call):
+                            raise
+            finally:
+                if served is not None:  # how it was served on the engine it went to last
+                    self.metrics.call_continued(call.label, served)
         except BaseException as exc:
             error = self._send_error(exc)
             if error is not None:  # the record says which exception, for a post-mortem
@@ -357,17 +378,21 @@ class EngineCalls:
             await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
             raise error
         if spec.stream:
-            relay = call.relay(upstream if splice is None else DerenderedStream(self.splicer, upstream, splice))
+            splicer = call.splicer
+            relay = call.relay(
+                upstream if splice is None or splicer is None else DerenderedStream(splicer, upstream, splice)
+            )
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event).
             return EventStream(await anext(relay), relay, headers)
         try:
             payload = _decode(await upstream.read())
-            if splice is not None:
-                payload = await self.splicer.derender(payload, splice)
-            elif self.splicer is not None:
-                self.splicer.learn(payload)
+            splicer = call.splicer
+            if splice is not None and splicer is not None:
+                payload = await splicer.derender(payload, splice)
+            elif splicer is not None:
+                splicer.learn(payload)
             if hang_up is not None:
                 # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
                 # is whole and the call is recorded as answered.
@@ -403,7 +428,7 @@ class EngineCalls:
         """The engine's answer (its status and headers) to one call, sent again where the connection was cut
         before any answer (RESENDABLE)."""
         send = functools.partial(
-            self.session.post, self.upstream_url + path, data=body, headers=call.engine_headers, timeout=self.timeout
+            self.session.post, call.engine.url + path, data=body, headers=call.engine_headers, timeout=self.timeout
         )
         # The first send outside tenacity: nearly every call is answered by it, and a retry object costs ~0.1 ms.
         try:
@@ -429,32 +454,46 @@ class EngineCalls:
         log.warning("the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc)
         self.metrics.engine_resent(call.label, type(exc).__name__)
 
-    async def _splice(self, call: _Call) -> Splice | None:
-        """The splice a chat call that continues its rollout is served from; None: served as sent."""
+    def _fail_over(self, call: _Call) -> bool:
+        """The call's engine could not be reached: whether the call goes to another engine (`call.engine`)."""
+        if len(self.engines) < 2:
+            return False
+        other = self.engines.failover(call.rollout, call.engine)
+        if other is None:
+            return False
+        log.warning(
+            "engine %s unreachable: a call of rollout %s goes to %s", call.engine.url, call.origin.rollout_id, other.url
+        )
+        call.engine = other
+        return True
+
+    async def _splice(self, call: _Call) -> tuple[Splice | None, Served | None]:
+        """The splice a chat call that continues its rollout is served from (None: served as sent), and how a
+        continuing call is served (None: it does not continue)."""
         spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
-            return None
+            return None, None
         call.rollout_known = self.continuations.holds(origin.rollout_key)
         continued = self.continuations.find(origin.rollout_key, spec.request, spec.route, call.digests)
         if continued is None:
-            return None
-        if self.splicer is None:
-            self.metrics.call_continued(call.label, "rerendered")
-            return None
+            return None, None
+        splicer = call.splicer
+        if splicer is None:
+            return None, "rerendered"
         upstream = _decode(spec.body)
         try:
-            splice = await self.splicer.splice(upstream, continued, spec.stream)
+            splice = await splicer.splice(upstream, continued, spec.stream)
         except Exception:  # the plain path still answers the call: a splice is never worth a failed call
             log.exception("splicing a call of rollout %s failed; it is rendered anew", origin.rollout_id)
             splice = "render_failed"
-        self.metrics.call_continued(call.label, "spliced" if isinstance(splice, Splice) else splice)
-        return splice if isinstance(splice, Splice) else None
+        return (splice, "spliced") if isinstance(splice, Splice) else (None, splice)
 
     async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the
         client sees (the engine's own for its 4xx)."""
+        engine = self.engines.least_loaded() or self.engines.engines[0]
         try:
-            async with self.session.post(self.upstream_url + path, json=body, timeout=self.timeout) as upstream:
+            async with self.session.post(engine.url + path, json=body, timeout=self.timeout) as upstream:
                 payload = await upstream.read()
                 status = upstream.status
         except Exception as exc:
@@ -524,6 +563,9 @@ class _Call:
         self.recorded = False  # exactly once: whichever path ends the call first records it
         self.rollout_known: bool | None = None  # set by EngineCalls._splice: CallRecord.rollout_known
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
+        # The engine it goes to, counted in flight there until it is recorded (`finish`).
+        self.rollout = origin.rollout_key if origin.explicit else None
+        self.engine: Engine = service.engines.pick(self.rollout).engine
         # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
         # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
         tracer = service.tracer
@@ -535,6 +577,12 @@ class _Call:
             self.engine_headers = tracer.engine_headers(self.span, _JSON_HEADERS)
         elif origin.trace_headers:
             self.engine_headers = {**_JSON_HEADERS, **dict(origin.trace_headers)}
+
+    @property
+    def splicer(self) -> Splicer | None:
+        """Its engine's splicer (--continuity splice), else None."""
+        splicers = self.service.splicers
+        return splicers.get(self.engine.url) if splicers is not None else None
 
     @functools.cached_property
     def digests(self) -> tuple[bytes, ...] | None:
@@ -555,6 +603,7 @@ class _Call:
         if self.recorded:
             return
         self.recorded = True
+        self.service.engines.done(self.engine)
         ended = time.time()
         spec = self.spec
         parts = self._per_prompt(prompts or [[]], choices or [])
@@ -586,6 +635,7 @@ class _Call:
                 api=spec.api,
                 key_id=self.origin.caller.key_id,
                 rollout_known=self.rollout_known,
+                engine=self.engine.url,
             )
             first = False
             records.append(record)
@@ -652,6 +702,8 @@ class _Call:
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
                 yield stream.wire.broken(OpenAIError(502, "The engine ended the stream early.", code="upstream_error"))
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if isinstance(exc, aiohttp.ClientError):  # the engine went away mid-answer: out of rotation
+                self.service.engines.failed(self.engine)
             stream.status, stream.error = "upstream_error", f"engine connection lost: {type(exc).__name__}"
             yield stream.wire.broken(
                 OpenAIError(502, "The engine connection was lost mid-stream.", code="upstream_error")
@@ -737,8 +789,8 @@ class _Stream:
             self.prompt_ids = event["prompt_token_ids"]
         if event.get("usage"):
             self.usage = event["usage"]
-            if call.service.splicer is not None:
-                call.service.splicer.learn(event)
+            if call.splicer is not None:
+                call.splicer.learn(event)
         for choice in event.get("choices") or ():
             self.choices.setdefault(choice.get("index", 0), StreamedChoice()).add(choice)
         return self.wire.event(event)

@@ -78,8 +78,14 @@ class ModelSettings:
     base_model: str | None = field(
         default=None, metadata={"help": "model path or hub id: the gateway starts and supervises vLLM with it"}
     )
-    upstream: str | None = field(
-        default=None, metadata={"help": "URL of a vLLM OpenAI server already running (instead of --base-model)"}
+    upstream: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "URL of a vLLM OpenAI server already running (instead of --base-model); repeat, or give a comma "
+            "list, for several engines: a rollout's calls go to the engine that served its first call, new rollouts "
+            "to the least loaded one",
+            "repeat": True,
+        },
     )
     continuity: Continuity = field(
         default="splice",
@@ -105,8 +111,13 @@ class ModelSettings:
         },
     )
 
+    @property
+    def upstream_urls(self) -> tuple[str, ...]:
+        """Each --upstream engine's URL (a value may be a comma list), without a trailing slash."""
+        return tuple(url.strip().rstrip("/") for value in self.upstream for url in value.split(","))
+
     def check_models(self) -> None:
-        if (self.base_model is None) == (self.upstream is None):
+        if (self.base_model is None) == (not self.upstream):
             raise ValueError("give exactly one of --base-model (supervise vLLM) or --upstream (use a running vLLM)")
         if self.base_model is not None and self.base_model.startswith(("/", ".", "~")):  # a directory, not an id
             weights = Path(self.base_model).expanduser()
@@ -123,8 +134,12 @@ class ModelSettings:
                 raise ValueError(f"invalid --model-name {name!r}: {MODEL_NAME_RULE}")
         if len(set(self.model_names)) != len(self.model_names):
             raise ValueError(f"--model-name given twice: {', '.join(self.model_names)}")
-        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
-            raise ValueError(f"--upstream must be an http:// or https:// URL, got {self.upstream!r}")
+        urls = self.upstream_urls
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--upstream must be an http:// or https:// URL, got {url!r}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"--upstream names an engine twice: {', '.join(urls)}")
         _at_least(1, ("--continuation-cache-bytes", self.continuation_cache_bytes))
         _seconds(("--rollout-pin-seconds", self.rollout_pin_seconds))
 
@@ -255,6 +270,20 @@ class EngineSettings:
         default=600.0, metadata={"help": "seconds over which --engine-max-restarts counts the engine's restarts"}
     )
     request_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the engine's answer"})
+    engine_saturation: int = field(
+        default=256,
+        metadata={
+            "help": "with several engines: calls of this gateway in flight on an engine at which it is saturated; a "
+            "rollout pinned to a saturated engine moves to the least loaded one"
+        },
+    )
+    engine_health_interval: float = field(
+        default=2.0,
+        metadata={
+            "help": "with several engines: seconds between two health probes of each (GET /health); one that fails "
+            "its probe, or a call's connection, is out of rotation until its probe answers again"
+        },
+    )
 
     def check_engine(self) -> None:
         if not 0 <= self.engine_port <= 65535:
@@ -264,12 +293,14 @@ class EngineSettings:
             ("--max-lora-rank", self.max_lora_rank),
             ("--max-loras", self.max_loras + 1),  # 0 (auto) is fine
             ("--max-model-len", self.max_model_len),
+            ("--engine-saturation", self.engine_saturation),
         )
         _at_least(0, ("--engine-max-restarts", self.engine_max_restarts))
         _seconds(
             ("--engine-startup-timeout", self.engine_startup_timeout),
             ("--engine-restart-window", self.engine_restart_window),
             ("--request-timeout", self.request_timeout),
+            ("--engine-health-interval", self.engine_health_interval),
         )
 
 
@@ -515,5 +546,11 @@ class Settings(
         return self.db or f"sqlite+aiosqlite:///{self.sqlite_path.resolve()}"
 
     @property
+    def engine_urls(self) -> tuple[str, ...]:
+        """The base URL of each engine the gateway sends calls to: the supervised one, or each --upstream."""
+        return self.upstream_urls or (f"http://127.0.0.1:{self.engine_port}",)
+
+    @property
     def upstream_url(self) -> str:
-        return self.upstream.rstrip("/") if self.upstream else f"http://127.0.0.1:{self.engine_port}"
+        """The first engine's: the one the control API (health, models, LoRA loading) talks to."""
+        return self.engine_urls[0]

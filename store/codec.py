@@ -249,6 +249,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "api": record.api,
         "key_id": record.key_id,
         "rollout_known": record.rollout_known,
+        "engine": record.engine,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
@@ -433,6 +434,7 @@ def expand(rows: Sequence[Mapping[str, Any]], explicit: bool) -> list[CallRecord
                 api=row.get("api") or "chat",
                 key_id=row.get("key_id"),
                 rollout_known=row.get("rollout_known"),
+                engine=row.get("engine"),
             )
         )
     return records

@@ -60,6 +60,7 @@ class CallRecord(msgspec.Struct, frozen=True):
     # (gateway/continuation.py; kept in memory). False: a restart, another replica or newer rollouts lost it.
     # None: not asked (not a chat-path call of a named rollout) or recorded before it was kept.
     rollout_known: bool | None = None
+    engine: str | None = None  # the base URL of the engine that served it (several behind one gateway); None: before
 
     @property
     def rollout_key(self) -> RolloutKey:

@@ -73,6 +73,7 @@ class CallSummary(msgspec.Struct, frozen=True):
     # A constrained call's request without its messages: what the trainer rebuilds vLLM's grammar from.
     grammar_request: dict[str, Any] | None = None
     key_id: str | None = None  # the API key that made the call (its id)
+    engine: str | None = None  # the engine that served it (its base URL; None: recorded before it was kept)
 
 
 class Trajectory(msgspec.Struct, frozen=True):
@@ -289,6 +290,7 @@ def assemble(rollout_id: str, calls: list[CallRecord], choice: int | None = None
             id=c.call_id,
             api=c.api,
             key_id=c.key_id,
+            engine=c.engine,
             status=c.status,
             step=c.step,
             stream=c.stream,

@@ -584,10 +584,10 @@ def conversation(
     return records
 
 
-def start_stub(*args: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """The stand-in engine (tests/stub_engine.py: hangs, 5xx, dies mid-stream on cue) on a free port, answering
-    /health; returns its URL and process (its own session: `stop_group` ends it)."""
-    port = free_port()
+def start_stub(*args: str, port: int | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+    """The stand-in engine (tests/stub_engine.py: hangs, 5xx, dies mid-stream on cue) on `port` (else a free one),
+    answering /health; returns its URL and process (its own session: `stop_group` ends it)."""
+    port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "stub_engine.py"), str(port), *args], start_new_session=True
     )

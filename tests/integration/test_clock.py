@@ -32,7 +32,7 @@ def stub_url() -> Iterator[str]:
 
 
 def settings(tmp_path: Path, stub_url: str, **fields: object) -> Settings:
-    return Settings(**{"upstream": stub_url, "data_dir": tmp_path, "auth": "required", **fields})  # type: ignore[arg-type]
+    return Settings(**{"upstream": (stub_url,), "data_dir": tmp_path, "auth": "required", **fields})  # type: ignore[arg-type]
 
 
 def chat(gateway: InProcessGateway, secret: str) -> httpx.Response:

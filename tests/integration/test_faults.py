@@ -27,6 +27,7 @@ from litestar.testing import TestClient
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from engine.pool import EnginePool
 from gateway.errors import exception_handlers
 from gateway.metrics import GatewayMetrics, StoreSnapshot
 from gateway.provide import Services
@@ -287,6 +288,7 @@ async def test_readyz_reports_the_store_and_stays_with_the_engine() -> None:
     engine = create_engine(_down_store_url())
     services = object.__new__(Services)  # only what readiness reads
     services.engine = SimpleNamespace(state="starting")  # type: ignore[assignment]
+    services.engines = EnginePool(["http://127.0.0.1:1"], saturation=1)
     services.store = SimpleNamespace(engine=engine)  # type: ignore[assignment]
     services.recorder = SimpleNamespace(journal_failure=None)  # type: ignore[assignment]
     try:

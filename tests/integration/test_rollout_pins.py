@@ -35,7 +35,7 @@ def stub_url() -> Iterator[str]:
 
 
 def settings(tmp_path: Path, stub_url: str) -> Settings:
-    return Settings(upstream=stub_url, data_dir=tmp_path / "data", auth="off", rollout_pin_seconds=PIN_SECONDS)
+    return Settings(upstream=(stub_url,), data_dir=tmp_path / "data", auth="off", rollout_pin_seconds=PIN_SECONDS)
 
 
 def load(gateway: InProcessGateway, tmp_path: Path, step: int) -> None:

@@ -431,8 +431,9 @@ async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine, cached: boo
         usage={"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": None},
         first_token_at=1_732_240_000.2,
         ended_at=1_732_240_001.987654321,
+        engine="http://127.0.0.1:8001",  # the engine that served it (one gateway, several engines)
     )
-    plain = call("c-plain", "r-explicit", 1_732_240_002.5, step=0)
+    plain = call("c-plain", "r-explicit", 1_732_240_002.5, step=0, engine="http://10.0.0.2:8000")
     failed = call(
         "c-failed",
         "r-explicit",

@@ -53,10 +53,9 @@ async def send_through(script: list[Step]) -> tuple[str, int, list[str]]:
 
     engine = object.__new__(EngineCalls)
     engine.session = SimpleNamespace(post=post)
-    engine.upstream_url = "http://engine"
     engine.timeout = aiohttp.ClientTimeout()
     engine.metrics = SimpleNamespace(engine_resent=lambda model, error: resent.append(error))
-    call = SimpleNamespace(engine_headers={}, label="m")
+    call = SimpleNamespace(engine_headers={}, label="m", engine=SimpleNamespace(url="http://engine"))
     try:
         outcome = str(await engine._send(call, "/v1/chat/completions", b"{}"))
     except BaseException as exc:

@@ -191,8 +191,8 @@ def test_the_threshold_setting_must_be_a_correlation(threshold: float) -> None:
     from gateway.settings import Settings
 
     with pytest.raises(ValueError, match="--judge-agreement-threshold"):
-        Settings(upstream="http://127.0.0.1:1", judge_agreement_threshold=threshold)
-    assert Settings(upstream="http://127.0.0.1:1").judge_agreement_threshold == 0.5
+        Settings(upstream=("http://127.0.0.1:1",), judge_agreement_threshold=threshold)
+    assert Settings(upstream=("http://127.0.0.1:1",)).judge_agreement_threshold == 0.5
 
 
 # ---------------------------------------------------------------- panels and criteria (#29)

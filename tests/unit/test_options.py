@@ -158,7 +158,7 @@ def test_environment_is_read_for_every_type() -> None:
             "ARTGW_MODEL_NAME": "a, b",  # a repeated option: a comma list
         }
     )
-    assert (s.upstream, s.port, s.request_timeout, s.migrate) == ("http://vllm:8000", 9001, 5.5, False)
+    assert (s.upstream, s.port, s.request_timeout, s.migrate) == (("http://vllm:8000",), 9001, 5.5, False)
     assert (s.data_dir, s.log_level, s.admin_key) == (Path("/srv/artgw"), "debug", "k" * 16)
     assert s.model_names == ("a", "b")
     assert s.engine_args == ("--enforce-eager", "--chat-template", "/a b.jinja")
@@ -183,9 +183,19 @@ def test_trainer_booleans_choices_and_optionals_read_the_environment() -> None:
     assert config.checkpoints == Path("/ckpt")
 
 
+def test_several_engines_repeated_or_as_a_comma_list() -> None:
+    """--upstream names several engines, repeated or as a comma list (ARTGW_UPSTREAM too); the supervised engine
+    is the one engine without it."""
+    urls = ("http://a:8000", "http://b:8001")
+    assert settings("--upstream", "http://a:8000", "--upstream", "http://b:8001/").engine_urls == urls
+    assert settings("--upstream", "http://a:8000, http://b:8001").engine_urls == urls
+    assert settings(env={"ARTGW_UPSTREAM": "http://a:8000,http://b:8001"}).engine_urls == urls
+    assert settings("--base-model", "b", "--engine-port", "9000").engine_urls == ("http://127.0.0.1:9000",)
+
+
 def test_defaults_are_the_dataclass_defaults() -> None:
     s = settings("--upstream", "http://x")
-    assert dataclasses.replace(s, upstream=None, base_model="b") == Settings(base_model="b")
+    assert dataclasses.replace(s, upstream=(), base_model="b") == Settings(base_model="b")
     config = train()
     assert config == TrainConfig(
         base_model="base",
@@ -224,7 +234,7 @@ def test_no_migrate_variable_still_works() -> None:
 def test_command_line_beats_environment() -> None:
     env = {"ARTGW_PORT": "9001", "ARTGW_MIGRATE": "1", "ARTGW_LOG_LEVEL": "debug", "ARTGW_UPSTREAM": "http://env"}
     s = settings("--port", "7000", "--no-migrate", "--log-level", "error", "--upstream", "http://cli", env=env)
-    assert (s.port, s.migrate, s.log_level, s.upstream) == (7000, False, "error", "http://cli")
+    assert (s.port, s.migrate, s.log_level, s.upstream) == (7000, False, "error", ("http://cli",))
     config = train("--mask-truncated", "--no-train-constrained", env={"ARTGW_TRAIN_CONSTRAINED": "on"})
     assert config.mask_truncated and not config.train_constrained
 
@@ -307,6 +317,11 @@ def test_main_prints_one_line_and_exits_2_for_a_bad_value(
         (("--host", "0.0.0.0", "--auth", "off"), "--auth off is for a gateway on loopback only"),
         (("--admin-key", "short"), "--admin-key must be at least 16 characters"),
         (("--upstream", "vllm:8000"), "--upstream must be an http"),
+        (("--upstream", "http://a:8000", "--upstream", "b:8001"), "--upstream must be an http.*'b:8001'"),
+        (("--upstream", "http://a:8000,,http://b"), "--upstream must be an http.*''"),
+        (("--upstream", "http://a:8000,http://a:8000/"), "--upstream names an engine twice"),
+        (("--engine-saturation", "0"), "--engine-saturation must be >= 1"),
+        (("--engine-health-interval", "0"), "--engine-health-interval must be a number of seconds > 0"),
     ],
 )
 def test_bad_gateway_values_are_rejected(argv: tuple[str, ...], says: str) -> None:
@@ -421,11 +436,14 @@ def test_status_decodes_typed_step_metrics(
         ],
     }
     answers["/v1/art/models/my-agent"] = body
+    engines = "1 of 2 in rotation: http://a:8000 in rotation (2 in flight), http://b:8000 out of rotation (0 in flight)"
+    answers["/readyz"] = {"status": "ready", "engine": "ready", "engines": engines}
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps the table to the terminal otherwise
     args = parse("status", "--port", str(port), "--model", "my-agent", env={"ARTGW_ADMIN_KEY": "a" * 20})
     assert cli._cmd_status(args) == 0
     out = capsys.readouterr().out
-    assert seen == [("/v1/art/models/my-agent", "Bearer " + "a" * 20)]
+    assert seen == [("/v1/art/models/my-agent", "Bearer " + "a" * 20), ("/readyz", "Bearer " + "a" * 20)]
+    assert f"engines: {engines}" in out  # several engines: which are in rotation
     assert "serves step 2" in out and "ready=1, trained=3" in out
     assert "0.2500" in out and "0.500" in out and "engine said no" in out
 
@@ -434,7 +452,7 @@ def test_status_decodes_typed_step_metrics(
     answers["/v1/art/models"] = {"data": ["my-agent", "b"], "object": "list"}
     answers["/v1/art/models/b"] = {**body, "name": "b"}
     assert cli._cmd_status(parse("status", "--port", str(port))) == 0
-    assert [path.rsplit("/", 1)[1] for path, _ in seen] == ["models", "my-agent", "b"]
+    assert [path.rsplit("/", 1)[1] for path, _ in seen] == ["models", "my-agent", "b", "readyz"]
     assert capsys.readouterr().out.count("serves step 2") == 2
 
     with pytest.raises(cli.CommandError, match=r"answered 404: no such model"):

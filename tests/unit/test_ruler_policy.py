@@ -91,7 +91,7 @@ def test_a_webhook_posts_only_at_or_under_an_allowed_endpoint(url: str, allowed:
 def test_the_judges_file_is_checked_when_the_settings_are_made(tmp_path: Path) -> None:
     judges = tmp_path / "judges.json"
     judges.write_text(json.dumps({"house": {"model": "hosted_vllm/judge", "litellm_params": {"api_base": "x"}}}))
-    assert Settings(upstream="http://127.0.0.1:1", judges_file=judges).judges_file == judges
+    assert Settings(upstream=("http://127.0.0.1:1",), judges_file=judges).judges_file == judges
     assert load_judges(judges) == {"house": OperatorJudge("hosted_vllm/judge", {"api_base": "x"})}
     for content, problem in [
         ("{", "truncated"),
@@ -102,9 +102,9 @@ def test_the_judges_file_is_checked_when_the_settings_are_made(tmp_path: Path) -
     ]:
         judges.write_text(content)
         with pytest.raises(ValueError, match=f"--judges-file {re.escape(str(judges))}: .*{problem}"):
-            Settings(upstream="http://127.0.0.1:1", judges_file=judges)
+            Settings(upstream=("http://127.0.0.1:1",), judges_file=judges)
     with pytest.raises(ValueError, match=r"--judges-file .*nothere\.json"):
-        Settings(upstream="http://127.0.0.1:1", judges_file=tmp_path / "nothere.json")
+        Settings(upstream=("http://127.0.0.1:1",), judges_file=tmp_path / "nothere.json")
 
 
 @pytest.mark.parametrize(
@@ -117,6 +117,6 @@ def test_the_judges_file_is_checked_when_the_settings_are_made(tmp_path: Path) -
     ],
 )
 def test_a_group_webhook_setting_is_an_endpoint(url: str, problem: str) -> None:
-    assert Settings(upstream="http://127.0.0.1:1", group_webhooks=("http://127.0.0.1:8080/hook",)).group_webhooks
+    assert Settings(upstream=("http://127.0.0.1:1",), group_webhooks=("http://127.0.0.1:8080/hook",)).group_webhooks
     with pytest.raises(ValueError, match=f"--group-webhook '{re.escape(url)}'.*{re.escape(problem)}"):
-        Settings(upstream="http://127.0.0.1:1", group_webhooks=(url,))
+        Settings(upstream=("http://127.0.0.1:1",), group_webhooks=(url,))

@@ -1,0 +1,151 @@
+"""Several engines behind one gateway: which engine serves each call.
+
+A rollout's calls go to the engine that served its first call (its prefix is in that engine's cache: keeping a
+session on one engine is the largest published win for multi-turn agents), new rollouts and calls of no rollout to
+the least loaded engine (the gateway's own count of its calls in flight there; ties to the one that served fewer).
+Pinning alone backfires under load, so a rollout whose engine is out of rotation or saturated (more calls in flight
+than `saturation`) moves to the least loaded engine, and stays there. An engine leaves rotation when a call to it
+fails to connect or its health probe fails, and comes back when the probe answers.
+
+Pure bookkeeping, no I/O: the gateway (gateway/proxy.py) asks `pick` and reports `done` and `failed`; the probe
+loop (`watch`) is given the probe to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger("artgw.engine")
+
+# Rollouts whose engine is remembered (the most recently called): a rollout pushed out goes to the least loaded
+# engine at its next call, which costs its prefix cache, nothing else. ~150 bytes each.
+STICKY_ROLLOUTS = 200_000
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    """One engine of the pool, as the gateway sees it."""
+
+    url: str  # its base URL, what a call's record names (CallRecord.engine)
+    healthy: bool = True
+    in_flight: int = 0  # calls of this gateway sent there and not yet ended
+    calls: int = 0  # calls sent there, ever
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """Where a call goes, and whether its rollout left the engine that served it before (and why)."""
+
+    engine: Engine
+    moved: str | None = None  # "unhealthy" | "saturated": the rollout's previous engine could not take it
+
+
+class EnginePool:
+    """The engines of one gateway and each rollout's engine."""
+
+    def __init__(self, urls: Sequence[str], *, saturation: int, sticky: int = STICKY_ROLLOUTS) -> None:
+        if not urls:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = tuple(Engine(url) for url in urls)
+        self.saturation = saturation
+        self.moves: dict[str, int] = {}  # rollouts moved off their engine, by why (Pick.moved, "unreachable")
+        self._sticky: OrderedDict[Hashable, Engine] = OrderedDict()
+        self._limit = sticky
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    @property
+    def in_rotation(self) -> tuple[Engine, ...]:
+        return tuple(e for e in self.engines if e.healthy)
+
+    def least_loaded(self, exclude: Engine | None = None) -> Engine | None:
+        """The healthy engine with the fewest calls in flight (then the fewest calls); None if none is healthy."""
+        candidates = [e for e in self.engines if e.healthy and e is not exclude]
+        return min(candidates, key=lambda e: (e.in_flight, e.calls), default=None)
+
+    def pick(self, rollout: Hashable | None) -> Pick:
+        """The engine for a call of `rollout` (None: a call of no rollout), counted in flight until `done`.
+        With no engine in rotation the call still goes somewhere (its rollout's, else the first): it fails there
+        with the engine's own error, as it would with one engine."""
+        if len(self.engines) == 1:  # the supervised engine, or one --upstream: nothing to choose or remember
+            only = self.engines[0]
+            only.in_flight += 1
+            only.calls += 1
+            return Pick(only)
+        sticky = self._sticky.get(rollout) if rollout is not None else None
+        moved: str | None = None
+        chosen: Engine | None = None
+        if sticky is not None:
+            if not sticky.healthy:
+                moved = "unhealthy"
+            elif sticky.in_flight >= self.saturation:
+                other = self.least_loaded(exclude=sticky)
+                if other is not None and other.in_flight < sticky.in_flight:
+                    moved = "saturated"
+            if moved is None:
+                chosen = sticky
+        if chosen is None:
+            chosen = self.least_loaded() or sticky or self.engines[0]
+            if chosen is sticky:
+                moved = None  # nowhere better to go
+        if rollout is not None:
+            self._remember(rollout, chosen)
+        if moved is not None:
+            self.moves[moved] = self.moves.get(moved, 0) + 1
+        chosen.in_flight += 1
+        chosen.calls += 1
+        return Pick(chosen, moved)
+
+    def failover(self, rollout: Hashable | None, failed: Engine) -> Engine | None:
+        """A call could not reach `failed`: it leaves rotation, and the call (counted in flight where it goes)
+        goes to the least loaded other engine; None when there is none."""
+        self.failed(failed)
+        other = self.least_loaded(exclude=failed)
+        if other is None:
+            return None
+        failed.in_flight -= 1
+        other.in_flight += 1
+        other.calls += 1
+        if rollout is not None:
+            self._remember(rollout, other)
+            self.moves["unreachable"] = self.moves.get("unreachable", 0) + 1
+        return other
+
+    def done(self, engine: Engine) -> None:
+        """A call picked for `engine` ended."""
+        engine.in_flight -= 1
+
+    def failed(self, engine: Engine) -> None:
+        """A call could not reach `engine` (refused, reset, cut mid-answer): out of rotation until its probe
+        answers. The last engine of a single-engine pool stays: there is nowhere else to send a call."""
+        if engine.healthy and len(self.engines) > 1:
+            engine.healthy = False
+            log.warning("engine %s is out of rotation: a call could not reach it", engine.url)
+
+    def probed(self, engine: Engine, ok: bool) -> None:
+        """The outcome of `engine`'s health probe."""
+        if ok and not engine.healthy:
+            engine.healthy = True
+            log.warning("engine %s is back in rotation: its health probe answers", engine.url)
+        elif not ok and engine.healthy and len(self.engines) > 1:
+            engine.healthy = False
+            log.warning("engine %s is out of rotation: its health probe fails", engine.url)
+
+    async def watch(self, probe: Callable[[str], Awaitable[bool]], every: float) -> None:
+        """Probe every engine each `every` seconds, for as long as the gateway runs (cancelled at its stop)."""
+        while True:
+            results = await asyncio.gather(*(probe(e.url) for e in self.engines), return_exceptions=True)
+            for engine, ok in zip(self.engines, results, strict=True):
+                self.probed(engine, ok is True)
+            await asyncio.sleep(every)
+
+    def _remember(self, rollout: Hashable, engine: Engine) -> None:
+        self._sticky[rollout] = engine
+        self._sticky.move_to_end(rollout)
+        if len(self._sticky) > self._limit:
+            self._sticky.popitem(last=False)

@@ -1,0 +1,262 @@
+"""Several engines behind one gateway (engine/pool.py, #45): a rollout's calls all reach the engine of its first
+call, new rollouts go to the engine with the fewest calls in flight, an engine that dies is out of rotation at
+once and its rollouts go on on another with no answered call lost, and it is back in rotation when it answers
+again. Every call's record names its engine.
+
+Against stand-in engines (tests/stub_engine.py), several at once; the last test runs two real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.supervisor import EngineConfig
+from tests.conftest import (
+    ARTGW,
+    BASE_NAME,
+    free_port,
+    metric,
+    poll,
+    query_store,
+    start_gateway,
+    start_stub,
+    stop_group,
+    wait_http,
+)
+
+CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def stubs() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """Stand-in engines a test starts (`stubs.append(start_stub(...))`), all stopped at its end."""
+    started: list[tuple[str, subprocess.Popen[bytes]]] = []
+    yield started
+    for _, proc in started:
+        stop_group(proc)
+
+
+def chat(gateway: Any, rollout_id: str, **extra: Any) -> httpx.Response:
+    return httpx.post(
+        f"{gateway.base_url}/chat/completions",
+        json={**CHAT, **extra},
+        headers={"X-ART-Rollout-Id": rollout_id},
+        timeout=60,
+    )
+
+
+def engines_of(gateway: Any, rollout_id: str) -> list[str]:
+    """The engine of each recorded call of the rollout, in order, as the store has it and the rollout's API shows
+    it (read once the rollout is stored)."""
+    answer = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin, timeout=60)
+    assert answer.status_code == 200, answer.text
+    rows = query_store(gateway.db_path, "SELECT engine FROM calls WHERE rollout_id = ? ORDER BY started_at", rollout_id)
+    stored = [row[0] for row in rows]
+    assert [call["engine"] for call in answer.json()["calls"]] == stored
+    return stored
+
+
+def test_a_rollouts_calls_reach_one_engine_and_new_rollouts_go_to_the_least_loaded(tmp_path: Path, stubs) -> None:
+    # The first engine answers after 5 s, the second at once: a call in flight on the first makes it the busier.
+    stubs.append(slow := start_stub("--delay", "5"))
+    stubs.append(fast := start_stub())
+    gateway = start_gateway(tmp_path, "--upstream", f"{slow[0]},{fast[0]}")
+    try:
+        answered: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: answered.append(chat(gateway, "slow-1")))
+        first.start()  # a new rollout, both engines idle: the first engine
+        poll(lambda: metric(gateway.url, "artgw_engine_in_flight", engine=slow[0]) == 1, 30, "the call in flight")
+        # While it is in flight, new rollouts go to the idle engine (though it has served more calls), and each
+        # rollout's later calls follow it there.
+        for n in range(3):
+            for _ in range(3):
+                assert chat(gateway, f"fast-{n}").status_code == 200
+        assert first.is_alive(), "the slow engine's call ended before the others were sent: no load to see"
+        first.join()
+        assert answered[0].status_code == 200
+        assert chat(gateway, "slow-1").status_code == 200  # its rollout's engine, though it is the slower
+
+        assert engines_of(gateway, "slow-1") == [slow[0]] * 2
+        for n in range(3):
+            assert engines_of(gateway, f"fast-{n}") == [fast[0]] * 3
+        # Nothing in flight anywhere: a new rollout goes to the engine that was sent fewer calls.
+        assert chat(gateway, "next").status_code == 200
+        assert engines_of(gateway, "next") == [slow[0]]
+        assert metric(gateway.url, "artgw_engine_calls_total", engine=fast[0]) == 9
+        assert metric(gateway.url, "artgw_engine_healthy", engine=slow[0], exported=True) == 1
+    finally:
+        gateway.stop()
+
+
+def test_an_engine_killed_mid_run_is_out_of_rotation_and_back_when_it_answers(tmp_path: Path, stubs) -> None:
+    stubs.append(dying := start_stub("--delay", "3"))
+    stubs.append(other := start_stub("--delay", "3"))
+    port = int(dying[0].rsplit(":", 1)[1])
+    gateway = start_gateway(tmp_path, "--upstream", dying[0], "--upstream", other[0], "--engine-health-interval", "0.5")
+    try:
+        rollouts = ["r0", "r1", "r2", "r3"]
+        threads, answers = [], {}
+        for rollout_id in rollouts:  # each rollout's first call, two on each engine
+            thread = threading.Thread(target=lambda r=rollout_id: answers.__setitem__(r, chat(gateway, r)))
+            thread.start()
+            threads.append(thread)
+            poll(lambda: metric(gateway.url, "artgw_engine_calls_total") == len(threads), 30, "the call sent")
+        poll(lambda: metric(gateway.url, "artgw_engine_in_flight", engine=dying[0]) == 2, 30, "two calls in flight")
+        os.killpg(dying[1].pid, signal.SIGKILL)  # mid-run: two calls in flight on it
+        dying[1].wait()
+        for thread in threads:
+            thread.join()
+        # The calls it was working on were cut before any answer: sent again to the other engine, and answered.
+        assert {r: a.status_code for r, a in answers.items()} == dict.fromkeys(rollouts, 200)
+        assert metric(gateway.url, "artgw_engine_healthy", engine=dying[0]) == 0
+        for rollout_id in rollouts:  # every rollout goes on, on the engine left
+            assert chat(gateway, rollout_id).status_code == 200
+        for rollout_id in rollouts:
+            assert engines_of(gateway, rollout_id) == [other[0]] * 2, rollout_id
+        assert metric(gateway.url, "artgw_engine_moves_total", reason="unreachable") == 2
+        # Every answered call is recorded, once.
+        recorded = query_store(gateway.db_path, "SELECT status, count(*) FROM calls GROUP BY status")
+        assert recorded == [("ok", 8)]
+
+        stubs.append(start_stub(port=port))  # it restarts: back in rotation once its probe answers
+        poll(lambda: metric(gateway.url, "artgw_engine_healthy", engine=dying[0]) == 1, 30, "the engine back")
+        assert chat(gateway, "after").status_code == 200  # a new rollout: the engine with fewer calls
+        assert engines_of(gateway, "after") == [dying[0]]
+        assert chat(gateway, "r0").status_code == 200  # a moved rollout stays where it went
+        assert engines_of(gateway, "r0") == [other[0]] * 3
+    finally:
+        gateway.stop()
+
+
+def test_an_engine_that_dies_mid_stream_is_out_of_rotation_and_its_rollout_goes_on(tmp_path: Path, stubs) -> None:
+    stubs.append(dying := start_stub("--die-mid-stream"))
+    stubs.append(other := start_stub())
+    gateway = start_gateway(tmp_path, "--upstream", dying[0], "--upstream", other[0])
+    try:
+        with httpx.stream(
+            "POST",
+            f"{gateway.base_url}/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-ART-Rollout-Id": "cut"},
+            timeout=60,
+        ) as answer:
+            events = answer.read().decode()
+        assert "The engine connection was lost mid-stream." in events  # what the client saw, not acknowledged
+        assert metric(gateway.url, "artgw_engine_healthy", engine=dying[0]) == 0
+        assert chat(gateway, "cut").status_code == 200  # the rollout goes on, on the other engine
+        assert engines_of(gateway, "cut") == [dying[0], other[0]]
+        statuses = query_store(gateway.db_path, "SELECT status FROM calls WHERE rollout_id = 'cut' ORDER BY started_at")
+        assert statuses == [("upstream_error",), ("ok",)]
+        assert metric(gateway.url, "artgw_engine_moves_total", reason="unhealthy") == 1
+    finally:
+        gateway.stop()
+
+
+def test_readiness_and_status_say_which_engines_are_in_rotation(tmp_path: Path, stubs) -> None:
+    stubs.append(first := start_stub())
+    stubs.append(second := start_stub())
+    gateway = start_gateway(
+        tmp_path, "--upstream", first[0], "--upstream", second[0], "--engine-health-interval", "0.5"
+    )
+
+    def engines() -> str:
+        return str(httpx.get(f"{gateway.url}/readyz", timeout=10).json().get("engines"))
+
+    try:
+        assert engines().startswith("2 of 2 in rotation: ")
+        stop_group(second[1])
+        poll(lambda: engines().startswith("1 of 2 in rotation"), 30, "the stopped engine out of rotation")
+        assert f"{second[0]} out of rotation" in engines() and f"{first[0]} in rotation" in engines()
+        assert httpx.get(f"{gateway.url}/readyz", timeout=10).status_code == 200  # one engine serves
+        assert chat(gateway, "after-stop").status_code == 200
+        assert engines_of(gateway, "after-stop") == [first[0]]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ARTGW_")}
+        status = subprocess.run(
+            [ARTGW, "status", "--gateway", gateway.url, "--data-dir", str(gateway.data_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert status.returncode == 0, status.stderr
+        assert f"engines: 1 of 2 in rotation: {first[0]} in rotation" in status.stdout, status.stdout
+    finally:
+        gateway.stop()
+
+
+# ----------------------------------------------------------------------------------- two real vLLM engines
+
+
+@pytest.fixture
+def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    """Two vLLM servers of the tiny model (with --enable-scale-out, as the supervised engine has it)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for n in range(2):
+            config = EngineConfig(
+                base_model=str(tiny_model),
+                served_name=BASE_NAME,
+                port=free_port(),
+                max_model_len=4096,
+                log_path=tmp_path / f"vllm-{n}.log",
+            )
+            with config.log_path.open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        config.command(),
+                        env=config.environment(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            urls.append(config.url)
+        for url, proc in zip(urls, procs, strict=True):
+            wait_http(f"{url}/health", 600, proc)
+        yield list(zip(urls, procs, strict=True))
+    finally:
+        for proc in procs:
+            stop_group(proc)
+
+
+@pytest.mark.engine
+def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequence(
+    tmp_path: Path, two_vllm_engines: list[tuple[str, subprocess.Popen[bytes]]]
+) -> None:
+    """Its calls reach one engine, spliced there from the model's own tokens; when that engine dies, the next call
+    goes to the other and is spliced there: the rollout is still one sequence."""
+    (first, _), (second, second_proc) = two_vllm_engines
+    gateway = start_gateway(tmp_path, "--upstream", f"{first},{second}")
+    try:
+        assert chat(gateway, "warm", max_tokens=2).status_code == 200  # another rollout first: the first engine
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Count with me: one"}]
+
+        def turn(then: str) -> None:
+            answer = chat(gateway, "counting", messages=messages, max_tokens=4, temperature=0)
+            assert answer.status_code == 200, answer.text
+            messages.extend([answer.json()["choices"][0]["message"], {"role": "user", "content": then}])
+
+        for then in ("two", "three", "four"):
+            turn(then)
+        assert engines_of(gateway, "warm") == [first]
+        assert engines_of(gateway, "counting") == [second] * 3
+        os.killpg(second_proc.pid, signal.SIGKILL)  # its engine dies: the next call goes to the other
+        second_proc.wait()
+        turn("five")
+        assert engines_of(gateway, "counting") == [second] * 3 + [first]
+        rollout = httpx.get(f"{gateway.base_url}/art/rollouts/counting", headers=gateway.admin, timeout=60).json()
+        assert [s["split_cause"] for s in rollout["sequences"]] == [None], rollout["sequences"]
+        assert len(rollout["sequences"][0]["call_ids"]) == 4
+        assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 3
+    finally:
+        gateway.stop()

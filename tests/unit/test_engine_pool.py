@@ -1,0 +1,141 @@
+"""Which engine serves each call (engine/pool.py): a rollout's calls stay on the engine of its first call, new
+rollouts go to the least loaded engine, and a rollout leaves an engine that is out of rotation or saturated."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.pool import EnginePool
+from tests.conftest import apoll
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+def urls(pool: EnginePool, *rollouts: str | None) -> list[str]:
+    return [pool.pick(r).engine.url for r in rollouts]
+
+
+def test_a_rollout_stays_on_the_engine_of_its_first_call() -> None:
+    pool = EnginePool([A, B], saturation=10)
+    first = pool.pick("r1").engine
+    pool.pick("r2")  # new: the other engine, the less loaded
+    for _ in range(5):  # the rollout's engine is busier than the other: still its own
+        assert pool.pick("r1").engine is first
+    assert first.in_flight == 6 and first.calls == 6
+
+
+def test_new_rollouts_go_to_the_engine_with_the_fewest_calls_in_flight() -> None:
+    pool = EnginePool([A, B, C], saturation=10)
+    assert urls(pool, "r1", "r2", "r3") == [A, B, C]  # each to an idle engine
+    a, b, c = pool.engines
+    pool.done(b)  # r2's call ended: B has none in flight
+    assert urls(pool, "r4") == [B]
+    pool.done(a)
+    pool.done(c)
+    # A and C have none in flight, B one: of A and C, the one sent fewer calls (ties: the first).
+    assert urls(pool, None) == [A]
+    # A call of no rollout is not remembered, and one in flight counts: the next goes to C.
+    assert urls(pool, None) == [C]
+
+
+def test_a_rollout_leaves_an_engine_out_of_rotation_and_stays_where_it_went() -> None:
+    pool = EnginePool([A, B], saturation=10)
+    a, b = pool.engines
+    assert pool.pick("r1").engine is a
+    pool.failed(a)
+    pick = pool.pick("r1")
+    assert (pick.engine, pick.moved) == (b, "unhealthy")
+    assert pool.pick("r2").engine is b  # new rollouts avoid it too
+    pool.probed(a, True)  # back in rotation: r1 stays on B (its prefix is there now), new rollouts use A again
+    assert pool.pick("r1") == type(pick)(b, None)
+    assert pool.pick("r3").engine is a
+    assert pool.moves == {"unhealthy": 1}
+
+
+def test_a_rollout_leaves_a_saturated_engine_for_a_less_loaded_one() -> None:
+    pool = EnginePool([A, B], saturation=2)
+    b = pool.engines[1]
+    assert urls(pool, "r1", "r1") == [A, A]  # at the bound: saturated
+    pick = pool.pick("r1")
+    assert (pick.engine, pick.moved) == (b, "saturated")
+    assert pool.moves == {"saturated": 1}
+
+
+def test_a_saturated_engine_keeps_its_rollout_when_no_engine_is_less_loaded() -> None:
+    pool = EnginePool([A, B], saturation=1)
+    assert urls(pool, "r1", "r2", "r1", "r2") == [A, B, A, B]
+    assert pool.moves == {}
+
+
+def test_with_no_engine_in_rotation_a_call_still_goes_to_its_rollouts_engine() -> None:
+    """Nowhere better: the call goes on and fails there with the engine's own error, as with one engine."""
+    pool = EnginePool([A, B], saturation=10)
+    a, b = pool.engines
+    assert urls(pool, "r1", "r2") == [A, B]
+    pool.failed(a)
+    pool.failed(b)
+    assert urls(pool, "r2", None) == [B, A]
+    assert pool.moves == {}
+
+
+def test_a_single_engine_never_leaves_rotation() -> None:
+    pool = EnginePool([A], saturation=1)
+    (a,) = pool.engines
+    pool.failed(a)
+    pool.probed(a, False)
+    assert a.healthy and pool.failover("r1", a) is None
+    assert urls(pool, "r1", "r1") == [A, A]
+
+
+def test_failover_moves_a_call_and_its_rollout_to_another_engine() -> None:
+    pool = EnginePool([A, B, C], saturation=10)
+    a, b, c = pool.engines
+    pool.pick("r0")  # A
+    pool.pick("r0b")  # B
+    assert pool.pick("r1").engine is c
+    assert pool.failover("r1", c) is a  # C out; A and B have one each, A was sent fewer (ties: order)
+    assert (a.in_flight, b.in_flight, c.in_flight, c.healthy) == (2, 1, 0, False)
+    assert pool.pick("r1").engine is a
+    assert pool.failover("r1", a) is b
+    assert pool.failover("r1", b) is None  # none left: the call fails where it is
+    assert pool.moves == {"unreachable": 2}
+
+
+def test_the_sticky_memory_is_bounded_by_recency() -> None:
+    pool = EnginePool([A, B], saturation=10, sticky=2)
+    assert urls(pool, "r1", "r2") == [A, B]
+    pool.pick("r1")  # r1 called again: r2 is now the oldest
+    pool.pick("r3")
+    for engine in pool.engines:
+        while engine.in_flight:
+            pool.done(engine)
+    # r2 was forgotten: it goes by load (B was sent fewer calls); r1 is still on A though B is idle as well.
+    assert urls(pool, "r1", "r2") == [A, B]
+    assert pool.engines[1].calls == 3  # r2, r3, and r2 again
+
+
+async def test_the_probe_loop_takes_an_engine_out_and_brings_it_back() -> None:
+    pool = EnginePool([A, B, C], saturation=10)
+    answers = {A: True, B: False}
+    b, c = pool.engines[1:]
+
+    async def probe(url: str) -> bool:
+        if url == C:
+            raise OSError("a probe that raises is a failed probe")
+        return answers[url]
+
+    task = asyncio.create_task(pool.watch(probe, every=0.01))
+    try:
+        await apoll(lambda: not b.healthy and not c.healthy, 10, "B and C out of rotation")
+        answers[B] = True
+        await apoll(lambda: b.healthy, 10, "B back in rotation")
+    finally:
+        task.cancel()
+    assert pool.engines[0].healthy and not c.healthy
+
+
+def test_an_empty_pool_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one engine"):
+        EnginePool([], saturation=1)
