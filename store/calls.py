@@ -66,22 +66,28 @@ def _is(key: RolloutKey, owner: sa.ColumnElement[str], rollout_id: sa.ColumnElem
     return sa.and_(owner == key.owner, rollout_id == key.id)
 
 
-async def rollout_owner(conn: AsyncConnection, key: RolloutKey) -> RolloutOwner | None:
-    """What a recorded rollout is on; None when it is not recorded."""
-    row = (
-        await conn.execute(sa.select(rollouts.c.model).where(_is(key, rollouts.c.owner, rollouts.c.id)))
-    ).one_or_none()
-    if row is None:
-        return None
-    if row.model is None:
-        return RolloutOwner(None, None)
-    first = (
-        sa.select(calls.c.step)
-        .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id), calls.c.model == row.model)
-        .order_by(calls.c.started_at, calls.c.id)
-        .limit(1)
+async def rollout_owners(conn: AsyncConnection, keys: Sequence[RolloutKey]) -> dict[RolloutKey, RolloutOwner]:
+    """What each of these rollouts that is recorded is on (one query for all: a fresh rollout, the usual one, is
+    in none; the first step is read for those with a trainable model only)."""
+    found = await conn.execute(
+        sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(
+            sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(sorted(set(keys)))
+        )
     )
-    return RolloutOwner(row.model, (await conn.execute(first)).scalar())
+    owners: dict[RolloutKey, RolloutOwner] = {}
+    for row in found.all():
+        key = RolloutKey(row.owner, row.id)
+        if row.model is None:
+            owners[key] = RolloutOwner(None, None)
+            continue
+        first = (
+            sa.select(calls.c.step)
+            .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id), calls.c.model == row.model)
+            .order_by(calls.c.started_at, calls.c.id)
+            .limit(1)
+        )
+        owners[key] = RolloutOwner(row.model, (await conn.execute(first)).scalar())
+    return owners
 
 
 def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:
