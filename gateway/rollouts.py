@@ -116,12 +116,13 @@ class RolloutOwners:
     def claim(self, rollout: RolloutKey, model: str | None, step: int | None) -> Awaitable[Pin | None] | None:
         """Let a call of `model` served by `step` join `rollout` (the first trainable one makes it its model's
         and its step the rollout's pin), or raise the 409. None: decided (joined) at once; else what decides
-        once the store has answered, returning the rollout's pin (the calls waiting decide in their order)."""
+        once the store has answered, returning the rollout's pin (to be awaited at once, in a task of its own:
+        the calls waiting decide in the order they began waiting)."""
         owner = self.owner(rollout)
         if owner.known.done() or model is None:  # a base call is never refused, and pins nothing
             self._join(owner, rollout, model, step)
             return None
-        return asyncio.ensure_future(self._claim_known(owner, rollout, model, step))
+        return self._claim_known(owner, rollout, model, step)
 
     async def _claim_known(self, owner: _Owner, rollout: RolloutKey, model: str, step: int | None) -> Pin | None:
         await asyncio.shield(owner.known)
