@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -78,8 +79,11 @@ class RolloutOwners:
         lookup_seconds: float = 2.0,
         hold_seconds: float = 900.0,
         clock: Clock = SYSTEM_CLOCK,
+        read_now: Callable[[RolloutKey], RolloutOwner | None] | None = None,
     ) -> None:
         self.store = store
+        # A SQLite store (store/calls.py SqliteRolloutOwners): read at once, on the loop, in microseconds.
+        self.read_now = read_now
         self.size = size
         self.lookup_seconds = lookup_seconds  # on `clock`
         self.hold_seconds = hold_seconds
@@ -96,15 +100,29 @@ class RolloutOwners:
             return owner
         owner = self._unknown.get(rollout)  # dropped from the newest while its look-up waited: that one
         if owner is None:
-            owner = self._unknown[rollout] = _Owner(
-                None, None, self.clock.monotonic(), asyncio.get_running_loop().create_future()
-            )
+            owner = _Owner(None, None, self.clock.monotonic(), asyncio.get_running_loop().create_future())
+            if not self._read_now(rollout, owner):
+                self._unknown[rollout] = owner
+                if self._lookups is None:
+                    self._lookups = asyncio.create_task(self._look_up())
         self._owners[rollout] = owner
         if len(self._owners) > self.size:
             self._owners.popitem(last=False)
-        if self._lookups is None:
-            self._lookups = asyncio.create_task(self._look_up())
         return owner
+
+    def _read_now(self, rollout: RolloutKey, owner: _Owner) -> bool:
+        """Known at once from a SQLite store; False: to be looked up (another store, or SQLite busy)."""
+        if self.read_now is None:
+            return False
+        try:
+            stored = self.read_now(rollout)
+        except sqlite3.Error as exc:
+            log.debug("rollout %s: read at once failed (%s); looked up", rollout.id, exc)
+            return False
+        if stored is not None and stored.model is not None:
+            owner.model, owner.step = stored.model, stored.first_step
+        owner.known.set_result(None)
+        return True
 
     async def pin(self, rollout: RolloutKey) -> Pin | None:
         """The model and step the rollout's first call was served by, once known (looked up in the store for
