@@ -62,13 +62,14 @@ class RolloutOwners:
     loaded (`held_steps`).
 
     Rollouts are remembered here (the newest `size`) and looked up in the store for those not seen yet (a
-    restart, another replica). That look-up is off the answer's path: the first call of a rollout goes to the
-    engine while the store answers (EngineCalls.answer), and is refused, or sent again to its pinned step, only
-    if the store says so. Only the store knows another replica's rollouts, so no answer from memory alone
-    (a cache of the ids this process has not seen) could be exact; overlapped, the guard is exactly as it was,
-    at the cost of the engine's work on a call refused, which is rare. Look-ups waiting together are one query.
-    With the store away the call goes on unpinned, and the store keeps a stray call apart when it writes it
-    (store/calls.py).
+    restart, another replica). Only the store knows another replica's rollouts (or what was there before a
+    restart), so no answer from memory alone (a cache of the ids this process has not seen) could be exact; the
+    look-up is kept off the answer's path instead. A SQLite store is read at once (`read_now`: a local
+    read by primary key, microseconds, never waiting for a writer). Any other store (PostgreSQL, replicas) is
+    asked while the engine works on the call (EngineCalls.answer), which is refused, or sent again to its pinned
+    step, only if the store says so: the guard is as exact as before, at the cost of the engine's work on a
+    call refused, which is rare. Look-ups waiting together are one query. With the store away the call goes on
+    unpinned, and the store keeps a stray call apart when it writes it (store/calls.py).
     """
 
     def __init__(
@@ -123,13 +124,6 @@ class RolloutOwners:
             owner.model, owner.step = stored.model, stored.first_step
         owner.known.set_result(None)
         return True
-
-    async def pin(self, rollout: RolloutKey) -> Pin | None:
-        """The model and step the rollout's first call was served by, once known (looked up in the store for
-        a rollout not seen here yet)."""
-        owner = self.owner(rollout)
-        await asyncio.shield(owner.known)
-        return owner.pin
 
     def claim(self, rollout: RolloutKey, model: str | None, step: int | None) -> Awaitable[Pin | None] | None:
         """Let a call of `model` served by `step` join `rollout` (the first trainable one makes it its model's
