@@ -61,6 +61,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -663,12 +664,16 @@ def run_wrk(
     rollout_id: str,
     target: str,
     api_key: str | None = None,
+    rollouts: str = "long",
 ) -> WrkResult:
-    """One wrk run of bench/wrk_chat.lua; with `api_key`, every request sends `Authorization: Bearer <key>`."""
+    """One wrk run of bench/wrk_chat.lua; with `api_key`, every request sends `Authorization: Bearer <key>`.
+    `rollouts`: "long" (every call names `rollout_id`), "fresh" (each call a rollout of its own, never named
+    before: ids unique to this run) or "none" (no rollout id)."""
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "--latency"]
     cmd += ["-s", str(WRK_SCRIPT), url]
     env = {k: v for k, v in os.environ.items() if k != "BENCH_API_KEY"}  # no key unless this run's
-    env["BENCH_ROLLOUT_ID"] = rollout_id
+    env["BENCH_ROLLOUTS"] = rollouts
+    env["BENCH_ROLLOUT_ID"] = f"{rollout_id}-{uuid.uuid4().hex[:8]}" if rollouts == "fresh" else rollout_id
     if api_key is not None:
         env["BENCH_API_KEY"] = api_key
     proc = children.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
@@ -824,6 +829,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --baseline or --auth-compare: pairs of runs per concurrency, the two gateways in swapped "
         "order every round, pooled (req/s over all runs, median p50/p99); 3 or more to see past the order bias",
     )
+    parser.add_argument(
+        "--rollouts",
+        choices=["long", "fresh", "none"],
+        default="long",
+        help="the rollout id the measured calls name: long (one per run: a rollout of many calls), fresh (a new "
+        "one per call, never seen before: every call is a rollout's first, as in RL tasks of one call) or none "
+        "(no X-ART-Rollout-Id: the gateway makes one up)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs, configs)")
     parser.add_argument(
         "--pause", type=float, default=1.0, help="seconds of idle between runs (the recorder catches up)"
@@ -915,11 +928,13 @@ def _check_answer(gateway: Gateway) -> None:
             raise RuntimeError(f"the {gateway.label} answered a call without a key {status}, not 401: {data[:300]!r}")
 
 
-def _through(children: Children, gateway: Gateway, connections: int, seconds: int, target: str) -> WrkResult:
+def _through(
+    children: Children, gateway: Gateway, connections: int, seconds: int, target: str, rollouts: str
+) -> WrkResult:
     """One wrk run through a gateway (with its key, if it has one), with the gateway's CPU use over it."""
     cpu0 = gateway.cpu_seconds()
     rollout = f"bench-{target}-c{connections}"
-    result = run_wrk(children, gateway.url, connections, seconds, rollout, target, gateway.api_key)
+    result = run_wrk(children, gateway.url, connections, seconds, rollout, target, gateway.api_key, rollouts)
     result.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / result.seconds
     result.loop_lag_ms = loop_lag_ms(gateway.url)
     return result
@@ -1016,7 +1031,8 @@ def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comp
     """(direct, old slot, new slot) per concurrency, side by side."""
     old, new = cmp.old, cmp.new
     headers = ["conc", f"{old} req/s", f"{new} req/s", f"{new}/{old} req/s", f"{old} p50 ms", f"{new} p50 ms"]
-    headers += [f"{new}/{old} p50", f"{old} added p50 ms", f"{new} added p50 ms", f"CPU {old} / {new}"]
+    headers += [f"{new}/{old} p50", f"{old} added p50 ms", f"{new} added p50 ms", f"{old} added p99 ms"]
+    headers += [f"{new} added p99 ms", f"CPU {old} / {new}"]
     rows = [
         [
             str(d.connections),
@@ -1028,6 +1044,8 @@ def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comp
             f"{g.p50_ms / b.p50_ms:.1%}" if b.p50_ms else "-",
             f"{b.p50_ms - d.p50_ms:+.3f}",
             f"{g.p50_ms - d.p50_ms:+.3f}",
+            f"{b.p99_ms - d.p99_ms:+.3f}",
+            f"{g.p99_ms - d.p99_ms:+.3f}",
             f"{b.cpu_pct:.0f}% / {g.cpu_pct:.0f}%",
         ]
         for d, b, g in runs
@@ -1143,7 +1161,7 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
             for gw, into in pair if k % 2 == 0 else pair[::-1]:
                 if gw is None:
                     continue
-                run = _through(children, gw, c, args.duration, gw.name)
+                run = _through(children, gw, c, args.duration, gw.name, args.rollouts)
                 progress(run)
                 into.append(run)
                 time.sleep(args.pause)
@@ -1166,7 +1184,7 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
     say()
     say(
         f"## Gateway overhead — {started_at:%Y-%m-%d %H:%M %Z}, {machine()}, "
-        f"{args.duration}s per run, wrk -t1, upstream: {upstream.kind}"
+        f"{args.duration}s per run, wrk -t1, upstream: {upstream.kind}, rollout ids: {args.rollouts}"
     )
     say()
     if args.auth_compare:

@@ -345,6 +345,9 @@ class GatewayMetrics:
         self.prompt_tokens.labels(model).inc(len(record.prompt_token_ids))
         self.completion_tokens.labels(model).inc(sum(len(c.token_ids) for c in record.choices))
 
+    def call_withdrawn(self, model: str) -> None:
+        self.in_flight.labels(model).dec()
+
     def engine_resent(self, model: str, error: str) -> None:
         self.engine_resends.labels(model, error).inc()
 

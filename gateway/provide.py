@@ -55,6 +55,7 @@ from gateway.rollouts import RolloutOwners, RolloutService
 from gateway.settings import Settings, served_base_name
 from gateway.tracing import CallTracer
 from recording.recorder import Recorder
+from store.calls import SqliteRolloutOwners
 from store.clock import SYSTEM_CLOCK, Clock
 from store.db import create_sync_sqlite_engine
 from store.families import choose_parsers
@@ -314,7 +315,12 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             journal_fsync_interval=settings.journal_fsync_interval,
         )
         metrics.watch_recorder(recorder)
-        owners = RolloutOwners(store.engine, hold_seconds=settings.rollout_pin_seconds, clock=clock)
+        owners = RolloutOwners(
+            store.engine,
+            hold_seconds=settings.rollout_pin_seconds,
+            clock=clock,
+            read_now=SqliteRolloutOwners.of(settings.db_url),
+        )
         adapters = AdapterService(
             registry, client, store.engine, promotion=settings.promotion, held_steps=owners.held_steps
         )

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ from opentelemetry.trace import Span
 
 from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineState
-from gateway.adapters import AdapterRegistry, Route
+from gateway.adapters import AdapterRegistry, Pin, Route
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
 from gateway.continuation import (
@@ -293,20 +293,58 @@ class EngineCalls:
         self.continuations = Continuations(continuation_bytes)
         self.splicers = splicers
 
-    async def route(self, requested: str, origin: CallOrigin) -> Route:
-        """Where a call asking for `requested` goes: a rollout's calls to `NAME` go to the step its first call
-        was served by, while that step is loaded (gateway/rollouts.py)."""
-        pin = await self.owners.pin(origin.rollout_key) if origin.explicit else None
-        return self.registry.resolve(requested, origin.caller, origin.rollout_id, pin)
+    async def answer(
+        self,
+        requested: str,
+        origin: CallOrigin,
+        build: Callable[[Route], EngineRequest],
+        hang_up: HangUp | None = None,
+    ) -> JSONBody | EventStream:
+        """Route a call asking for `requested`, build its engine request (`build`) and answer it (`run`).
 
-    async def run(self, call_in: EngineRequest, origin: CallOrigin, hang_up: HangUp | None) -> JSONBody | EventStream:
+        A rollout's calls to `NAME` go to the step its first call was served by, while that step is loaded, and
+        are all of one model (gateway/rollouts.py). For a rollout this process has not seen yet the store says
+        which, while the engine already works on the call: it is refused then, or sent again to its step."""
+        if not origin.explicit:  # an id the gateway made up is new and random: nobody else's
+            route = self.registry.resolve(requested, origin.caller, origin.rollout_id)
+            return await self.run(build(route), origin, hang_up)
+        rollout = origin.rollout_key
+        route = self.registry.resolve(requested, origin.caller, origin.rollout_id, self.owners.owner(rollout).pin)
+        call_in = build(route)
+        claimed = self.owners.claim(rollout, route.model, route.step)
+        if claimed is None:
+            return await self.run(call_in, origin, hang_up)
+        moved = asyncio.ensure_future(self._moved(claimed, requested, origin, route))
+        moved.add_done_callback(_retrieved)  # a call cancelled meanwhile never reads it
+        try:
+            return await self.run(call_in, origin, hang_up, moved)
+        except _Rerouted as rerouted:
+            return await self.run(build(rerouted.route), origin, hang_up)
+
+    async def _moved(
+        self, claimed: Awaitable[Pin | None], requested: str, origin: CallOrigin, route: Route
+    ) -> Route | None:
+        """Once the store has answered: where the call belongs, if not on `route` (or the 409)."""
+        pin = await claimed
+        if pin is None:
+            return None
+        pinned = self.registry.resolve(requested, origin.caller, origin.rollout_id, pin)
+        return None if pinned == route else pinned
+
+    async def run(
+        self,
+        call_in: EngineRequest,
+        origin: CallOrigin,
+        hang_up: HangUp | None,
+        moved: asyncio.Future[Route | None] | None = None,
+    ) -> JSONBody | EventStream:
         """Answer one accepted call. `hang_up` (the server's, gateway/server.py) lets a call that is not
         streamed notice the client hanging up while the engine works: the engine's request is then closed
-        (vLLM aborts it) and the call recorded `cancelled`, never trainable."""
-        if origin.explicit:  # an id the gateway made up is new and random: nobody else's
-            await self.owners.claim(origin.rollout_key, call_in.route.model, call_in.route.step)
+        (vLLM aborts it) and the call recorded `cancelled`, never trainable. `moved`: the store's word on a
+        rollout new here (`answer`), awaited before any byte of the answer goes out."""
         # Accepted: from here on, every path records this call exactly once.
         call = _Call(self, origin, call_in, time.time())
+        call.moved = moved
         self.recorder.begin(origin.rollout_key)
         self.metrics.call_started(call.label)
         if call_in.stream or hang_up is None:
@@ -347,6 +385,8 @@ class EngineCalls:
                 if served is not None:  # how it was served on the engine it went to last
                     self.metrics.call_continued(call.label, served)
         except BaseException as exc:
+            if isinstance(exc, Exception):
+                await self._decided(call)  # a refused call is refused, whatever the engine did
             error = self._send_error(exc)
             if error is not None:  # the record says which exception, for a post-mortem
                 await call.finish("upstream_error", error.status, f"{error.message} ({type(exc).__name__})")
@@ -356,6 +396,7 @@ class EngineCalls:
             else:  # cancelled: the client (or a shutdown) gave up on the call
                 await call.finish("cancelled", 499, "cancelled before the engine answered")
             raise
+        await self._decided(call, upstream)
         headers = {ROLLOUT_HEADER: call.origin.rollout_id}
         if upstream.status != 200:
             try:
@@ -423,6 +464,30 @@ class EngineCalls:
         except RecordingUnavailable as exc:
             raise unrecorded(exc) from None
         return JSONBody(body, headers)
+
+    async def _decided(self, call: _Call, upstream: aiohttp.ClientResponse | None = None) -> None:
+        """The store's word on the call's rollout, new here (`answer`), before any of the answer goes out: a
+        call refused (409) or belonging to another step is withdrawn, unrecorded, its engine request closed."""
+        moved, call.moved = call.moved, None
+        if moved is None:
+            return
+        try:
+            route = await asyncio.shield(moved)  # not cancelled with this call: others may wait on the look-up
+        except asyncio.CancelledError:
+            if upstream is not None:
+                upstream.close()
+            await call.finish("cancelled", 499, "cancelled before the engine answered")
+            raise
+        except BaseException:
+            if upstream is not None:
+                upstream.close()
+            await call.withdraw()
+            raise
+        if route is not None:
+            if upstream is not None:
+                upstream.close()
+            await call.withdraw()
+            raise _Rerouted(route)
 
     async def _send(self, call: _Call, path: str, body: bytes) -> aiohttp.ClientResponse:
         """The engine's answer (its status and headers) to one call, sent again where the connection was cut
@@ -551,6 +616,19 @@ def _prompt_ids(payload: dict[str, Any]) -> list[list[int]]:
     return [c.get("prompt_token_ids") or [] for c in payload.get("choices") or ()]
 
 
+class _Rerouted(Exception):
+    """A call sent before the store said its rollout is pinned to another step (EngineCalls.answer)."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route)
+        self.route = route
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class _Call:
     """One call in flight: relays a stream and builds the record(s) when the call ends."""
 
@@ -562,6 +640,7 @@ class _Call:
         self.first_token_at: float | None = None
         self.recorded = False  # exactly once: whichever path ends the call first records it
         self.rollout_known: bool | None = None  # set by EngineCalls._splice: CallRecord.rollout_known
+        self.moved: asyncio.Future[Route | None] | None = None  # EngineCalls.run's `moved`, until awaited
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
         # The engine it goes to, counted in flight there until it is recorded (`finish`).
         self.rollout = origin.rollout_key if origin.explicit else None
@@ -650,6 +729,14 @@ class _Call:
                 # A failed call's client gets its own error anyway; the journal's failure is logged.
         if self.service.tracer is not None:
             self.service.tracer.ended(records, self.span)
+
+    async def withdraw(self) -> None:
+        """Not a call after all (refused once the store answered, or sent again elsewhere): nothing recorded."""
+        self.recorded = True
+        self.service.metrics.call_withdrawn(self.label)
+        await self.service.recorder.withdraw(self.origin.rollout_key)
+        if self.span is not None:
+            self.span.end()
 
     def _per_prompt(
         self, prompts: list[list[int]], choices: list[ChoiceRecord]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -17,7 +18,7 @@ from gateway.adapters import Pin
 from gateway.auth import Caller
 from gateway.errors import OpenAIError
 from recording.recorder import Recorder
-from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owner
+from store.calls import RolloutFilter, RolloutOwner, RolloutRow, rollout_owners
 from store.clock import SYSTEM_CLOCK, Clock
 from store.errors import NotFound
 from store.groups import group_key
@@ -35,6 +36,13 @@ class _Owner:
     model: str | None  # the trainable model whose rollout it is; None: none yet (unknown, or base calls only)
     step: int | None  # the step that served its first call of `model` (its pin); None: not known yet
     last_call: float  # when a call last joined it (the clock's monotonic seconds): an active rollout holds its step
+    # A rollout not seen here yet: the store's answer (what it was on before: a restart, another replica) on its
+    # way. Done: `model` and `step` are the store's, then this process's claims on top.
+    known: asyncio.Future[None]
+
+    @property
+    def pin(self) -> Pin | None:
+        return None if self.model is None or self.step is None else Pin(self.model, self.step)
 
 
 class RolloutOwners:
@@ -43,9 +51,10 @@ class RolloutOwners:
     Tenants apart: a rollout id names a rollout in its caller's namespace (store.access.Grant.namespace: its key;
     "" for the admin and --auth off's keyless calls), so two keys' `r1` are two rollouts, and neither can join,
     read, group, reward or even tell of the other's. Within one namespace, a call of another trainable model that
-    names a rollout is refused (409 `rollout_id_taken`) before the engine sees it: its calls would be trained as
-    that model's. Calls of the base model (no trainable model) join any rollout of their namespace, and a rollout
-    of such calls only is taken by the first trainable model that calls in it.
+    names a rollout is refused (409 `rollout_id_taken`) before any of its answer reaches the client, and is not
+    recorded: its calls would be trained as that model's. Calls of the base model (no trainable model) join any
+    rollout of their namespace, and a rollout of such calls only is taken by the first trainable model that calls
+    in it.
 
     One policy per rollout: a call to `NAME` in a rollout goes to the step its first call was served by (its
     pin) while that step is loaded, so a promotion between two turns does not mix two policies in one
@@ -53,8 +62,14 @@ class RolloutOwners:
     loaded (`held_steps`).
 
     Rollouts are remembered here (the newest `size`) and looked up in the store for those not seen yet (a
-    restart, another replica); with the store away the call goes on unpinned, and the store keeps a stray call
-    apart when it writes it (store/calls.py).
+    restart, another replica). Only the store knows another replica's rollouts (or what was there before a
+    restart), so no answer from memory alone (a cache of the ids this process has not seen) could be exact; the
+    look-up is kept off the answer's path instead. A SQLite store is read at once (`read_now`: a local
+    read by primary key, microseconds, never waiting for a writer). Any other store (PostgreSQL, replicas) is
+    asked while the engine works on the call (EngineCalls.answer), which is refused, or sent again to its pinned
+    step, only if the store says so: the guard is as exact as before, at the cost of the engine's work on a
+    call refused, which is rare. Look-ups waiting together are one query. With the store away the call goes on
+    unpinned, and the store keeps a stray call apart when it writes it (store/calls.py).
     """
 
     def __init__(
@@ -65,26 +80,68 @@ class RolloutOwners:
         lookup_seconds: float = 2.0,
         hold_seconds: float = 900.0,
         clock: Clock = SYSTEM_CLOCK,
+        read_now: Callable[[RolloutKey], RolloutOwner | None] | None = None,
     ) -> None:
         self.store = store
+        # A SQLite store (store/calls.py SqliteRolloutOwners): read at once, on the loop, in microseconds.
+        self.read_now = read_now
         self.size = size
-        self.lookup_seconds = lookup_seconds
+        self.lookup_seconds = lookup_seconds  # on `clock`
         self.hold_seconds = hold_seconds
         self.clock = clock
         self._owners: OrderedDict[RolloutKey, _Owner] = OrderedDict()
+        self._unknown: dict[RolloutKey, _Owner] = {}  # seen, not yet looked up
+        self._lookups: asyncio.Task[None] | None = None
 
-    async def pin(self, rollout: RolloutKey) -> Pin | None:
-        """The model and step the rollout's first call was served by, once known (looked up in the store for
-        a rollout not seen here yet)."""
-        owner = await self._owner(rollout)
-        if owner.model is None or owner.step is None:
-            return None
-        return Pin(owner.model, owner.step)
+    def owner(self, rollout: RolloutKey) -> _Owner:
+        """The rollout as known here, its store look-up started if it is new here (see `known`)."""
+        owner = self._owners.get(rollout)
+        if owner is not None:
+            self._owners.move_to_end(rollout)
+            return owner
+        owner = self._unknown.get(rollout)  # dropped from the newest while its look-up waited: that one
+        if owner is None:
+            owner = _Owner(None, None, self.clock.monotonic(), asyncio.get_running_loop().create_future())
+            if not self._read_now(rollout, owner):
+                self._unknown[rollout] = owner
+                if self._lookups is None:
+                    self._lookups = asyncio.create_task(self._look_up())
+        self._owners[rollout] = owner
+        if len(self._owners) > self.size:
+            self._owners.popitem(last=False)
+        return owner
 
-    async def claim(self, rollout: RolloutKey, model: str | None, step: int | None) -> None:
+    def _read_now(self, rollout: RolloutKey, owner: _Owner) -> bool:
+        """Known at once from a SQLite store; False: to be looked up (another store, or SQLite busy)."""
+        if self.read_now is None:
+            return False
+        try:
+            stored = self.read_now(rollout)
+        except sqlite3.Error as exc:
+            log.debug("rollout %s: read at once failed (%s); looked up", rollout.id, exc)
+            return False
+        if stored is not None and stored.model is not None:
+            owner.model, owner.step = stored.model, stored.first_step
+        owner.known.set_result(None)
+        return True
+
+    def claim(self, rollout: RolloutKey, model: str | None, step: int | None) -> Awaitable[Pin | None] | None:
         """Let a call of `model` served by `step` join `rollout` (the first trainable one makes it its model's
-        and its step the rollout's pin), or raise the 409."""
-        owner = await self._owner(rollout)
+        and its step the rollout's pin), or raise the 409. None: decided (joined) at once; else what decides
+        once the store has answered, returning the rollout's pin (to be awaited at once, in a task of its own:
+        the calls waiting decide in the order they began waiting)."""
+        owner = self.owner(rollout)
+        if owner.known.done() or model is None:  # a base call is never refused, and pins nothing
+            self._join(owner, rollout, model, step)
+            return None
+        return self._claim_known(owner, rollout, model, step)
+
+    async def _claim_known(self, owner: _Owner, rollout: RolloutKey, model: str, step: int | None) -> Pin | None:
+        await asyncio.shield(owner.known)
+        self._join(owner, rollout, model, step)
+        return owner.pin
+
+    def _join(self, owner: _Owner, rollout: RolloutKey, model: str | None, step: int | None) -> None:
         if model is not None and owner.model not in (None, model):
             raise OpenAIError(
                 409,
@@ -108,28 +165,49 @@ class RolloutOwners:
                 held[owner.step] = held.get(owner.step, 0) + 1
         return held
 
-    async def _owner(self, rollout: RolloutKey) -> _Owner:
-        owner = self._owners.get(rollout)
-        if owner is not None:
-            self._owners.move_to_end(rollout)
-            return owner
-        stored = await self._lookup(rollout)
-        owner = self._owners.get(rollout)  # another call may have claimed it while the store answered
-        if owner is None:
-            owner = self._owners[rollout] = _Owner(None, None, last_call=self.clock.monotonic())
-            if stored is not None:
-                owner.model, owner.step = stored.model, stored.first_step
-            if len(self._owners) > self.size:
-                self._owners.popitem(last=False)
-        return owner
-
-    async def _lookup(self, rollout: RolloutKey) -> RolloutOwner | None:
+    async def _look_up(self) -> None:
+        """Look up the rollouts new here, all those waiting in one query, until none waits."""
+        waiting: dict[RolloutKey, _Owner] = {}
         try:
-            async with asyncio.timeout(self.lookup_seconds), self.store.connect() as conn:
-                return await rollout_owner(conn, rollout)
-        except (SQLAlchemyError, OSError, TimeoutError) as exc:
-            log.warning("rollout %s: model unknown (%s); the store keeps a stray call apart", rollout.id, exc)
-            return None
+            while self._unknown:
+                waiting, self._unknown = self._unknown, {}
+                stored = await self._lookup(list(waiting))
+                for rollout, owner in waiting.items():
+                    found = stored.get(rollout)
+                    if found is not None and found.model is not None and owner.model is None:
+                        owner.model, owner.step = found.model, found.first_step
+                    owner.known.set_result(None)
+        finally:
+            self._lookups = None
+            for owner in (*waiting.values(), *self._unknown.values()):  # stopped: what waits goes on unpinned
+                if not owner.known.done():
+                    owner.known.set_result(None)
+            self._unknown.clear()
+
+    async def _lookup(self, waiting: list[RolloutKey]) -> dict[RolloutKey, RolloutOwner]:
+        query = asyncio.ensure_future(self._query(waiting))
+        timer = asyncio.ensure_future(self.clock.sleep(self.lookup_seconds))
+        try:
+            await asyncio.wait((query, timer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        if not query.done():
+            query.cancel()
+            error: BaseException = TimeoutError(f"no answer within {self.lookup_seconds} s")
+        elif (error_or_none := query.exception()) is None:
+            return query.result()
+        else:
+            error = error_or_none
+        if not isinstance(error, SQLAlchemyError | OSError | TimeoutError):
+            log.error("rollouts %s: looking up their models failed", [r.id for r in waiting], exc_info=error)
+        else:
+            ids = [r.id for r in waiting]
+            log.warning("rollouts %s: model unknown (%s); the store keeps a stray call apart", ids, error)
+        return {}
+
+    async def _query(self, waiting: list[RolloutKey]) -> dict[RolloutKey, RolloutOwner]:
+        async with self.store.connect() as conn:
+            return await rollout_owners(conn, waiting)
 
 
 class RolloutService:

@@ -148,6 +148,10 @@ class Recorder:
         """A call of this rollout was accepted; it counts as in flight until its record is committed."""
         self._in_flight[rollout] = self._in_flight.get(rollout, 0) + 1
 
+    async def withdraw(self, rollout: RolloutKey) -> None:
+        """A call `begin` counted will have no record after all (refused once the store answered)."""
+        await self._forget(rollout)
+
     def in_flight(self, rollout: RolloutKey) -> int:
         return self._in_flight.get(rollout, 0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,22 +67,69 @@ def _is(key: RolloutKey, owner: sa.ColumnElement[str], rollout_id: sa.ColumnElem
     return sa.and_(owner == key.owner, rollout_id == key.id)
 
 
-async def rollout_owner(conn: AsyncConnection, key: RolloutKey) -> RolloutOwner | None:
-    """What a recorded rollout is on; None when it is not recorded."""
-    row = (
-        await conn.execute(sa.select(rollouts.c.model).where(_is(key, rollouts.c.owner, rollouts.c.id)))
-    ).one_or_none()
-    if row is None:
-        return None
-    if row.model is None:
-        return RolloutOwner(None, None)
-    first = (
-        sa.select(calls.c.step)
-        .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id), calls.c.model == row.model)
-        .order_by(calls.c.started_at, calls.c.id)
-        .limit(1)
+# What a recorded rollout is on: its model, then (for a trainable one) the step of its first call of that model.
+_ROLLOUT_MODEL = sa.select(rollouts.c.model).where(
+    rollouts.c.owner == sa.bindparam("owner"), rollouts.c.id == sa.bindparam("id")
+)
+_FIRST_STEP = (
+    sa.select(calls.c.step)
+    .where(
+        calls.c.rollout_owner == sa.bindparam("owner"),
+        calls.c.rollout_id == sa.bindparam("id"),
+        calls.c.model == sa.bindparam("model"),
     )
-    return RolloutOwner(row.model, (await conn.execute(first)).scalar())
+    .order_by(calls.c.started_at, calls.c.id)
+    .limit(1)
+)
+
+
+async def rollout_owners(conn: AsyncConnection, keys: Sequence[RolloutKey]) -> dict[RolloutKey, RolloutOwner]:
+    """What each of these rollouts that is recorded is on (one query for all: a fresh rollout, the usual one, is
+    in none; the first step is read for those with a trainable model only)."""
+    found = await conn.execute(
+        sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(
+            sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(sorted(set(keys)))
+        )
+    )
+    owners: dict[RolloutKey, RolloutOwner] = {}
+    for row in found.all():
+        key = RolloutKey(row.owner, row.id)
+        params = {"owner": key.owner, "id": key.id, "model": row.model}
+        step = None if row.model is None else (await conn.execute(_FIRST_STEP, params)).scalar()
+        owners[key] = RolloutOwner(row.model, step)
+    return owners
+
+
+class SqliteRolloutOwners:
+    """`rollout_owners` of a SQLite store, read on the calling thread with the sqlite3 module: a look-up by
+    primary key in a local WAL file takes microseconds and never waits for a writer, less than one hop to
+    aiosqlite's thread and back. Raises sqlite3.Error (a store being recovered, a file gone): ask the async way."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+        named = sqlite.dialect(paramstyle="named")
+        model, step = (stmt.compile(dialect=named) for stmt in (_ROLLOUT_MODEL, _FIRST_STEP))
+        self._model, self._step = (str(model), model.params), (str(step), step.params)
+
+    @classmethod
+    def of(cls, url: str) -> SqliteRolloutOwners | None:
+        """For a SQLite store's URL (a file); None for any other store."""
+        path = url.split(":///", 1)[-1]
+        return cls(path) if url.startswith("sqlite") and path and path != ":memory:" else None
+
+    def __call__(self, key: RolloutKey) -> RolloutOwner | None:
+        if self._conn is None:  # read-only, and failing at once rather than waiting on a lock (timeout 0)
+            self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=0, isolation_level=None)
+        (model_sql, model_params), (step_sql, step_params) = self._model, self._step
+        params = {**model_params, "owner": key.owner, "id": key.id}
+        row = self._conn.execute(model_sql, params).fetchone()
+        if row is None:
+            return None
+        if row[0] is None:
+            return RolloutOwner(None, None)
+        first = self._conn.execute(step_sql, {**step_params, **params, "model": row[0]}).fetchone()
+        return RolloutOwner(row[0], None if first is None else first[0])
 
 
 def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRecord]:

@@ -366,6 +366,69 @@ def gateway_on_stub(
         stop_group(stub)
 
 
+class TcpProxy:
+    """A TCP relay in front of the test PostgreSQL server: `down()` cuts every connection and refuses new ones,
+    as a dead or unreachable server does; `up()` listens again on the same port. `pause()` holds every byte
+    (a server that takes its time: a query waits for its answer) until `resume()`."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = free_port()
+        self.sockets: list[socket.socket] = []
+        self.listener: socket.socket | None = None
+        self.flowing = threading.Event()
+        self.flowing.set()
+
+    def pause(self) -> None:
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
+    def up(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        assert self.listener is not None
+        # shutdown() first: a bare close() leaves the socket listening while the accept thread blocks on it.
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        for sock in self.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        self.sockets.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed by down()
+            server = socket.create_connection(self.target)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 @contextmanager
 def started_together(gateways: list[GatewayProcess], timeout: float = 90) -> Iterator[list[GatewayProcess]]:
     """Replicas started at once (`wait=False`: both migrate the empty store on start, one waits for the

@@ -4,7 +4,8 @@ its runtime LoRA API with what is loaded in `GET /loras`) and for watching the e
 client hang-up: with --endless-stream it streams a token every 20 ms until its client goes away, and
 `GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
 then, but on a busy CPU its own event loop may only notice once the generation is over), and shows the
-W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it).
+W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it) and, once one came,
+how many plain inference `requests` came.
 A plain stream (role, three tokens, usage, [DONE]) serves load tests. Everything else is tested against the
 real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
@@ -203,6 +204,7 @@ def make_app(  # type: ignore[no-untyped-def]
             body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
             code = 200
         else:
+            stats["requests"] = stats.get("requests", 0) + 1  # the plain inference requests received
             stats["last_traceparent"] = dict(scope["headers"]).get(b"traceparent", b"").decode() or None
             request = json.loads(await _body(receive) or b"{}")
             if delay and not await _wait_unless_aborted(receive, delay):

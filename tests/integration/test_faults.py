@@ -12,9 +12,7 @@ readers). A store that is down is a PostgreSQL URL nothing listens on.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sqlite3
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +30,7 @@ from gateway.errors import exception_handlers
 from gateway.metrics import GatewayMetrics, StoreSnapshot
 from gateway.provide import Services
 from store import create_engine
-from tests.conftest import free_port, metric, poll, start_stub, stop_group
+from tests.conftest import TcpProxy, free_port, metric, poll, start_stub, stop_group
 
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
 STORE_UNAVAILABLE = {
@@ -170,60 +168,6 @@ def test_engine_4xx_passes_through_and_counts_as_a_client_error(gateway_factory,
 
 
 # ---------------------------------------------------------------- PostgreSQL going down and coming back
-
-
-class TcpProxy:
-    """A TCP relay in front of the test PostgreSQL server: `down()` cuts every connection and refuses new ones,
-    as a dead or unreachable server does; `up()` listens again on the same port."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.port = free_port()
-        self.sockets: list[socket.socket] = []
-        self.listener: socket.socket | None = None
-
-    def up(self) -> None:
-        listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
-        self.listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def down(self) -> None:
-        assert self.listener is not None
-        # shutdown() first: a bare close() leaves the socket listening while the accept thread blocks on it.
-        self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        for sock in self.sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-        self.sockets.clear()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return  # closed by down()
-            server = socket.create_connection(self.target)
-            self.sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 @pytest.mark.postgres

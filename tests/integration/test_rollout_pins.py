@@ -108,6 +108,13 @@ def test_a_rollout_stays_on_the_step_of_its_first_call(tmp_path: Path, stub_url:
         assert status(gateway)["pinned_rollouts"] == {"6": 1, "7": 1}
 
 
+async def claim(owners: RolloutOwners, rollout: RolloutKey) -> None:
+    """A call of MODEL served by step 1 joins `rollout` (once the store has said whose it is, if new here)."""
+    pending = owners.claim(rollout, MODEL, 1)
+    if pending is not None:
+        await pending
+
+
 async def test_the_pins_are_kept_for_the_newest_rollouts_only(tmp_path: Path) -> None:
     """The gateway's memory is bounded (README): RSS grows with fresh rollout ids until its three per-rollout
     tables fill. The writer's cache and the continuations have byte budgets with tests of their own
@@ -118,9 +125,9 @@ async def test_the_pins_are_kept_for_the_newest_rollouts_only(tmp_path: Path) ->
         await migrate(store)
         owners = RolloutOwners(store, size=3)
         for i in range(10):
-            await owners.claim(RolloutKey("key_a", f"r{i}"), MODEL, 1)
+            await claim(owners, RolloutKey("key_a", f"r{i}"))
         assert owners.held_steps(MODEL) == {1: 3}  # every one called just now: only the newest three are kept
-        await owners.claim(RolloutKey("key_a", "r9"), MODEL, 1)  # one of them again: still three
+        await claim(owners, RolloutKey("key_a", "r9"))  # one of them again: still three
         assert owners.held_steps(MODEL) == {1: 3}
     finally:
         await store.dispose()

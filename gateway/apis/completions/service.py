@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.adapters import Route
 from gateway.apis.completions.schema import parse_completion_request, prompt_count
 from gateway.apis.completions.translate import CompletionsWire, upstream_request
 from gateway.asgi import EventStream, HangUp, JSONBody
@@ -16,16 +17,18 @@ class CompletionsService:
 
     async def complete(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         head, request = parse_completion_request(body)
-        route = await self.calls.route(head.model, origin)
         several = prompt_count(head.prompt) > 1
-        spec = EngineRequest(
-            "completions",
-            "/v1/completions",
-            upstream_request(head, request, route),
-            request,
-            route,
-            bool(head.stream),
-            CompletionsWire(request, head.model),
-            choices_per_prompt=(head.n or 1) if several else 0,
-        )
-        return await self.calls.run(spec, origin, hang_up)
+
+        def build(route: Route) -> EngineRequest:
+            return EngineRequest(
+                "completions",
+                "/v1/completions",
+                upstream_request(head, request, route),
+                request,
+                route,
+                bool(head.stream),
+                CompletionsWire(request, head.model),
+                choices_per_prompt=(head.n or 1) if several else 0,
+            )
+
+        return await self.calls.answer(head.model, origin, build, hang_up)

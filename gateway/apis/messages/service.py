@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.adapters import Route
 from gateway.apis.chat.translate import strict_forced_calls, upstream_request
 from gateway.apis.messages.schema import (
     AnthropicError,
@@ -163,8 +164,10 @@ class MessagesService:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
         request = await self.threads.whole(parse_request(body), origin.caller)
         chat = strict_forced_calls(to_chat(request))
-        route = await self.calls.route(request.model, origin)
-        upstream_body, _ = upstream_request(chat, route)
-        wire = MessagesWire(self.threads, request, origin)
-        spec = EngineRequest("messages", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
-        return await self.calls.run(spec, origin, hang_up)
+
+        def build(route: Route) -> EngineRequest:
+            upstream_body, _ = upstream_request(chat, route)
+            wire = MessagesWire(self.threads, request, origin)
+            return EngineRequest("messages", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
+
+        return await self.calls.answer(request.model, origin, build, hang_up)

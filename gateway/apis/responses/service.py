@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.adapters import Route
 from gateway.apis.chat.translate import offered_tools, strict_forced_calls, upstream_request
 from gateway.apis.responses.schema import Response, ResponsesRequest, parse_request
 from gateway.apis.responses.translate import (
@@ -122,11 +123,13 @@ class ResponsesService:
                 param="input",
                 code="empty_array",
             )
-        route = await self.calls.route(request.model, origin)
-        upstream_body, _ = upstream_request(chat, route)
-        wire = ResponsesWire(self, request, origin, history)
-        spec = EngineRequest("responses", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
-        return await self.calls.run(spec, origin, hang_up)
+
+        def build(route: Route) -> EngineRequest:
+            upstream_body, _ = upstream_request(chat, route)
+            wire = ResponsesWire(self, request, origin, history)
+            return EngineRequest("responses", CHAT_PATH, upstream_body, chat, route, bool(request.stream), wire)
+
+        return await self.calls.answer(request.model, origin, build, hang_up)
 
     async def _stored(self, response_id: str, caller: Caller) -> StoredResponse:
         """The stored response, if the caller's key made it (or is the admin's, or granted to read its maker's);
