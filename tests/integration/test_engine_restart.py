@@ -282,6 +282,9 @@ def test_a_killed_engine_is_ended_whole_and_restarted(long_tiny_model: Path, gat
     gateway = gateway_factory(
         *("--base-model", str(long_tiny_model), "--engine-port", str(engine_port)),
         *("--max-model-len", str(MAX_MODEL_LEN)),
+        # vLLM's own tree of processes (a GPU's; on CPU the supervisor runs it in one by default): an engine core
+        # that dies apart from its server is a death of its own
+        *("--engine-args", "--distributed-executor-backend mp"),
         wait=False,
     )
     wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
