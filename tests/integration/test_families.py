@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, start_gateway, wait_http
+from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric
 from tests.recorded import ROME_PARIS_QUESTION, ROME_PARIS_TOOLS, new_id, one_sequence, sampled_by_call
 
 pytestmark = pytest.mark.engine
@@ -30,22 +30,28 @@ pytestmark = pytest.mark.engine
 class Served:
     gateway: GatewayProcess
     tokenizer: Any
+    stops: tuple[str, ...]  # the family's end-of-turn tokens, which the client's text never shows
+    reasons: bool  # whether the family's template opens a reasoning block (Qwen3's <think>)
 
 
-@pytest.fixture(scope="module")
-def qwen3(family_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`artgw serve --base-model` the tiny Qwen3, no engine arguments: one engine for the module."""
-    model = family_model("qwen3")
-    gateway = start_gateway(tmp_path_factory.mktemp("qwen3"), "--base-model", str(model), wait=False)
-    try:
-        try:
-            wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
-        except Exception:
-            print(gateway.log()[-5000:])
-            raise
-        yield Served(gateway, AutoTokenizer.from_pretrained(model))
-    finally:
-        gateway.stop()
+def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
+    """Family `name`'s tiny model served with no engine arguments: the suite's one engine for that family."""
+    model = family_model(name)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stops = tuple(
+        tokenizer.convert_ids_to_tokens(json.loads((model / "generation_config.json").read_text())["eos_token_id"])
+    )
+    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3")
+
+
+@pytest.fixture
+def qwen3(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "qwen3")
+
+
+@pytest.fixture
+def llama3_1(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "llama3_1")
 
 
 def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen3: Served) -> None:
@@ -107,14 +113,15 @@ class _Loop:
     """A rollout's calls through the OpenAI SDK on the tiny Qwen3, whole or streamed, each reply sent back as
     `client` does."""
 
-    def __init__(self, qwen3: Served, rid: str, client: str, stream: bool, seed: int) -> None:
+    def __init__(self, served: Served, rid: str, client: str, stream: bool, seed: int) -> None:
         self.sdk = openai.OpenAI(
-            base_url=qwen3.gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
+            base_url=served.gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
         )
         self.client, self.stream, self.seed = client, stream, seed
         self.messages: list[dict[str, Any]] = [*ROME_PARIS_QUESTION]
         self.replies: list[Any] = []
-        token = qwen3.tokenizer.convert_tokens_to_ids
+        self.tools_offered: list[bool] = []
+        token = served.tokenizer.convert_tokens_to_ids
         # A forced call closes its reasoning at once (a random model rarely samples `</think>`), then ends its JSON
         # where `"` and `}` are favoured: test_serve_picks_qwen3s_parsers_... above.
         self.forced_bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
@@ -131,6 +138,7 @@ class _Loop:
                     pass
                 choice = events.current_completion_snapshot.choices[0]
         self.replies.append(choice)
+        self.tools_offered.append(bool(fields.get("tools")))
         self.messages.append(_sent_back(choice.message, self.client))
         return choice
 
@@ -162,13 +170,20 @@ def _received(text: str, thinking: bool) -> tuple[str, str]:
     return reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n") if closed else ""
 
 
-def _assert_one_sequence_of_what_the_client_got(qwen3: Served, rid: str, loop: _Loop, before: dict[str, float]) -> None:
-    gateway = qwen3.gateway
+def _assert_one_sequence_of_what_the_client_got(
+    served: Served, rid: str, loop: _Loop, before: dict[str, float]
+) -> None:
+    gateway = served.gateway
     recorded = one_sequence(gateway, rid, len(loop.replies))
     sampled = sampled_by_call(recorded)
-    for call, reply in zip(recorded["calls"], loop.replies, strict=True):
-        text = qwen3.tokenizer.decode(sampled[call["id"]], skip_special_tokens=False).removesuffix("<|im_end|>")
-        reasoning, content = _received(text, loop.client != "thinking off")
+    for call, reply, tools in zip(recorded["calls"], loop.replies, loop.tools_offered, strict=True):
+        # vLLM's text leaves special tokens out, but where tools are offered (the tool parser must see its markers)
+        ids = sampled[call["id"]]
+        text = served.tokenizer.decode(
+            ids[:-1] if served.tokenizer.convert_ids_to_tokens(ids[-1]) in served.stops else ids,
+            skip_special_tokens=not tools,
+        )
+        reasoning, content = _received(text, served.reasons and loop.client != "thinking off")
         message = reply.message
         assert reasoning == ((message.model_extra or {}).get("reasoning") or "").strip("\n"), (text, message)
         if message.tool_calls:  # the sampled ids are the tool call the client parsed
@@ -225,3 +240,20 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
+
+
+# -- Llama 3.1: its template trims each message's content and renders no tools ------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_multi_turn_text_loop_on_llama3_1_is_one_sequence(llama3_1: Served, stream: bool) -> None:
+    """Three user turns, each answered, on the template npm's Llama 3.1 package carries (each message's content
+    `| trim`med, a BOS before the first turn, `<|eot_id|>` ending each): one sequence, every continuing call spliced."""
+    rid = new_id("llama-text")
+    before = _counts(llama3_1.gateway)
+    loop = _Loop(llama3_1, rid, "reasoning dropped", stream, seed=1)
+    for follow_up in ("And tomorrow?", "And the day after?", None):
+        loop.call(max_tokens=12)
+        if follow_up:
+            loop.messages.append({"role": "user", "content": follow_up})
+    _assert_one_sequence_of_what_the_client_got(llama3_1, rid, loop, before)
