@@ -16,12 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric
-from tests.recorded import ROME_PARIS_QUESTION, ROME_PARIS_TOOLS, new_id, one_sequence, sampled_by_call
+from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client
+from tests.recorded import (
+    ROME_PARIS_QUESTION,
+    ROME_PARIS_TOOLS,
+    anthropic_tool_loop,
+    app_env,
+    new_id,
+    one_sequence,
+    rollout,
+    sampled_by_call,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -32,16 +42,48 @@ class Served:
     tokenizer: Any
     stops: tuple[str, ...]  # the family's end-of-turn tokens, which the client's text never shows
     reasons: bool  # whether the family's template opens a reasoning block (Qwen3's <think>)
+    # A forced call's logit bias: a random model ends the call's JSON where `"` and `}` are favoured (and closes
+    # Qwen3's reasoning at once, `</think>`) instead of writing whitespace to the limit.
+    forced_bias: dict[str, int]
+
+    @property
+    def forced_bias_body(self) -> dict[str, Any]:
+        return {"logit_bias": self.forced_bias}
+
+
+class _Tekken:
+    """Mistral's tekken tokenizer (mistral_common's) as the tests read a transformers tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        self.tekken = MistralTokenizer.from_file(str(path)).instruct_tokenizer.tokenizer
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        (only,) = self.tekken.encode(token, bos=False, eos=False)
+        return int(only)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        return self.tekken.id_to_piece(ids) if isinstance(ids, int) else [self.tekken.id_to_piece(i) for i in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        policy = SpecialTokenPolicy.IGNORE if skip_special_tokens else SpecialTokenPolicy.KEEP
+        return str(self.tekken.decode(ids, special_token_policy=policy))
 
 
 def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
     """Family `name`'s tiny model served with no engine arguments: the suite's one engine for that family."""
     model = family_model(name)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    stops = tuple(
-        tokenizer.convert_ids_to_tokens(json.loads((model / "generation_config.json").read_text())["eos_token_id"])
-    )
-    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3")
+    tokenizer = _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
+    eos = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
+    stops = tuple(tokenizer.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos]))
+    token = tokenizer.convert_tokens_to_ids
+    bias = {str(token('"')): 20, str(token("}")): 20}
+    if name == "qwen3":
+        bias[str(token("</think>"))] = 100
+    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
 
 
 @pytest.fixture
@@ -54,6 +96,11 @@ def llama3_1(family_gateway: Callable[[str], GatewayProcess], family_model: Call
     return _served(family_gateway, family_model, "llama3_1")
 
 
+@pytest.fixture
+def mistral(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "mistral")
+
+
 def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen3: Served) -> None:
     gateway = qwen3.gateway
     log = gateway.log()
@@ -62,12 +109,11 @@ def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen
     assert started is not None, log[-3000:]
     assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(1)  # hermes: our plugin of it
 
-    token = qwen3.tokenizer.convert_tokens_to_ids
     client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     # Thinking on: a random model closes its reasoning only when `</think>` is favoured; vLLM then samples
     # the forced call under its grammar, where `"` and `}` favoured end the JSON instead of endless whitespace.
-    bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+    bias = qwen3.forced_bias
     reply = client.chat.completions.create(
         model="my-agent",
         messages=question,  # type: ignore[arg-type]
@@ -121,10 +167,7 @@ class _Loop:
         self.messages: list[dict[str, Any]] = [*ROME_PARIS_QUESTION]
         self.replies: list[Any] = []
         self.tools_offered: list[bool] = []
-        token = served.tokenizer.convert_tokens_to_ids
-        # A forced call closes its reasoning at once (a random model rarely samples `</think>`), then ends its JSON
-        # where `"` and `}` are favoured: test_serve_picks_qwen3s_parsers_... above.
-        self.forced_bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+        self.forced_bias = served.forced_bias
 
     def call(self, **fields: Any) -> Any:
         fields = {"model": "my-agent", "messages": self.messages, "max_tokens": 48, "seed": self.seed, **fields}
@@ -156,7 +199,7 @@ def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
     for seed in range(seeds):
         try:
             return seed, run(seed)
-        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError) as exc:
+        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
             failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
     pytest.fail("no run completed:\n" + "\n".join(failures))
 
@@ -201,7 +244,8 @@ def _assert_one_sequence_of_what_the_client_got(
 
 def _counts(gateway: GatewayProcess) -> dict[str, float]:
     return {
-        how: metric(gateway.url, "artgw_continued_calls_total", how=how) for how in ("spliced", "template_mismatch")
+        how: metric(gateway.url, "artgw_continued_calls_total", how=how)
+        for how in ("spliced", "template_mismatch", "render_failed")
     }
 
 
@@ -246,14 +290,102 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_multi_turn_text_loop_on_llama3_1_is_one_sequence(llama3_1: Served, stream: bool) -> None:
-    """Three user turns, each answered, on the template npm's Llama 3.1 package carries (each message's content
-    `| trim`med, a BOS before the first turn, `<|eot_id|>` ending each): one sequence, every continuing call spliced."""
-    rid = new_id("llama-text")
-    before = _counts(llama3_1.gateway)
-    loop = _Loop(llama3_1, rid, "reasoning dropped", stream, seed=1)
+def test_anthropic_messages_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, stream: bool) -> None:
+    """Anthropic's Python SDK: two forced tool_use turns, then an answer, each reply (its thinking block
+    included, which the gateway leaves out of the prompt as the template does) sent back whole."""
+    rid = new_id("qwen3-messages")
+    before = _counts(qwen3.gateway)
+
+    def run(seed: int) -> list[Any]:
+        return anthropic_tool_loop(qwen3.gateway.url, f"{rid}-{seed}", seed, stream, extra_body=qwen3.forced_bias_body)
+
+    seed, replies = _first_run(run)
+    recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 3)
+    assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
+    assert any(block.type == "thinking" for block in replies[0].content), replies[0]
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+    assert _counts(qwen3.gateway)["spliced"] - before["spliced"] >= 2
+
+
+def test_openai_agents_sdk_run_on_qwen3_is_one_sequence(qwen3: Served) -> None:
+    """The Agents SDK at its defaults (Responses API, reasoning items sent back as it keeps them): its forced tool
+    call and the answer after the tool's result are one sequence."""
+    rid, env = app_env(qwen3.gateway)
+    run = run_client("agents_sdk_tool_agent", {**env, "APP_EXTRA_BODY": json.dumps(qwen3.forced_bias_body)})
+    assert run["asked"] and run["asked"][-1] in ("Paris", "Rome")
+    recorded = poll(lambda: rollout(qwen3.gateway, rid), 10, "the rollout")
+    assert {c["api"] for c in recorded["calls"]} == {"responses"}
+    tool_turn, answer_turn = [c for c in recorded["calls"] if c["status"] == "ok"][-2:]
+    # Each failed seed (a call cut at max_tokens) is a rollout's first call again: a sequence of its own.
+    assert recorded["sequences"][-1]["call_ids"] == [tool_turn["id"], answer_turn["id"]], recorded["sequences"]
+
+
+def _text_loop(served: Served, rid: str, stream: bool) -> None:
+    """Three user turns, each answered: one sequence, every continuing call spliced."""
+    before = _counts(served.gateway)
+    loop = _Loop(served, rid, "reasoning dropped", stream, seed=1)
     for follow_up in ("And tomorrow?", "And the day after?", None):
         loop.call(max_tokens=12)
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
-    _assert_one_sequence_of_what_the_client_got(llama3_1, rid, loop, before)
+    _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_multi_turn_text_loop_on_llama3_1_is_one_sequence(llama3_1: Served, stream: bool) -> None:
+    """On the template npm's Llama 3.1 package carries: each message's content `| trim`med, a BOS before the first
+    turn, `<|eot_id|>` ending each."""
+    _text_loop(llama3_1, new_id("llama-text"), stream)
+
+
+# -- Mistral (tekken): mistral_common renders the prompt; no history that ends with an assistant turn renders -----
+
+
+def test_serve_picks_mistrals_parsers_and_answers_a_forced_call_as_tool_calls(mistral: Served) -> None:
+    """vLLM's `auto` tokenizer mode finds tekken.json only beside consolidated*.safetensors: the gateway passes
+    `--tokenizer-mode mistral` itself, with the mistral tool-call parser."""
+    log = mistral.gateway.log()
+    assert "vLLM's parsers: tool calls mistral, reasoning none (" in log, log[-3000:]
+    started = re.search(r"starting vLLM: (.*) \(log: ", log)
+    assert started is not None, log[-3000:]
+    assert "--tool-call-parser mistral --tokenizer-mode mistral" in started.group(1)
+    client = openai.OpenAI(base_url=mistral.gateway.base_url, api_key="unused")
+    reply = client.chat.completions.create(
+        model="my-agent",
+        messages=ROME_PARIS_QUESTION,  # type: ignore[arg-type]
+        tools=ROME_PARIS_TOOLS,  # type: ignore[arg-type]
+        tool_choice=FORCED,  # type: ignore[arg-type]
+        max_tokens=200,
+        extra_body={"logit_bias": mistral.forced_bias},
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls, reply.model_dump_json()
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments)["city"] in {"Paris", "Rome"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_multi_turn_text_loop_on_mistral_is_one_sequence(mistral: Served, stream: bool) -> None:
+    """Before, the splice rendered the history through the reply, which mistral_common refuses (a last assistant
+    message must be a prefix): every continuing call was served as sent (`render_failed`)."""
+    _text_loop(mistral, new_id("mistral-text"), stream)
+
+
+def test_openai_sdk_tool_loop_on_mistral(mistral: Served) -> None:
+    rid = new_id("mistral-tools")
+
+    def run(seed: int) -> tuple[_Loop, dict[str, float]]:
+        before = _counts(mistral.gateway)
+        loop = _Loop(mistral, f"{rid}-{seed}", "reasoning dropped", False, seed)
+        loop.forced_call()
+        loop.forced_call()
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        loop.messages.append({"role": "user", "content": "And tomorrow?"})
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        return loop, before
+
+    seed, (loop, before) = _first_run(run)
+    print(
+        {how: metric(mistral.gateway.url, "artgw_continued_calls_total", how=how) - was for how, was in before.items()}
+    )
+    _assert_one_sequence_of_what_the_client_got(mistral, f"{rid}-{seed}", loop, before)
