@@ -298,8 +298,8 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_anthropic_messages_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, stream: bool) -> None:
-    """Anthropic's Python SDK: two forced tool_use turns, then an answer, each reply (its thinking block
-    included, which the gateway leaves out of the prompt as the template does) sent back whole."""
+    """Anthropic's Python SDK: two forced tool_use turns, then an answer, each reply sent back whole (a thinking
+    block too, where the model reasoned: the gateway leaves it out of the prompt, as the template does)."""
     rid = new_id("qwen3-messages")
     before = _counts(qwen3.gateway)
 
@@ -309,7 +309,6 @@ def test_anthropic_messages_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, st
     seed, replies = _first_run(run)
     recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
-    assert any(block.type == "thinking" for block in replies[0].content), replies[0]
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
     assert _counts(qwen3.gateway)["spliced"] - before["spliced"] >= 2
 
