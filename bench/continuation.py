@@ -553,9 +553,10 @@ def _forced_bias(model_dir: Path, family: str) -> dict[str, int]:
     return {str(i): 100 if text == "</think>" else 20 for i, text in zip(ids, texts, strict=True)}
 
 
-def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None) -> None:
+def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None) -> int:
     """A rollout as an agent makes it: with `bias`, two forced tool calls (each result sent back), an answer, a
-    follow-up and its answer; without (a template with no tools section), three user turns, each answered."""
+    follow-up and its answer; without (a template with no tools section), three user turns, each answered.
+    Returns how many tool calls the model made (a forced call cut at its limit makes none)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
@@ -587,9 +588,12 @@ def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None)
             ask(max_tokens=12)
             if follow_up:
                 messages.append({"role": "user", "content": follow_up})
-        return
+        return 0
+    called = 0
     for _ in range(2):
-        message = ask(tools=tools, tool_choice=FORCED, extra_body={"logit_bias": bias})
+        # 120 tokens: Mistral's forced call is a JSON array of {name, arguments}, longer than a hermes call
+        message = ask(tools=tools, tool_choice=FORCED, max_tokens=120, extra_body={"logit_bias": bias})
+        called += len(message.tool_calls or ())
         for call in message.tool_calls or ():
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
         if not message.tool_calls:
@@ -597,6 +601,7 @@ def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None)
     ask(tools=tools, max_tokens=16)
     messages.append({"role": "user", "content": "And tomorrow?"})
     ask(tools=tools, max_tokens=16)
+    return called
 
 
 def families_part(args: argparse.Namespace, procs: Processes, workdir: Path) -> None:
@@ -621,8 +626,7 @@ def families_part(args: argparse.Namespace, procs: Processes, workdir: Path) -> 
             loops["tool loop"] = _forced_bias(model_dir, family)
         for loop, bias in loops.items():
             rids = [f"{family}-{loop}-{i}".replace(" ", "-") for i in range(args.rollouts)]
-            for i, rid in enumerate(rids):
-                family_loop(url + "/v1", rid, i, bias)
+            called = [family_loop(url + "/v1", rid, i, bias) for i, rid in enumerate(rids)]
             time.sleep(2)  # the recorder's batch
             seqs = [rollout_sequences(url, rid) for rid in rids]
             per_rollout = statistics.mean(len(s) for s in seqs)
@@ -630,15 +634,17 @@ def families_part(args: argparse.Namespace, procs: Processes, workdir: Path) -> 
             trajectory = sum(max(len(x["token_ids"]) for x in s) for s in seqs)
             calls = statistics.mean(sum(len(x["call_ids"]) for x in s) for s in seqs)
             splits = sorted({x["split_reason"] for s in seqs for x in s if x["split_reason"]})
-            rows.append((family, loop, calls, per_rollout, processed / trajectory, "; ".join(splits) or "-"))
+            split = "; ".join(splits) or "-"
+            rows.append((family, loop, calls, statistics.mean(called), per_rollout, processed / trajectory, split))
         procs.stop_all()
         procs.procs.clear()
     print(
-        "\n| family | rollouts | calls/rollout | sequences/rollout | tokens processed per trajectory token | splits |"
+        "\n| family | rollouts | calls/rollout | tool calls/rollout | sequences/rollout |"
+        " tokens processed per trajectory token | splits |"
     )
-    print("|---|---|---|---|---|---|")
-    for family, loop, calls, per_rollout, ratio, splits in rows:
-        print(f"| {family} | {loop} | {calls:.1f} | {per_rollout:.2f} | {ratio:.2f} | {splits} |")
+    print("|---|---|---|---|---|---|---|")
+    for family, loop, calls, tool_calls, per_rollout, ratio, splits in rows:
+        print(f"| {family} | {loop} | {calls:.1f} | {tool_calls:.1f} | {per_rollout:.2f} | {ratio:.2f} | {splits} |")
 
 
 def main() -> int:
