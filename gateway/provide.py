@@ -357,10 +357,11 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
                 engine_args=settings.engine_args,
             )
             log.info(
-                "vLLM's parsers: tool calls %s, reasoning %s (%s)",
+                "vLLM's parsers: tool calls %s, reasoning %s (%s)%s",
                 parsers.tool_call_parser,
                 parsers.reasoning_parser or "none",
                 parsers.why,
+                f"; tokenizer mode {parsers.tokenizer_mode}" if parsers.tokenizer_mode else "",
             )
             engine = EngineSupervisor(
                 EngineConfig(
@@ -374,6 +375,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
                     max_model_len=settings.max_model_len,
                     tool_call_parser=parsers.tool_call_parser,
                     reasoning_parser=parsers.reasoning_parser,
+                    tokenizer_mode=parsers.tokenizer_mode,
                     extra_args=settings.engine_args,
                     log_path=settings.data_dir / "engine.log",
                     startup_timeout=settings.engine_startup_timeout,

@@ -38,6 +38,9 @@ class EngineParsers(msgspec.Struct, frozen=True):
     tool_call_parser: str
     reasoning_parser: str | None
     why: str
+    # vLLM's --tokenizer-mode where its `auto` would not find the model's tokenizer: `mistral` for a tekken.json or
+    # tokenizer.model.v* without consolidated*.safetensors (what vLLM's auto looks for), as `artgw tiny-model` writes.
+    tokenizer_mode: str | None = None
 
 
 HERMES_ONLY = EngineParsers(HERMES, None, "hermes and no reasoning parser, the engine's defaults")
@@ -50,7 +53,8 @@ def parsers_for(
     has `special_tokens` (its added tokens: vLLM refuses to start a parser whose markers the tokenizer lacks)."""
     if mistral_tokenizer or model_type.startswith("mistral"):
         # mistral_common renders the prompt (--tokenizer-mode mistral): [TOOL_CALLS] markers, no <think>.
-        return EngineParsers("mistral", None, f"model_type {model_type!r} with Mistral's tokenizer: [TOOL_CALLS]")
+        why = f"model_type {model_type!r} with Mistral's tokenizer: [TOOL_CALLS]"
+        return EngineParsers("mistral", None, why, "mistral" if mistral_tokenizer else None)
     if template is None:
         return EngineParsers(HERMES, None, f"model_type {model_type!r} and no chat template: hermes, the default")
     if "<|start_header_id|>" in template:
@@ -118,7 +122,7 @@ def choose_parsers(
     reasoning = family.reasoning_parser if given["reasoning"] == "auto" else given["reasoning"]
     overridden = ", ".join(f"{said[k]} {v}" for k, v in given.items() if v != "auto")
     why = f"{overridden} as set; the family's: {family.why}"
-    return EngineParsers(tool, None if reasoning == "none" else reasoning, why)
+    return EngineParsers(tool, None if reasoning == "none" else reasoning, why, family.tokenizer_mode)
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -240,6 +240,38 @@ def family_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pa
 
 
 @pytest.fixture(scope="session")
+def family_gateway(
+    family_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], GatewayProcess]]:
+    """`family_gateway(NAME)`: `artgw serve --base-model` family NAME's tiny model with no engine arguments (the
+    gateway picks the family's parsers). One engine a family for the whole session, and one running at a time:
+    asking for another family stops the one running, so tests of one family run together (test_families.py's
+    order) and each family's engine starts once."""
+    running: dict[str, GatewayProcess] = {}
+
+    def serve(family: str) -> GatewayProcess:
+        if family not in running:
+            for gateway in running.values():
+                gateway.stop()
+            running.clear()
+            gateway = start_gateway(
+                tmp_path_factory.mktemp(family), "--base-model", str(family_model(family)), wait=False
+            )
+            try:
+                wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
+            except Exception:
+                gateway.stop()
+                print(gateway.log()[-5000:])
+                raise
+            running[family] = gateway
+        return running[family]
+
+    yield serve
+    for gateway in running.values():
+        gateway.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Any:
     """The tiny model's tokenizer (transformers')."""
     from transformers import AutoTokenizer

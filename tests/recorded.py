@@ -28,6 +28,47 @@ ROME_PARIS_TOOLS = [
 ROME_PARIS_QUESTION = [{"role": "user", "content": "What is the weather in Rome and in Paris?"}]
 
 
+ROME_PARIS_TOOLS_ANTHROPIC = [
+    {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "input_schema": ROME_PARIS_TOOLS[0]["function"]["parameters"],
+    }
+]
+
+
+def anthropic_tool_loop(
+    url: str, rollout_id: str, seed: int, stream: bool, *, extra_body: dict[str, Any] | None = None
+) -> list[Any]:
+    """A rollout through Anthropic's Python SDK (the gateway at `url`): two forced tool_use turns, each answered
+    with a tool_result, then an answer; each reply sent back whole (thinking blocks included). ValueError when a
+    forced turn ran past max_tokens (try another seed)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key="unused", default_headers={"X-ART-Rollout-Id": rollout_id})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ROME_PARIS_QUESTION[0]["content"]}]
+    replies = []
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "get_weather"}, None):
+        fields: dict[str, Any] = dict(
+            model="my-agent", max_tokens=48, messages=messages, tools=ROME_PARIS_TOOLS_ANTHROPIC
+        )
+        fields.update(extra_body={"seed": seed, **(extra_body or {})}, **({"tool_choice": choice} if choice else {}))
+        if stream:
+            with client.messages.stream(**fields) as events:
+                reply = events.get_final_message()
+        else:
+            reply = client.messages.create(**fields)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if choice is not None:
+            if not uses or reply.stop_reason != "tool_use":  # the JSON ran past max_tokens: another seed
+                raise ValueError(f"no whole tool_use block ({reply.stop_reason})")
+            results = [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"} for b in uses]
+            messages.append({"role": "user", "content": results})
+    return replies
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

@@ -1,8 +1,11 @@
 """The OpenAI Agents SDK at its defaults (the Responses API; the endpoint from OPENAI_BASE_URL): a tool agent
-forced to call its tool first, run to completion."""
+forced to call its tool first, run to completion. APP_EXTRA_BODY (JSON): more request fields (a test's logit_bias
+that closes a random model's reasoning)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Literal
 
@@ -30,7 +33,10 @@ for seed in range(8):
         tools=[get_weather],
         # Forced to call the tool first; the SDK resets tool_choice after a tool call, so the run ends.
         model_settings=ModelSettings(
-            tool_choice="required", parallel_tool_calls=False, max_tokens=64, extra_body={"seed": seed}
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=64,
+            extra_body={"seed": seed, **json.loads(os.environ.get("APP_EXTRA_BODY", "{}"))},
         ),
     )
     try:

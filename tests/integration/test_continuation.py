@@ -24,6 +24,7 @@ from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start
 from tests.recorded import (
     ROME_PARIS_QUESTION,
     ROME_PARIS_TOOLS,
+    anthropic_tool_loop,
     decode,
     new_id,
     one_sequence,
@@ -261,39 +262,7 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bool) -> None:
     rid = new_id("anthropic")
-    tools = [
-        {
-            "name": "get_weather",
-            "description": "Current weather of a city.",
-            "input_schema": ROME_PARIS_TOOLS[0]["function"]["parameters"],
-        }
-    ]
-
-    def run(seed: int) -> list[Any]:
-        client = anthropic.Anthropic(
-            base_url=engine_gateway.url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
-        )
-        messages: list[dict[str, Any]] = [{"role": "user", "content": ROME_PARIS_QUESTION[0]["content"]}]
-        replies = []
-        for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "get_weather"}, None):
-            fields: dict[str, Any] = dict(model="my-agent", max_tokens=48, messages=messages, tools=tools)
-            fields.update(extra_body={"seed": seed}, **({"tool_choice": choice} if choice else {}))
-            if stream:
-                with client.messages.stream(**fields) as events:
-                    reply = events.get_final_message()
-            else:
-                reply = client.messages.create(**fields)
-            replies.append(reply)
-            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
-            uses = [b for b in reply.content if b.type == "tool_use"]
-            if choice is not None:
-                if not uses or reply.stop_reason != "tool_use":  # the JSON ran past max_tokens: another seed
-                    raise ValueError(f"no whole tool_use block ({reply.stop_reason})")
-                results = [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"} for b in uses]
-                messages.append({"role": "user", "content": results})
-        return replies
-
-    seed, replies = _first_run(run)
+    seed, replies = _first_run(lambda seed: anthropic_tool_loop(engine_gateway.url, f"{rid}-{seed}", seed, stream))
     recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
     assert {c["api"] for c in recorded["calls"]} == {"messages"}

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, start_gateway, wait_http
-from tests.recorded import ROME_PARIS_QUESTION, ROME_PARIS_TOOLS, new_id, one_sequence, sampled_by_call
+from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client
+from tests.recorded import (
+    ROME_PARIS_QUESTION,
+    ROME_PARIS_TOOLS,
+    anthropic_tool_loop,
+    app_env,
+    new_id,
+    one_sequence,
+    recorded_calls,
+    rollout,
+    sampled_by_call,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -30,22 +41,65 @@ pytestmark = pytest.mark.engine
 class Served:
     gateway: GatewayProcess
     tokenizer: Any
+    stops: tuple[str, ...]  # the family's end-of-turn tokens, which the client's text never shows
+    reasons: bool  # whether the family's template opens a reasoning block (Qwen3's <think>)
+    # A forced call's logit bias: a random model ends the call's JSON where `"` and `}` are favoured (and closes
+    # Qwen3's reasoning at once, `</think>`) instead of writing whitespace to the limit.
+    forced_bias: dict[str, int]
+
+    @property
+    def forced_bias_body(self) -> dict[str, Any]:
+        return {"logit_bias": self.forced_bias}
 
 
-@pytest.fixture(scope="module")
-def qwen3(family_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`artgw serve --base-model` the tiny Qwen3, no engine arguments: one engine for the module."""
-    model = family_model("qwen3")
-    gateway = start_gateway(tmp_path_factory.mktemp("qwen3"), "--base-model", str(model), wait=False)
-    try:
-        try:
-            wait_http(f"{gateway.url}/readyz", 600, gateway.proc)
-        except Exception:
-            print(gateway.log()[-5000:])
-            raise
-        yield Served(gateway, AutoTokenizer.from_pretrained(model))
-    finally:
-        gateway.stop()
+class _Tekken:
+    """Mistral's tekken tokenizer (mistral_common's) as the tests read a transformers tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        self.tekken = MistralTokenizer.from_file(str(path)).instruct_tokenizer.tokenizer
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        (only,) = self.tekken.encode(token, bos=False, eos=False)
+        return int(only)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        return self.tekken.id_to_piece(ids) if isinstance(ids, int) else [self.tekken.id_to_piece(i) for i in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        policy = SpecialTokenPolicy.IGNORE if skip_special_tokens else SpecialTokenPolicy.KEEP
+        return str(self.tekken.decode(ids, special_token_policy=policy))
+
+
+def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
+    """Family `name`'s tiny model served with no engine arguments: the suite's one engine for that family."""
+    model = family_model(name)
+    tokenizer = _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
+    eos = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
+    stops = tuple(tokenizer.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos]))
+    token = tokenizer.convert_tokens_to_ids
+    bias = {str(token('"')): 20, str(token("}")): 20}
+    if name == "qwen3":
+        bias[str(token("</think>"))] = 100
+    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
+
+
+@pytest.fixture
+def qwen3(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "qwen3")
+
+
+@pytest.fixture
+def llama3_1(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "llama3_1")
+
+
+@pytest.fixture
+def mistral(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path]) -> Served:
+    return _served(family_gateway, family_model, "mistral")
 
 
 def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen3: Served) -> None:
@@ -56,12 +110,11 @@ def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen
     assert started is not None, log[-3000:]
     assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(1)  # hermes: our plugin of it
 
-    token = qwen3.tokenizer.convert_tokens_to_ids
     client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     # Thinking on: a random model closes its reasoning only when `</think>` is favoured; vLLM then samples
     # the forced call under its grammar, where `"` and `}` favoured end the JSON instead of endless whitespace.
-    bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+    bias = qwen3.forced_bias
     reply = client.chat.completions.create(
         model="my-agent",
         messages=question,  # type: ignore[arg-type]
@@ -107,17 +160,15 @@ class _Loop:
     """A rollout's calls through the OpenAI SDK on the tiny Qwen3, whole or streamed, each reply sent back as
     `client` does."""
 
-    def __init__(self, qwen3: Served, rid: str, client: str, stream: bool, seed: int) -> None:
+    def __init__(self, served: Served, rid: str, client: str, stream: bool, seed: int) -> None:
         self.sdk = openai.OpenAI(
-            base_url=qwen3.gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
+            base_url=served.gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid}
         )
         self.client, self.stream, self.seed = client, stream, seed
         self.messages: list[dict[str, Any]] = [*ROME_PARIS_QUESTION]
         self.replies: list[Any] = []
-        token = qwen3.tokenizer.convert_tokens_to_ids
-        # A forced call closes its reasoning at once (a random model rarely samples `</think>`), then ends its JSON
-        # where `"` and `}` are favoured: test_serve_picks_qwen3s_parsers_... above.
-        self.forced_bias = {str(token("</think>")): 100, str(token('"')): 20, str(token("}")): 20}
+        self.tools_offered: list[bool] = []
+        self.forced_bias = served.forced_bias
 
     def call(self, **fields: Any) -> Any:
         fields = {"model": "my-agent", "messages": self.messages, "max_tokens": 48, "seed": self.seed, **fields}
@@ -131,11 +182,18 @@ class _Loop:
                     pass
                 choice = events.current_completion_snapshot.choices[0]
         self.replies.append(choice)
+        self.tools_offered.append(bool(fields.get("tools")))
         self.messages.append(_sent_back(choice.message, self.client))
         return choice
 
-    def forced_call(self) -> None:
-        choice = self.call(tools=ROME_PARIS_TOOLS, tool_choice=FORCED, extra_body={"logit_bias": self.forced_bias})
+    def forced_call(self, **fields: Any) -> None:
+        fields = {
+            "tools": ROME_PARIS_TOOLS,
+            "tool_choice": FORCED,
+            "extra_body": {"logit_bias": self.forced_bias},
+            **fields,
+        }
+        choice = self.call(**fields)
         if choice.finish_reason == "length":  # the JSON ran past max_tokens: another seed
             raise ValueError(f"cut at max_tokens after {len(choice.message.tool_calls or [])} call(s)")
         (tool_call,) = choice.message.tool_calls
@@ -148,7 +206,7 @@ def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
     for seed in range(seeds):
         try:
             return seed, run(seed)
-        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError) as exc:
+        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
             failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
     pytest.fail("no run completed:\n" + "\n".join(failures))
 
@@ -162,13 +220,20 @@ def _received(text: str, thinking: bool) -> tuple[str, str]:
     return reasoning.removeprefix("<think>").strip("\n"), content.lstrip("\n") if closed else ""
 
 
-def _assert_one_sequence_of_what_the_client_got(qwen3: Served, rid: str, loop: _Loop, before: dict[str, float]) -> None:
-    gateway = qwen3.gateway
+def _assert_one_sequence_of_what_the_client_got(
+    served: Served, rid: str, loop: _Loop, before: dict[str, float]
+) -> None:
+    gateway = served.gateway
     recorded = one_sequence(gateway, rid, len(loop.replies))
     sampled = sampled_by_call(recorded)
-    for call, reply in zip(recorded["calls"], loop.replies, strict=True):
-        text = qwen3.tokenizer.decode(sampled[call["id"]], skip_special_tokens=False).removesuffix("<|im_end|>")
-        reasoning, content = _received(text, loop.client != "thinking off")
+    for call, reply, tools in zip(recorded["calls"], loop.replies, loop.tools_offered, strict=True):
+        # vLLM's text leaves special tokens out, but where tools are offered (the tool parser must see its markers)
+        ids = sampled[call["id"]]
+        text = served.tokenizer.decode(
+            ids[:-1] if served.tokenizer.convert_ids_to_tokens(ids[-1]) in served.stops else ids,
+            skip_special_tokens=not tools,
+        )
+        reasoning, content = _received(text, served.reasons and loop.client != "thinking off")
         message = reply.message
         assert reasoning == ((message.model_extra or {}).get("reasoning") or "").strip("\n"), (text, message)
         if message.tool_calls:  # the sampled ids are the tool call the client parsed
@@ -186,7 +251,8 @@ def _assert_one_sequence_of_what_the_client_got(qwen3: Served, rid: str, loop: _
 
 def _counts(gateway: GatewayProcess) -> dict[str, float]:
     return {
-        how: metric(gateway.url, "artgw_continued_calls_total", how=how) for how in ("spliced", "template_mismatch")
+        how: metric(gateway.url, "artgw_continued_calls_total", how=how)
+        for how in ("spliced", "template_mismatch", "render_failed")
     }
 
 
@@ -225,3 +291,119 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
+
+
+# -- Llama 3.1: its template trims each message's content and renders no tools ------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_messages_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, stream: bool) -> None:
+    """Anthropic's Python SDK: two forced tool_use turns, then an answer, each reply sent back whole (a thinking
+    block too, where the model reasoned: the gateway leaves it out of the prompt, as the template does)."""
+    rid = new_id("qwen3-messages")
+    before = _counts(qwen3.gateway)
+
+    def run(seed: int) -> list[Any]:
+        return anthropic_tool_loop(qwen3.gateway.url, f"{rid}-{seed}", seed, stream, extra_body=qwen3.forced_bias_body)
+
+    seed, replies = _first_run(run)
+    recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 3)
+    assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
+    assert {c["api"] for c in recorded["calls"]} == {"messages"}
+    assert _counts(qwen3.gateway)["spliced"] - before["spliced"] >= 2
+
+
+def test_openai_agents_sdk_run_on_qwen3_is_one_sequence(qwen3: Served) -> None:
+    """The Agents SDK at its defaults (Responses API, reasoning items sent back as it keeps them): its forced tool
+    call and the answer after the tool's result are one sequence."""
+    rid, env = app_env(qwen3.gateway)
+    run = run_client("agents_sdk_tool_agent", {**env, "APP_EXTRA_BODY": json.dumps(qwen3.forced_bias_body)})
+    assert run["asked"] and run["asked"][-1] in ("Paris", "Rome")
+    recorded = poll(lambda: rollout(qwen3.gateway, rid), 10, "the rollout")
+    assert {c["api"] for c in recorded["calls"]} == {"responses"}
+    tool_turn, answer_turn = [c for c in recorded["calls"] if c["status"] == "ok"][-2:]
+    # Each failed seed (a call cut at max_tokens) is a rollout's first call again: a sequence of its own.
+    assert recorded["sequences"][-1]["call_ids"] == [tool_turn["id"], answer_turn["id"]], recorded["sequences"]
+
+
+def _text_loop(served: Served, rid: str, stream: bool) -> None:
+    """Three user turns, each answered: one sequence, every continuing call spliced."""
+    before = _counts(served.gateway)
+    loop = _Loop(served, rid, "reasoning dropped", stream, seed=1)
+    for follow_up in ("And tomorrow?", "And the day after?", None):
+        loop.call(max_tokens=12)
+        if follow_up:
+            loop.messages.append({"role": "user", "content": follow_up})
+    _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_multi_turn_text_loop_on_llama3_1_is_one_sequence(llama3_1: Served, stream: bool) -> None:
+    """On the template npm's Llama 3.1 package carries: each message's content `| trim`med, a BOS before the first
+    turn, `<|eot_id|>` ending each."""
+    _text_loop(llama3_1, new_id("llama-text"), stream)
+
+
+# -- Mistral (tekken): mistral_common renders the prompt; no history that ends with an assistant turn renders -----
+
+
+def test_serve_picks_mistrals_parsers_and_answers_a_forced_call_as_tool_calls(mistral: Served) -> None:
+    """vLLM's `auto` tokenizer mode finds tekken.json only beside consolidated*.safetensors: the gateway passes
+    `--tokenizer-mode mistral` itself, with the mistral tool-call parser."""
+    log = mistral.gateway.log()
+    assert "vLLM's parsers: tool calls mistral, reasoning none (" in log, log[-3000:]
+    started = re.search(r"starting vLLM: (.*) \(log: ", log)
+    assert started is not None, log[-3000:]
+    assert "--tool-call-parser mistral --tokenizer-mode mistral" in started.group(1)
+    client = openai.OpenAI(base_url=mistral.gateway.base_url, api_key="unused")
+    reply = client.chat.completions.create(
+        model="my-agent",
+        messages=ROME_PARIS_QUESTION,  # type: ignore[arg-type]
+        tools=ROME_PARIS_TOOLS,  # type: ignore[arg-type]
+        tool_choice=FORCED,  # type: ignore[arg-type]
+        max_tokens=200,
+        extra_body={"logit_bias": mistral.forced_bias},
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls, reply.model_dump_json()
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments)["city"] in {"Paris", "Rome"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_multi_turn_text_loop_on_mistral_is_one_sequence(mistral: Served, stream: bool) -> None:
+    """Before, the splice rendered the history through the reply, which mistral_common refuses (a last assistant
+    message must be a prefix): every continuing call was served as sent (`render_failed`)."""
+    _text_loop(mistral, new_id("mistral-text"), stream)
+
+
+def test_openai_sdk_tool_loop_on_mistral_is_served_as_sent_after_a_tool_call(mistral: Served) -> None:
+    """What the gateway does where a Mistral rollout cannot be continued: mistral_common, which renders Mistral's
+    prompts (there is no Jinja template), renders no history that ends with an assistant turn, nor an assistant
+    message with both text and tool calls, so where a tool-call reply's turn ends in the request's render cannot
+    be found. The call after a tool call is served as sent and counted (`render_failed`): a new sequence. The
+    call after a text reply is spliced as on any template."""
+    rid = new_id("mistral-tools")
+
+    def run(seed: int) -> tuple[_Loop, dict[str, float]]:
+        before = _counts(mistral.gateway)
+        loop = _Loop(mistral, f"{rid}-{seed}", "reasoning dropped", False, seed)
+        loop.forced_call(max_tokens=120)  # the call's JSON array of {name, arguments} takes more tokens
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        if loop.replies[-1].message.tool_calls:
+            raise ValueError("the answer was a tool call too")
+        loop.messages.append({"role": "user", "content": "And tomorrow?"})
+        loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
+        return loop, before
+
+    seed, (loop, before) = _first_run(run)
+    (tool_call,) = loop.replies[0].message.tool_calls
+    assert json.loads(tool_call.function.arguments)["city"] in {"Paris", "Rome"}
+    recorded = poll(lambda: recorded_calls(mistral.gateway, f"{rid}-{seed}", 3), 10, "3 calls")
+    assert [len(s["call_ids"]) for s in recorded["sequences"]] == [1, 2], recorded["sequences"]
+    after = _counts(mistral.gateway)
+    assert {how: after[how] - was for how, was in before.items()} == {
+        "spliced": 1,
+        "template_mismatch": 0,
+        "render_failed": 1,
+    }

@@ -32,7 +32,7 @@ def pair(parsers: EngineParsers) -> tuple[str, str | None]:
 @pytest.mark.parametrize(
     ("family", "tool_call_parser", "reasoning_parser"),
     # The Llama package's tokenizer is Llama 3.0's (no <|python_tag|>): vLLM's llama3_json refuses to start on it.
-    [("qwen3", "hermes", "qwen3"), ("llama3_1", "hermes", None)],
+    [("qwen3", "hermes", "qwen3"), ("llama3_1", "hermes", None), ("mistral", "mistral", None)],
 )
 def test_a_family_model_is_served_with_its_family_parsers(
     family_model: Callable[[str], Path], family: str, tool_call_parser: str, reasoning_parser: str | None
@@ -60,6 +60,29 @@ def test_a_model_with_mistral_tekken_tokenizer_gets_the_mistral_parser(tmp_path:
     shutil.copyfile(Path(mistral_common.__file__).parent / "data" / tekken, tmp_path / "tekken.json")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     assert pair(parsers_for_model(str(tmp_path))) == ("mistral", None)
+
+
+def test_the_mistral_family_model_is_served_by_mistral_common_with_its_tekken_vocabulary(
+    family_model: Callable[[str], Path],
+) -> None:
+    """vLLM's `auto` tokenizer mode finds tekken.json only beside consolidated*.safetensors: the gateway asks for
+    Mistral's tokenizer itself (overrides of the parsers keep it)."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from engine.supervisor import EngineConfig
+
+    model = family_model("mistral")
+    assert (model / "tekken.json").read_bytes() == (
+        Path(mistral_common.__file__).parent / "data" / "tekken_240718.json"
+    ).read_bytes()
+    tekken = MistralTokenizer.from_file(str(model / "tekken.json")).instruct_tokenizer.tokenizer
+    assert AutoConfig.from_pretrained(model).vocab_size == tekken.n_words == 131_072
+    assert tekken.decode(tekken.encode(MULTI_BYTE, bos=False, eos=False)) == MULTI_BYTE
+    parsers = choose_parsers(str(model), tool_call_parser="hermes")
+    assert (parsers.tool_call_parser, parsers.tokenizer_mode) == ("hermes", "mistral")
+    command = EngineConfig(str(model), "tiny", tokenizer_mode=parsers.tokenizer_mode).command()
+    assert command[command.index("--tokenizer-mode") + 1] == "mistral"
+    assert "--tokenizer-mode" not in EngineConfig(str(model), "tiny").command()
 
 
 def test_a_model_not_on_disk_keeps_the_default_and_says_why() -> None:

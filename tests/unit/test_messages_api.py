@@ -394,7 +394,10 @@ def test_tools_without_choice_and_choice_without_tools() -> None:
 
 
 def test_sampling_options_and_streaming() -> None:
-    chat = to_chat(parse(stop_sequences=["END", "\n\n"], temperature=0.5, top_p=0.9, top_k=40, stream=True))
+    bias = {"9": 100.0}  # vLLM's, passed on: how a test closes a random model's reasoning (test_families.py)
+    chat = to_chat(
+        parse(stop_sequences=["END", "\n\n"], temperature=0.5, top_p=0.9, top_k=40, logit_bias=bias, stream=True)
+    )
     assert chat == {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Hello"}],
@@ -403,6 +406,7 @@ def test_sampling_options_and_streaming() -> None:
         "temperature": 0.5,
         "top_p": 0.9,
         "top_k": 40,
+        "logit_bias": bias,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

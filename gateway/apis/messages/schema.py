@@ -178,6 +178,7 @@ class MessagesRequest(msgspec.Struct, frozen=True):
     top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
     seed: int | None = None  # vLLM's, passed on (Anthropic's API has none)
+    logit_bias: dict[str, float] | None = None  # vLLM's, passed on (as on Responses)
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None

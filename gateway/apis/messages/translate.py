@@ -70,7 +70,7 @@ def to_chat(request: MessagesRequest) -> dict[str, Any]:
         chat["add_generation_prompt"] = False
     if request.stop_sequences:
         chat["stop"] = list(request.stop_sequences)
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "logit_bias"):
         value = getattr(request, name)
         if value is not None:
             chat[name] = value
