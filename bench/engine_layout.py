@@ -1,8 +1,9 @@
 """What vLLM's process layout costs on CPU: the tests' toy model served by the supervised command line, once in
-vLLM's multiprocess layout (API server, engine core, worker: `--distributed-executor-backend mp`) and once in one
-process (what `engine/supervisor.py` runs on CPU), one after the other, with the same bursts of chat calls. CPU is
-summed over the engine's process tree (psutil), the second and a half after each burst included: the multiprocess
-layout's engine core and worker busy-wait on their shared-memory queue for a second after every message.
+vLLM's multiprocess layout (API server, engine core, worker: `--distributed-executor-backend mp`) and once with
+the model in the engine core (`uni`: what `engine/supervisor.py` runs on CPU), one after the other, with the same
+bursts of chat calls. CPU is summed over the engine's process tree (psutil), the second and a half after each burst
+included: the multiprocess layout's engine core and worker busy-wait on their shared-memory queue for a second after
+every message.
 
     .venv/bin/python bench/engine_layout.py [--rounds 2]
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from artgw.tiny_model import build_tiny_model  # noqa: E402
 from engine.supervisor import EngineConfig  # noqa: E402
 
-LAYOUTS = {"multiprocess (vLLM's)": ("--distributed-executor-backend", "mp"), "one process (ours)": ()}
+LAYOUTS = {"with a worker (vLLM's)": ("--distributed-executor-backend", "mp"), "without (ours)": ()}
 BURSTS = [(1, 20, 16), (8, 64, 32), (32, 128, 24)]  # (concurrent calls, calls, tokens each)
 SETTLE = 1.5  # seconds after a burst whose CPU still counts
 

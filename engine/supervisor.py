@@ -158,18 +158,19 @@ class EngineConfig:
             *(("--tokenizer-mode", self.tokenizer_mode) if self.tokenizer_mode else ()),
             "--disable-uvicorn-access-log",
             *self._prefill_budget(),
-            *self._one_process(),
+            *self._model_in_engine_core(),
             *self.extra_args,
         ]
 
-    def _one_process(self) -> tuple[str, ...]:
-        """On CPU, the model runs in vLLM's API server process (its `uni` executor, the engine core in-process:
-        `environment` sets VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform forces `mp`).
-        vLLM's multiprocess executor has its engine core and worker busy-wait on their shared-memory queue for 1 s
-        after every message (`SpinCondition`, not configurable): measured on 2 cores with the tests' toy model, a
-        burst of 64 calls cost 7.6 s of CPU that way and 1.6 s in one process, 20 sequential calls 5.3 s against
-        2.3 s, a start 29.8 s against 19.4 s, and the spinning starves the gateway and the trainer sharing the
-        CPU. GPUs keep vLLM's layout; `--engine-args "--distributed-executor-backend mp"` keeps it on CPU too."""
+    def _model_in_engine_core(self) -> tuple[str, ...]:
+        """On CPU, the model runs in vLLM's engine core process (its `uni` executor; `environment` sets
+        VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform forces `mp`): two processes, the API
+        server and the engine core, where vLLM's layout adds a worker. That worker and the engine core busy-wait on
+        their shared-memory queue for 1 s after every message (`SpinCondition`, not configurable): measured on 2
+        cores with the tests' toy model (bench/engine_layout.py), a burst of 64 calls cost 7.6 s of CPU that way and
+        1.6 s without the worker, 20 sequential calls 5.3 s against 2.3 s, a start 29.8 s against 19.4 s, and the
+        spinning starves the gateway and the trainer sharing the CPU. GPUs keep vLLM's layout; `--engine-args
+        "--distributed-executor-backend mp"` keeps it on CPU too."""
         if not _cpu_build() or any(a.startswith("--distributed-executor-backend") for a in self.extra_args):
             return ()
         return ("--distributed-executor-backend", "uni")
@@ -196,9 +197,9 @@ class EngineConfig:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if not has_gpu():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if self._one_process():
+        if self._model_in_engine_core():
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            # vLLM's own CPU setup (skipped in one process) gives the model all cores but one, one thread each
+            # vLLM's own CPU setup (its worker's, skipped without one) gives the model all cores but one
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) - 1)))
         env.update(self.env)
         return env
