@@ -55,8 +55,9 @@ def test_metrics_after_real_traffic(engine_gateway) -> None:
     assert "artgw_recorder_queue_depth" in after and "artgw_record_write_retries" in after
     assert value(after["artgw_groups"], "artgw_groups", model="my-agent", state="ready") >= 1
     assert value(after["artgw_adapter_step"], "artgw_adapter_step", model="my-agent") == 0
-    # Bounded labels only: a rollout id never becomes a label value.
+    # Bounded labels only: a rollout id never becomes a label value (an engine is one of --upstream's, a reason one
+    # of a few).
     for samples in after.values():
         for sample in samples:
             assert not any(r in str(sample.labels) for r in rollouts), sample
-            assert set(sample.labels) <= {"model", "status", "state", "kind", "le"}, sample
+            assert set(sample.labels) <= {"model", "status", "state", "kind", "le", "engine", "reason"}, sample

@@ -62,7 +62,7 @@ def test_a_new_rollouts_first_call_reaches_the_engine_while_the_store_is_still_a
     proxy = TcpProxy((url.host or "127.0.0.1", url.port or 5432))
     proxy.up()
     db = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-    settings = Settings(upstream=stub_url, data_dir=tmp_path / "data", auth="off", db=db)
+    settings = Settings(upstream=(stub_url,), data_dir=tmp_path / "data", auth="off", db=db)
     rollout_id = f"fresh-{uuid.uuid4().hex[:8]}"
     try:
         with serve_in_process(settings, ManualClock()) as gateway, ThreadPoolExecutor(1) as pool:

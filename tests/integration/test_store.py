@@ -29,7 +29,7 @@ from store.calls import (
     count_calls,
     list_rollouts,
     rollout_calls,
-    rollout_owner,
+    rollout_owners,
     write_calls,
 )
 from store.codec import CallCache, compact
@@ -378,7 +378,9 @@ async def test_each_owner_has_rollout_ids_of_its_own(engine: AsyncEngine) -> Non
             owner: [c.call_id for c in await rollout_calls(conn, RolloutKey(owner, "task")) or []]
             for owner in ("key_a", "key_b", "")
         }
-        owners = [await rollout_owner(conn, RolloutKey(owner, "task")) for owner in ("key_a", "key_b", "", "key_c")]
+        asked = [RolloutKey(owner, "task") for owner in ("key_a", "key_b", "", "key_c")]
+        found = await rollout_owners(conn, asked)
+        owners = [found.get(key) for key in asked]
         listed = await list_rollouts(conn, grant=EVERYTHING)
     assert kept == {"key_a": ["k1", "k4"], "key_b": ["k2"], "": ["k3"]}
     assert owners == [RolloutOwner("agent", 3), RolloutOwner("agent", 5), RolloutOwner("agent", 7), None]

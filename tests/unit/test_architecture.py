@@ -2,8 +2,9 @@
 
 store/ (shared, no HTTP) ← recording/ (each call to the store exactly once) and engine/ (the vLLM supervisor, on
 its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API, its only caller) ←
-trainer/ (torch); ruler/ stands alone; artgw/ (the CLI) sits on top. Checked on the source (every import
-statement, module level or not) and on what a real `import trainer.train` loads.
+trainer/ (torch; of engine/ only the tool-call grammar vLLM samples under, which it rebuilds); ruler/ stands
+alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module level or not) and on
+what a real `import trainer.train` loads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ALLOWED = {
     "store": set(),
     "ruler": set(),
     "client": {"store"},
-    "trainer": {"store", "client"},
+    "trainer": {"store", "client", "engine"},
     "recording": {"store"},
     "engine": set(),
     "gateway": {"store", "ruler", "recording", "engine"},
