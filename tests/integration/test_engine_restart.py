@@ -185,7 +185,7 @@ def generating_calls(gateway: GatewayProcess, engine_url: str, victim: str, runn
         ]
         for call in calls:
             call.start()
-        calls[0].first_event.wait(60)
+        calls[0].first_event.wait(300)
 
         def both_generating(calls: list[InFlight] = calls) -> bool | str:
             ended = [c for c in calls if c.thread is not None and not c.thread.is_alive()]
@@ -196,7 +196,8 @@ def generating_calls(gateway: GatewayProcess, engine_url: str, victim: str, runn
                 raise AssertionError(f"a call ended before the kill: {ends}\n{gateway.log()[-6000:]}")
             return metric(engine_url, "vllm:num_requests_running") >= running_before + 2
 
-        if poll(both_generating, 60, "both calls to be generating", alive=[gateway.proc]) == "unanswered":
+        # Bounded generously: a fresh clone's run under load once took longer than 60 s to get both going.
+        if poll(both_generating, 300, "both calls to be generating", alive=[gateway.proc]) == "unanswered":
             # Seen once in a fresh-clone run, on a loaded machine, for a call sent after a restart: the connection
             # closed with no answer at all. Not what this test is about (the kill is): a new pair, and it is printed.
             print(f"attempt {attempt}: a call got no answer at all; starting a new pair\n{gateway.log()[-2000:]}")

@@ -226,19 +226,21 @@ def test_rollouts_of_another_model_are_rejected(stub_gateway) -> None:
 def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
     from tests.conftest import start_gateway
 
-    url, proc = start_stub("--delay", "6")
+    # The engine holds each call 20 s: the window in which the test must see the call in flight (a fresh clone's
+    # run under load once took longer than a 6 s window to scrape the gateway's metrics)
+    url, proc = start_stub("--delay", "20")
     gateway = start_gateway(tmp_path, "--upstream", url)
     try:
         done = record(gateway)
         busy = f"busy-{uuid.uuid4().hex[:6]}"
         thread = threading.Thread(
             target=lambda: httpx.post(
-                f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": busy}, timeout=30
+                f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": busy}, timeout=300
             )
         )
         thread.start()
-        # The engine holds the call for 6 s: while the gateway counts it in flight, its rollout cannot be grouped.
-        poll(lambda: metric(gateway.url, "artgw_requests_in_flight", model="my-agent") >= 1, 30, "the call in flight")
+        # While the gateway counts the call in flight, its rollout cannot be grouped.
+        poll(lambda: metric(gateway.url, "artgw_requests_in_flight", model="my-agent") >= 1, 120, "the call in flight")
         err = error(
             post_group(
                 gateway,
