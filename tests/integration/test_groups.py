@@ -238,14 +238,30 @@ def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
     try:
         done = record(gateway)
         busy = f"busy-{uuid.uuid4().hex[:6]}"
-        thread = threading.Thread(
-            target=lambda: httpx.post(
-                f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": busy}, timeout=300
-            )
-        )
+        answered: list[object] = []  # the busy call's answer or exception: what a failure below prints
+
+        def call() -> None:
+            try:
+                answered.append(
+                    httpx.post(
+                        f"{gateway.base_url}/chat/completions",
+                        json=CHAT,
+                        headers={"X-ART-Rollout-Id": busy},
+                        timeout=300,
+                    )
+                )
+            except httpx.HTTPError as exc:
+                answered.append(exc)
+
+        thread = threading.Thread(target=call)
         thread.start()
         # While the gateway counts the call in flight, its rollout cannot be grouped.
-        poll(lambda: metric(gateway.url, "artgw_requests_in_flight", model="my-agent") >= 1, 120, "the call in flight")
+        in_flight = lambda: metric(gateway.url, "artgw_requests_in_flight", model="my-agent") >= 1  # noqa: E731
+        try:
+            poll(in_flight, 120, "the call in flight")
+        except AssertionError as exc:
+            thread.join(60)
+            raise AssertionError(f"never seen in flight; the busy call got {answered!r}\n{gateway.log()}") from exc
         err = error(
             post_group(
                 gateway,
