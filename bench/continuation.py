@@ -385,23 +385,26 @@ def print_overhead(results: dict[str, dict[str, float]], connections: int) -> No
 # -- part 2: sequences, and what they cost the trainer -------------------------------------------------------
 
 
+WEATHER_TOOLS = [  # the one tool of the tool loops (`tool_loop`, `family_loop`)
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
 def tool_loop(base_url: str, rid: str, turns: int, seed: int) -> None:
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
+    tools = WEATHER_TOOLS
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Rome and Paris?"}]
     for turn in range(turns):
         forced = turn < turns - 1
@@ -560,19 +563,7 @@ def family_loop(base_url: str, rid: str, seed: int, bias: dict[str, int] | None)
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
+    tools = WEATHER_TOOLS
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Rome and Paris?"}]
 
     def ask(**fields: Any) -> Any:
