@@ -40,7 +40,8 @@ from store.trajectories import Trajectory
 from tests.conftest import poll
 from tests.dashboard import METRIC_NAME, dashboard_expressions
 
-# The engine tests' worker, one after another: these containers run a vLLM and a trainer of their own.
+# Marked `engine` (these containers run a vLLM and a trainer of their own: `-m "not engine"` skips them), in a group of
+# their own, last (tests/conftest.py): whichever worker is free first runs them.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]

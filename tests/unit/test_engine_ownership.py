@@ -26,6 +26,7 @@ from engine.supervisor import (
     EngineSupervisor,
     port_in_use,
     port_owners,
+    shared_memory_of,
     wait_until_ready,
 )
 from tests.conftest import ROOT, apoll, free_port, poll, stop_group, wait_http
@@ -235,13 +236,27 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+# The escaped child maps a shared-memory file, as vLLM's engine core and workers map their ring buffers (psm_*), and
+# never unlinks it: a killed engine leaves them behind unless the supervisor does.
+SHM_HOLDER = """
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+held = mmap.mmap(fd, 4096)
+time.sleep(300)
+"""
+
+
 @pytest.fixture
-def escaping_engine(tmp_path: Path) -> tuple[FakeEngine, Path]:
+def escaping_engine(tmp_path: Path) -> Iterator[tuple[FakeEngine, Path]]:
     """An engine like vLLM's tree, made harder: the API server has a child that left its process group and
-    session (`setsid`), as an engine core could; only the environment tag still ties it to the engine."""
+    session (`setsid`), as an engine core could; only the environment tag still ties it to the engine. That child
+    maps a file in /dev/shm of its own."""
     port = free_port()
     script = tmp_path / "health_server.py"
     script.write_text(HEALTH_SERVER)
+    holder = tmp_path / "shm_holder.py"
+    holder.write_text(SHM_HOLDER)
     flag = tmp_path / "engine-core-dead"
     config = FakeEngine(
         base_model="unused",
@@ -252,9 +267,17 @@ def escaping_engine(tmp_path: Path) -> tuple[FakeEngine, Path]:
         health_interval=0.1,
         crash_grace=1.0,
         stop_grace=2.0,
-        argv=("sh", "-c", f"setsid sleep 300 & exec {sys.executable} {script} {port} {flag}"),
+        # each start maps a shared-memory file of its own (the name is random, as vLLM's are)
+        argv=(
+            "sh",
+            "-c",
+            f'setsid {sys.executable} {holder} "/dev/shm/artgw-test-$$" & exec {sys.executable} {script} {port} {flag}',
+        ),
     )
-    return config, flag
+    yield config, flag
+    for leftover in Path("/dev/shm").glob("artgw-test-*"):  # a failed test's; the assertions say so first
+        if leftover.stat().st_uid == os.getuid():
+            leftover.unlink(missing_ok=True)
 
 
 async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escaping_engine) -> None:
@@ -274,10 +297,14 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
         escaped = await apoll(lambda: escaped_child(tag, server), 10, "the server's child to leave its session")
         assert os.getpgid(escaped.pid) != server
 
+        shm = f"/dev/shm/artgw-test-{server}"  # `sh` execs the server: its pid is the shell's `$$`
+        await apoll(lambda: shm in shared_memory_of(escaped.pid), 10, "the escaped child to map its shared memory")
+
         os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
         await apoll(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
         assert supervisor.process.pid != server
         assert tagged(tag) == []  # the escaped child too (gone, or a zombie if PID 1 does not reap it)
+        assert not os.path.exists(shm), "the killed engine's shared memory was left behind"
         assert len(readied) == 2  # on_ready ran again: the serving adapters are reloaded
         new_tag = supervisor.tag
     finally:
