@@ -3,6 +3,7 @@ process that holds, or answers on, the engine's port; plain sockets play the res
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import os
@@ -304,7 +305,7 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
         await apoll(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")
         assert supervisor.process.pid != server
         assert tagged(tag) == []  # the escaped child too (gone, or a zombie if PID 1 does not reap it)
-        assert not os.path.exists(shm), "the killed engine's shared memory was left behind"
+        assert not await asyncio.to_thread(os.path.exists, shm), "the killed engine's shared memory was left behind"
         assert len(readied) == 2  # on_ready ran again: the serving adapters are reloaded
         new_tag = supervisor.tag
     finally:
