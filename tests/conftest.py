@@ -845,24 +845,46 @@ def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The units of work the two workers share (`--dist loadgroup`), first the ones that take longest (scripts/test keeps
+# this order: `--no-loadscope-reorder`), so that the small tests fill whatever is left at the end.
+SESSION_ENGINE_GROUP = "engine"  # every test that uses the session's shared vLLM (`vllm_url`): started once
+FAMILY_ENGINE_GROUP = "families"  # the family engines (`family_gateway`): one family's engine at a time
+DEPLOYMENT_GROUP = "deployment"  # tests/integration/test_compose.py: ~3.5 minutes, its containers' vLLM and trainer
+
+
+def engine_group(item: pytest.Item) -> str | None:
+    """The group `item` runs in, or None for a test any worker may take on its own."""
+    fixtures = getattr(item, "fixturenames", ())
+    if item.path.name == "test_compose.py":
+        return DEPLOYMENT_GROUP
+    if "vllm_url" in fixtures:
+        return SESSION_ENGINE_GROUP
+    if "family_gateway" in fixtures:
+        return FAMILY_ENGINE_GROUP
+    if item.get_closest_marker("engine") is not None:  # starts engines of its own, maybe in module fixtures
+        return f"engine:{item.path.name}"
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that starts or uses a real vLLM engine runs on one xdist worker (`--dist loadgroup`), one after
-    another: the session's shared engine is started once, and the tests' own engines never compete with each
-    other. The rest spread over the workers.
+    """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
+    (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The
+    groups are queued longest first: the session engine's tests (~8 minutes), the deployment's (~3.5), then each
+    file that starts engines of its own, then every other test on its own; a worker that runs out takes the next.
 
-    The deployment's test (its containers run a vLLM and a trainer of their own) is a group of its own, last in the
-    queue (scripts/test keeps the queue in this order: `--no-loadscope-reorder`): the worker that runs out of other
-    tests first takes it, which is the other worker while the engine tests still run. Run after them on the engine
-    worker, as it was, it added ~3.5 minutes to that worker's ~20 while the other idled for 2.5."""
-    items.sort(key=lambda item: item.path.name == "test_compose.py")
+    Until session 28 every engine test ran on one worker, so that two engines never shared the two cores: that
+    worker took ~21 minutes while the other idled for its last 2.5. Tests must hold on a busy machine anyway
+    (issue 39), and a file's own engine is no busier beside the session's than beside the other worker's tests."""
     if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups to make (nor their marker)
         return
+    groups = {item.nodeid: engine_group(item) for item in items}
+    rank = {SESSION_ENGINE_GROUP: 0, DEPLOYMENT_GROUP: 1, FAMILY_ENGINE_GROUP: 2}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid] or "", 3 if groups[item.nodeid] else 4))
     for item in items:
-        if item.path.name == "test_compose.py":
-            item.add_marker(pytest.mark.xdist_group("deployment"))
-        elif item.get_closest_marker("engine") is not None:
-            item.add_marker(pytest.mark.xdist_group("engine"))
+        group = groups[item.nodeid]
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
