@@ -214,7 +214,9 @@ def make_app(  # type: ignore[no-untyped-def]
             code = 403
         elif path == "/v1/models":  # the base model, then each LoRA loaded, with its parent (as vLLM lists them)
             adapters = [{"id": name, "root": root, "parent": "stub"} for name, root in sorted(loaded.items())]
-            body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}, *adapters]})
+            body = json.dumps(
+                {"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}, *adapters]}
+            ).encode()
             code = 200
         else:
             stats["requests"] = stats.get("requests", 0) + 1  # the plain inference requests received
