@@ -160,15 +160,16 @@ class EnginePool:
         every: float,
         prepare: Callable[[Engine], Awaitable[str | None]] | None = None,
     ) -> None:
-        """Probe every engine each `every` seconds, for as long as the gateway runs (cancelled at its stop). An
-        engine out of rotation whose probe answers is given to `prepare` before it takes a call: it may have
-        restarted with nothing loaded, or be quarantined; `prepare` loads what it must hold and says why it could
-        not (None: it holds everything, back in rotation; else it stays quarantined, and is tried again)."""
+        """Probe every engine each `every` seconds, for as long as the gateway runs (cancelled at its stop). Each
+        engine that answers is then given to `prepare`, which says why it cannot take calls (None: it can): one in
+        rotation that lost a LoRA step (it restarted between two probes) is quarantined; one out of rotation (back
+        from a restart with nothing loaded, or quarantined) takes no call before `prepare` has loaded what it must
+        hold, and stays quarantined, tried again each round, until it has."""
         while True:
             results = await asyncio.gather(*(probe(e.url) for e in self.engines), return_exceptions=True)
             for engine, answered in zip(self.engines, results, strict=True):
                 ok = answered is True
-                if ok and not engine.in_rotation and prepare is not None:
+                if ok and prepare is not None and len(self.engines) > 1:
                     try:
                         why = await prepare(engine)
                     except Exception as exc:  # a store hiccup, say: the engine stays out, tried next round

@@ -288,11 +288,11 @@ class AdapterService:
             return False, f"engine unreachable: {type(exc).__name__}"
         return answer.status_code == 200, answer.text
 
-    async def _held(self, engine: Engine) -> set[str] | None:
+    async def _held(self, engine: Engine, wait: float = 30.0) -> set[str] | None:
         """The LoRA adapters `engine` lists at `/v1/models` (vLLM's entries with a parent), None if it does not
         answer: what it holds, whatever its load API said."""
         try:
-            answer = await self.client.get(f"{engine.url}/v1/models", timeout=30.0)
+            answer = await self.client.get(f"{engine.url}/v1/models", timeout=wait)
             entries = answer.json()["data"] if answer.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
@@ -340,14 +340,18 @@ class AdapterService:
         return not failed, "; ".join(f"{e.url}: {text[:300]}" for e, text in failed)
 
     async def prepare_engine(self, engine: Engine) -> str | None:
-        """Before an engine out of rotation takes a call again (it may have restarted with nothing loaded, or be
-        quarantined): load there every step that calls may be routed to (each model's served, kept, pinned and
-        canary steps), under the lock so that no step is published meanwhile. None when it holds them all, else
-        why not (it stays quarantined; engine/pool.py tries again at its next probe)."""
+        """Whether an engine that answers its health probe holds every step calls may be routed to (each model's
+        promoted, kept, pinned and canary steps): None when it does, else why not (engine/pool.py quarantines it).
+        One out of rotation (back from a restart with nothing loaded, or quarantined) gets the missing steps loaded
+        first, under the lock so that no step is published meanwhile; one in rotation that lost some (it restarted
+        between two probes) is only said to lack them, and is loaded once out of rotation, at the next probe. One in
+        rotation is not checked while a step is being published or unloaded (the lock held): its list is in flux."""
+        if engine.in_rotation and self._lock.locked():
+            return None
         async with self._lock:
-            held = await self._held(engine)
-            if held is None:
-                return "its /v1/models does not answer"
+            held = await self._held(engine, wait=2.0 if engine.in_rotation else 30.0)
+            if held is None:  # in rotation, its health probe says whether it is gone
+                return None if engine.in_rotation else "its /v1/models does not answer"
             missing = {
                 adapter_name(m.name, step): (m.name, step)
                 for m in self.registry.models.values()
@@ -356,6 +360,8 @@ class AdapterService:
             }
             if not missing:
                 return None
+            if engine.in_rotation:
+                return f"it lost {', '.join(sorted(missing))} (restarted?)"
             async with self.store.connect() as conn:
                 rows = [await committed_step(conn, model, step) for model, step in missing.values()]
             for adapter, row in zip(missing, rows, strict=True):

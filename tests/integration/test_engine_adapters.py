@@ -3,7 +3,8 @@ promotion loads the step on every engine in rotation and checks that each lists 
 is routed to it; an engine that does not load it is quarantined (out of rotation, on /readyz and /metrics) while
 the engines that hold it serve it, until a retry loads it there; a step no engine loads is published to none; an
 engine that comes back gets every served and pinned step before it takes a call, and a pinned rollout finishes on
-its step on whichever engine it lands.
+its step on whichever engine it lands; an engine in rotation that lost a step (restarted between two probes) is
+quarantined until it holds it again.
 
 Two stand-in engines (tests/stub_engine.py: their LoRA API takes any adapter directory, lists what it holds at
 `/v1/models`, answers 404 for a LoRA it does not hold, as vLLM does, and refuses or delays loads on cue) behind a
@@ -94,10 +95,9 @@ def test_a_step_reaches_every_engine_before_any_new_rollout_gets_it(tmp_path: Pa
         poll(lambda: f"{MODEL}@1" in held(first), 30, "the first engine to load the step")
         early, n = 0, 0
         while committing.is_alive():  # new rollouts while the step is on the first engine only
-            unpublished = f"{MODEL}@1" not in held(second)
             step, _ = call(gateway, f"during-{n}")
             n += 1
-            if unpublished:  # sent before the second engine held it: not routed to it, on either engine
+            if f"{MODEL}@1" not in held(second):  # answered before the second engine held it: not routed to it
                 assert step == 0, f"rollout during-{n - 1} got the step before every engine held it"
                 early += 1
         committing.join()
@@ -151,3 +151,11 @@ def test_an_engine_that_comes_back_gets_every_served_and_pinned_step_before_a_ca
         poll(lambda: metric(gateway.url, "artgw_engine_healthy", engine=first) == 1, 30, "the engine back")
         assert held(first) == [f"{MODEL}@1", f"{MODEL}@2"]  # loaded before it was back in rotation
         assert call(gateway, "fresh") == (2, first)  # the engine sent fewer calls
+
+        # An engine in rotation that lost a step, as one that restarted between two probes has: quarantined at
+        # the next probe, given the step again, back in rotation.
+        lost = httpx.post(f"{second}/v1/unload_lora_adapter", json={"lora_name": f"{MODEL}@1"}, timeout=10)
+        assert lost.status_code == 200
+        poll(lambda: f"{MODEL}@1" in held(second), 30, "the lost step loaded again")
+        poll(lambda: metric(gateway.url, "artgw_engine_quarantined", engine=second) == 0, 30, "back in rotation")
+        assert call(gateway, "pinned") == (1, second)
