@@ -5,7 +5,9 @@ session on one engine is the largest published win for multi-turn agents), new r
 the least loaded engine (the gateway's own count of its calls in flight there; ties to the one that served fewer).
 Pinning alone backfires under load, so a rollout whose engine is out of rotation or saturated (more calls in flight
 than `saturation`) moves to the least loaded engine, and stays there. An engine leaves rotation when a call to it
-fails to connect or its health probe fails, and comes back when the probe answers.
+fails to connect or its health probe fails, or when it does not hold every LoRA step the gateway routes to
+(quarantined: gateway/adapters.py publishes a step to every engine in rotation or to none); it comes back when its
+probe answers and it holds them all again (`watch`'s `prepare` loads them first: an engine that restarted has none).
 
 Pure bookkeeping, no I/O: the gateway (gateway/proxy.py) asks `pick` and reports `done` and `failed`; the probe
 loop (`watch`) is given the probe to run.
@@ -34,6 +36,11 @@ class Engine:
     healthy: bool = True
     in_flight: int = 0  # calls of this gateway sent there and not yet ended
     calls: int = 0  # calls sent there, ever
+    quarantined: str | None = None  # why it is out of rotation though it answers: a LoRA step it does not hold
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and self.quarantined is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,7 @@ class Pick:
     """Where a call goes, and whether its rollout left the engine that served it before (and why)."""
 
     engine: Engine
-    moved: str | None = None  # "unhealthy" | "saturated": the rollout's previous engine could not take it
+    moved: str | None = None  # "unhealthy" | "quarantined" | "saturated": its previous engine could not take it
 
 
 class EnginePool:
@@ -61,11 +68,11 @@ class EnginePool:
 
     @property
     def in_rotation(self) -> tuple[Engine, ...]:
-        return tuple(e for e in self.engines if e.healthy)
+        return tuple(e for e in self.engines if e.in_rotation)
 
     def least_loaded(self, exclude: Engine | None = None) -> Engine | None:
-        """The healthy engine with the fewest calls in flight (then the fewest calls); None if none is healthy."""
-        candidates = [e for e in self.engines if e.healthy and e is not exclude]
+        """The engine in rotation with the fewest calls in flight (then the fewest calls); None if none is."""
+        candidates = [e for e in self.engines if e.in_rotation and e is not exclude]
         return min(candidates, key=lambda e: (e.in_flight, e.calls), default=None)
 
     def pick(self, rollout: Hashable | None) -> Pick:
@@ -83,6 +90,8 @@ class EnginePool:
         if sticky is not None:
             if not sticky.healthy:
                 moved = "unhealthy"
+            elif sticky.quarantined is not None:
+                moved = "quarantined"
             elif sticky.in_flight >= self.saturation:
                 other = self.least_loaded(exclude=sticky)
                 if other is not None and other.in_flight < sticky.in_flight:
@@ -127,8 +136,17 @@ class EnginePool:
             engine.healthy = False
             log.warning("engine %s is out of rotation: a call could not reach it", engine.url)
 
+    def quarantine(self, engine: Engine, why: str) -> None:
+        """`engine` does not hold a LoRA step the gateway routes to: out of rotation until `watch`'s `prepare`
+        loads every such step there. The only engine of a pool is never quarantined (a step it cannot load is
+        published to none instead: gateway/adapters.py)."""
+        if len(self.engines) > 1:
+            if engine.quarantined is None:
+                log.warning("engine %s is quarantined (out of rotation): %s", engine.url, why)
+            engine.quarantined = why
+
     def probed(self, engine: Engine, ok: bool) -> None:
-        """The outcome of `engine`'s health probe."""
+        """The outcome of `engine`'s health probe (for an engine coming back, after `prepare`, if any)."""
         if ok and not engine.healthy:
             engine.healthy = True
             log.warning("engine %s is back in rotation: its health probe answers", engine.url)
@@ -136,12 +154,34 @@ class EnginePool:
             engine.healthy = False
             log.warning("engine %s is out of rotation: its health probe fails", engine.url)
 
-    async def watch(self, probe: Callable[[str], Awaitable[bool]], every: float) -> None:
-        """Probe every engine each `every` seconds, for as long as the gateway runs (cancelled at its stop)."""
+    async def watch(
+        self,
+        probe: Callable[[str], Awaitable[bool]],
+        every: float,
+        prepare: Callable[[Engine], Awaitable[str | None]] | None = None,
+    ) -> None:
+        """Probe every engine each `every` seconds, for as long as the gateway runs (cancelled at its stop). Each
+        engine that answers is then given to `prepare`, which says why it cannot take calls (None: it can): one in
+        rotation that lost a LoRA step (it restarted between two probes) is quarantined; one out of rotation (back
+        from a restart with nothing loaded, or quarantined) takes no call before `prepare` has loaded what it must
+        hold, and stays quarantined, tried again each round, until it has."""
         while True:
             results = await asyncio.gather(*(probe(e.url) for e in self.engines), return_exceptions=True)
-            for engine, ok in zip(self.engines, results, strict=True):
-                self.probed(engine, ok is True)
+            for engine, answered in zip(self.engines, results, strict=True):
+                ok = answered is True
+                if ok and prepare is not None and len(self.engines) > 1:
+                    try:
+                        why = await prepare(engine)
+                    except Exception as exc:  # a store hiccup, say: the engine stays out, tried next round
+                        why = f"its adapters could not be loaded: {exc!r}"
+                    if why is not None:
+                        engine.healthy = True  # it answers; the quarantine keeps it out of rotation
+                        self.quarantine(engine, why)
+                        continue
+                    if engine.quarantined is not None:
+                        log.warning("engine %s is back in rotation: it holds every served step", engine.url)
+                        engine.quarantined = None
+                self.probed(engine, ok)
             await asyncio.sleep(every)
 
     def _remember(self, rollout: Hashable, engine: Engine) -> None:

@@ -26,6 +26,7 @@ import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from engine.pool import Engine, EnginePool
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
 from gateway.promotion.decision import Committed, Decision, decide
@@ -257,6 +258,7 @@ class AdapterService:
         registry: AdapterRegistry,
         client: httpx.AsyncClient,
         store: AsyncEngine,
+        engines: EnginePool,
         keep: int = 3,
         promotion: Promotion = "always",
         held_steps: Callable[[str], dict[int, int]] = lambda _: {},
@@ -264,6 +266,7 @@ class AdapterService:
         self.registry = registry
         self.client = client
         self.store = store
+        self.engines = engines  # every step is loaded on each engine in rotation before calls are routed to it
         self.keep = keep  # adapters kept loaded per model besides the promoted one: pinned `NAME@K` keep working
         self.promotion = promotion
         # model -> {step: active rollouts pinned to it} (gateway/rollouts.py RolloutOwners): kept loaded.
@@ -278,19 +281,97 @@ class AdapterService:
             raise model_not_found(name)
         return model
 
-    async def _engine(self, action: str, body: dict[str, Any]) -> tuple[bool, str]:
+    async def _engine(self, engine: Engine, action: str, body: dict[str, Any]) -> tuple[bool, str]:
         try:
-            answer = await self.client.post(f"/v1/{action}_lora_adapter", json=body, timeout=120.0)
+            answer = await self.client.post(f"{engine.url}/v1/{action}_lora_adapter", json=body, timeout=120.0)
         except httpx.TransportError as exc:
             return False, f"engine unreachable: {type(exc).__name__}"
         return answer.status_code == 200, answer.text
 
-    async def _load_into_engine(self, name: str, path: str) -> tuple[bool, str]:
-        ok, text = await self._engine("load", {"lora_name": name, "lora_path": path})
+    async def _held(self, engine: Engine, wait: float = 30.0) -> set[str] | None:
+        """The LoRA adapters `engine` lists at `/v1/models` (vLLM's entries with a parent), None if it does not
+        answer: what it holds, whatever its load API said."""
+        try:
+            answer = await self.client.get(f"{engine.url}/v1/models", timeout=wait)
+            entries = answer.json()["data"] if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(entries, list):
+            return None
+        return {str(e.get("id")) for e in entries if isinstance(e, dict) and e.get("parent")}
+
+    async def _load_on(self, engine: Engine, name: str, path: str) -> str | None:
+        """Load adapter `name` on one engine and check that it lists it: None when it holds it, else why not."""
+        load = {"lora_name": name, "lora_path": path}
+        ok, text = await self._engine(engine, "load", load)
         if not ok and "already" in text.lower():  # left over from an attempt that did not commit
-            await self._engine("unload", {"lora_name": name})
-            ok, text = await self._engine("load", {"lora_name": name, "lora_path": path})
-        return ok, text
+            await self._engine(engine, "unload", {"lora_name": name})
+            ok, text = await self._engine(engine, "load", load)
+        if not ok:
+            return text
+        held = await self._held(engine)
+        if held is None or name not in held:
+            return f"it answered the load but does not list {name} at /v1/models"
+        return None
+
+    async def _publish(self, name: str, path: str) -> tuple[bool, str]:
+        """Load adapter `name` on every engine in rotation, each checked to hold it (`_load_on`), before anything
+        routes to it (under the lock): the one place a step reaches the engines. Published when at least one engine
+        holds it: an engine that does not is quarantined (out of rotation until `prepare_engine` loads it there),
+        so every engine that takes calls holds every step routed to. When none holds it, it is published to none:
+        (False, why), and no engine is quarantined (the step is what fails, as with one engine)."""
+        engines = self.engines.in_rotation or self.engines.engines[:1]
+        outcomes = await asyncio.gather(*(self._load_on(e, name, path) for e in engines))
+        failed = [(e, why) for e, why in zip(engines, outcomes, strict=True) if why is not None]
+        if len(failed) == len(engines):
+            if len(engines) == 1:
+                return False, failed[0][1]
+            return False, "; ".join(f"{e.url}: {why[:500]}" for e, why in failed)
+        for engine, why in failed:
+            self.engines.quarantine(engine, f"did not load {name}: {why[:500]}")
+        return True, ""
+
+    async def _unload(self, name: str) -> tuple[bool, str]:
+        """Unload adapter `name` from every engine (those out of rotation too: one may hold it); ok when every
+        engine in rotation did."""
+        engines = self.engines.engines
+        outcomes = await asyncio.gather(*(self._engine(e, "unload", {"lora_name": name}) for e in engines))
+        failed = [(e, text) for e, (ok, text) in zip(engines, outcomes, strict=True) if not ok and e.in_rotation]
+        return not failed, "; ".join(f"{e.url}: {text[:300]}" for e, text in failed)
+
+    async def prepare_engine(self, engine: Engine) -> str | None:
+        """Whether an engine that answers its health probe holds every step calls may be routed to (each model's
+        promoted, kept, pinned and canary steps): None when it does, else why not (engine/pool.py quarantines it).
+        One out of rotation (back from a restart with nothing loaded, or quarantined) gets the missing steps loaded
+        first, under the lock so that no step is published meanwhile; one in rotation that lost some (it restarted
+        between two probes) is only said to lack them, and is loaded once out of rotation, at the next probe. One in
+        rotation is not checked while a step is being published or unloaded (the lock held): its list is in flux."""
+        if engine.in_rotation and self._lock.locked():
+            return None
+        async with self._lock:
+            held = await self._held(engine, wait=2.0 if engine.in_rotation else 30.0)
+            if held is None:  # in rotation, its health probe says whether it is gone
+                return None if engine.in_rotation else "its /v1/models does not answer"
+            missing = {
+                adapter_name(m.name, step): (m.name, step)
+                for m in self.registry.models.values()
+                for step in m.loaded_steps
+                if adapter_name(m.name, step) not in held
+            }
+            if not missing:
+                return None
+            if engine.in_rotation:
+                return f"it lost {', '.join(sorted(missing))} (restarted?)"
+            async with self.store.connect() as conn:
+                rows = [await committed_step(conn, model, step) for model, step in missing.values()]
+            for adapter, row in zip(missing, rows, strict=True):
+                if row is None:
+                    return f"{adapter} is served but not in the store"
+                why = await self._load_on(engine, adapter, row.path)
+                if why is not None:
+                    return f"did not load {adapter}: {why[:500]}"
+            log.info("engine %s holds every served step again (%d loaded)", engine.url, len(missing))
+            return None
 
     async def load(self, name: str, spec: AdapterLoad) -> ModelStatus:
         model = self._model(name)
@@ -308,7 +389,7 @@ class AdapterService:
                 )
             adapter = adapter_name(name, spec.step)
             decision = decide(Committed(spec.step, self.promotion))
-            ok, text = await self._load_into_engine(adapter, spec.path)
+            ok, text = await self._publish(adapter, spec.path)
             if not ok:
                 async with self.store.begin() as conn:
                     await record_failure(
@@ -340,7 +421,7 @@ class AdapterService:
                 # Whatever stopped the commit (a lost lease, the store down or locked, a cancelled request),
                 # the adapter must not stay loaded: the store says what serves, and a retry loads it again.
                 with anyio.CancelScope(shield=True):
-                    ok, text = await self._engine("unload", {"lora_name": adapter})
+                    ok, text = await self._unload(adapter)
                 if not ok:
                     log.error("could not unload %s after its commit failed: %s", adapter, text[:300])
                 if isinstance(exc, LeaseLost):
@@ -402,7 +483,7 @@ class AdapterService:
         old = unpinned[: -self.keep] if self.keep else unpinned
         done = []
         for step in old:
-            ok, _ = await self._engine("unload", {"lora_name": adapter_name(model.name, step)})
+            ok, _ = await self._unload(adapter_name(model.name, step))
             model.loaded_steps.discard(step)
             model.changed += 1
             if ok:
@@ -439,7 +520,7 @@ class AdapterService:
         marked broken: in the store (status, and a `load_failed` event saying why), the status and /metrics."""
         problem = adapter_problem(row.path)
         if problem is None:
-            ok, text = await self._load_into_engine(adapter_name(row.model, row.step), row.path)
+            ok, text = await self._publish(adapter_name(row.model, row.step), row.path)
             if ok:
                 model.loaded_steps.add(row.step)
                 return True
@@ -502,7 +583,7 @@ class AdapterService:
                 await retire_in_store(conn, name)
             self.registry.models.pop(name, None)
             for step in sorted(model.loaded_steps):
-                ok, text = await self._engine("unload", {"lora_name": adapter_name(name, step)})
+                ok, text = await self._unload(adapter_name(name, step))
                 if not ok:
                     log.warning("could not unload %s@%s on retiring it: %s", name, step, text[:300])
         status = await self._status_of(model)

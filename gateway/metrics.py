@@ -209,18 +209,26 @@ class _EngineCollector(Collector):
             "answers again.",
             labels=["engine"],
         )
+        quarantined = GaugeMetricFamily(
+            "artgw_engine_quarantined",
+            "1 while an engine is out of rotation because it does not hold every LoRA step calls are routed to (a "
+            "load it failed); 0 once a retry loaded them all.",
+            labels=["engine"],
+        )
         for engine in self.pool.engines:
             calls.add_metric([engine.url], engine.calls)
             in_flight.add_metric([engine.url], engine.in_flight)
             healthy.add_metric([engine.url], 1 if engine.healthy else 0)
+            quarantined.add_metric([engine.url], 0 if engine.quarantined is None else 1)
         moves = CounterMetricFamily(
             "artgw_engine_moves",
-            "Rollouts moved off the engine that served them (unhealthy, saturated, or unreachable at a call).",
+            "Rollouts moved off the engine that served them (unhealthy, quarantined, saturated, or unreachable at a "
+            "call).",
             labels=["reason"],
         )
         for reason, count in sorted(self.pool.moves.items()):
             moves.add_metric([reason], count)
-        yield from (calls, in_flight, healthy, moves)
+        yield from (calls, in_flight, healthy, quarantined, moves)
 
 
 class GatewayMetrics:

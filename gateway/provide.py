@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
-from engine.pool import EnginePool
+from engine.pool import Engine, EnginePool
 from engine.supervisor import (
     EngineConfig,
     EngineFailed,
@@ -204,10 +204,7 @@ class Services:
         ready = ready and journal
         body = {"status": "ready" if ready else "not ready", "engine": self.engine.state}
         if several:
-            each = ", ".join(
-                f"{e.url} {'in rotation' if e.healthy else 'out of rotation'} ({e.in_flight} in flight)"
-                for e in self.engines.engines
-            )
+            each = ", ".join(f"{e.url} {_rotation(e)} ({e.in_flight} in flight)" for e in self.engines.engines)
             body["engines"] = f"{len(self.engines.in_rotation)} of {len(self.engines)} in rotation: {each}"
         body["store"] = await self.store_state()
         body["journal"] = "ok" if journal else f"unavailable ({self.recorder.journal_failure})"
@@ -239,6 +236,15 @@ class Services:
         models = ",".join(self.registry.models)
         auth = "required" if s.auth_required else "off"
         print(f"ART Gateway ready: base_url=http://{s.host}:{s.port}/v1  models={models}  auth={auth}", flush=True)
+
+
+def _rotation(engine: Engine) -> str:
+    """Whether an engine takes calls, as /readyz and `artgw status` say it."""
+    if not engine.healthy:
+        return "out of rotation"
+    if engine.quarantined is not None:
+        return f"quarantined: {engine.quarantined}"
+    return "in rotation"
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
@@ -321,8 +327,10 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             clock=clock,
             read_now=SqliteRolloutOwners.of(settings.db_url),
         )
+        engines = EnginePool(settings.engine_urls, saturation=settings.engine_saturation)
+        metrics.watch_engines(engines)
         adapters = AdapterService(
-            registry, client, store.engine, promotion=settings.promotion, held_steps=owners.held_steps
+            registry, client, store.engine, engines, promotion=settings.promotion, held_steps=owners.held_steps
         )
         rollouts = RolloutService(store.rollouts, recorder)
         tracing = start_tracing("artgw-gateway")  # None unless OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
@@ -337,8 +345,6 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             max_concurrent_judges=settings.max_concurrent_judges,
             tracer=tracer,
         )
-        engines = EnginePool(settings.engine_urls, saturation=settings.engine_saturation)
-        metrics.watch_engines(engines)
         # Each engine's splicer; its renders wait as long as a call's engine request would.
         render_timeout = aiohttp.ClientTimeout(total=None, sock_read=settings.request_timeout)
         splicers = (
@@ -459,7 +465,8 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         ]
         if len(engines) > 1:  # one engine stays in rotation whatever its health: nowhere else to send a call
             probe = functools.partial(_healthy, session)
-            watch = engines.watch(probe, settings.engine_health_interval)
+            # An engine back (or quarantined) gets every served step loaded before it takes a call.
+            watch = engines.watch(probe, settings.engine_health_interval, prepare=adapters.prepare_engine)
             background.append(asyncio.create_task(watch, name="engines-health"))
         try:
             yield services

@@ -280,8 +280,9 @@ class EngineSettings:
     engine_health_interval: float = field(
         default=2.0,
         metadata={
-            "help": "with several engines: seconds between two health probes of each (GET /health); one that fails "
-            "its probe, or a call's connection, is out of rotation until its probe answers again"
+            "help": "with several engines: seconds between two health probes of each (GET /health, and /v1/models "
+            "for the LoRA steps it holds); one that fails its probe, or a call's connection, or lacks a served step, "
+            "is out of rotation until its probe answers again and it holds every served step"
         },
     )
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -220,6 +220,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from artgw.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def make_adapter(tiny_model: Path, path: Path, seed: int) -> Path:
+    """A LoRA adapter of random weights for the tiny model, saved as the trainer saves its steps."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import TrainConfig
+
+    torch.manual_seed(seed)
+    defaults = {f.name: f.default for f in fields(TrainConfig)}  # the trainer's LoRA shape
+    config = LoraConfig(
+        r=defaults["lora_rank"],
+        lora_alpha=defaults["lora_alpha"],
+        target_modules=list(defaults["target_modules"]),
+        init_lora_weights=False,
+    )
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), config).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,12 @@
 """A stand-in for vLLM's OpenAI server, for the failure paths a real engine cannot be made to show on cue
 (a hang past the gateway's timeout, a 5xx answer, dying mid-stream, vLLM's 400 for a negative temperature,
-its runtime LoRA API with what is loaded in `GET /loras`) and for watching the engine's side of a
-client hang-up: with --endless-stream it streams a token every 20 ms until its client goes away, and
-`GET /stats` counts the streams it started and the ones whose client hung up (vLLM aborts the request
-then, but on a busy CPU its own event loop may only notice once the generation is over), and shows the
-W3C `traceparent` of the last inference request (vLLM's tracing parents its spans on it) and, once one came,
-how many plain inference `requests` came.
+its runtime LoRA API with what is loaded in `GET /loras` and `GET /v1/models`, a LoRA it does not hold answered
+404 as vLLM does, and `PUT /loads` {"refuse": true, "delay": SECONDS} making it refuse, or take that long over,
+every load until told otherwise) and for watching the engine's side of a client hang-up: with --endless-stream
+it streams a token every 20 ms until its client goes away, and `GET /stats` counts the streams it started and
+the ones whose client hung up (vLLM aborts the request then, but on a busy CPU its own event loop may only
+notice once the generation is over), and shows the W3C `traceparent` of the last inference request (vLLM's
+tracing parents its spans on it) and, once one came, how many plain inference `requests` came.
 A plain stream (role, three tokens, usage, [DONE]) serves load tests. Everything else is tested against the
 real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
@@ -118,11 +119,16 @@ def _error(message: str, status: int, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
-def _lora(path: str, request: dict[str, object], loaded: dict[str, str], calls: list[str]) -> tuple[bytes, int]:
-    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING): what is loaded shows in GET /loras."""
+def _lora(
+    path: str, request: dict[str, object], loaded: dict[str, str], calls: list[str], refuse: bool
+) -> tuple[bytes, int]:
+    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING): what is loaded shows in GET /loras. `refuse`:
+    every load fails, as vLLM's does for a checkpoint it cannot read."""
     name = str(request.get("lora_name"))
     calls.append(f"{'load' if path.endswith('/load_lora_adapter') else 'unload'} {name}")
     if path.endswith("/load_lora_adapter"):
+        if refuse:
+            return _error(f"Loading lora {name} failed: told to refuse it (PUT /loads).", 400), 400
         if name in loaded:
             return _error(f"The lora adapter '{name}' has already been loaded.", 400), 400
         loaded[name] = str(request.get("lora_path"))
@@ -174,6 +180,7 @@ def make_app(  # type: ignore[no-untyped-def]
 ):
     stats: dict[str, Any] = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
+    loads: dict[str, Any] = {"refuse": False, "delay": 0.0}  # PUT /loads: every load fails, or takes that long
     calls: list[str] = []  # the LoRA API calls, in order: "load NAME", "unload NAME"
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
@@ -186,8 +193,13 @@ def make_app(  # type: ignore[no-untyped-def]
             body, code = json.dumps(stats).encode(), 200
         elif path == "/loras":
             body, code = json.dumps({"loaded": sorted(loaded), "calls": calls}).encode(), 200
+        elif path == "/loads":
+            loads.update(json.loads(await _body(receive) or b"{}"))
+            body, code = json.dumps(loads).encode(), 200
         elif path.endswith("_lora_adapter"):
-            body, code = _lora(path, json.loads(await _body(receive) or b"{}"), loaded, calls)
+            if path.endswith("/load_lora_adapter"):
+                await asyncio.sleep(loads["delay"])
+            body, code = _lora(path, json.loads(await _body(receive) or b"{}"), loaded, calls, loads["refuse"])
         elif path.endswith("/chat/completions") and endless_stream:
             while (await receive()).get("more_body"):
                 pass
@@ -200,13 +212,24 @@ def make_app(  # type: ignore[no-untyped-def]
         elif path in SCALE_OUT_PATHS:  # as vLLM started without --enable-scale-out
             body = _error("Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out.", 403)
             code = 403
-        elif path == "/v1/models":
-            body = json.dumps({"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}]}).encode()
+        elif path == "/v1/models":  # the base model, then each LoRA loaded, with its parent (as vLLM lists them)
+            adapters = [{"id": name, "root": root, "parent": "stub"} for name, root in sorted(loaded.items())]
+            body = json.dumps(
+                {"object": "list", "data": [{"id": "stub", "root": "stub", "parent": None}, *adapters]}
+            ).encode()
             code = 200
         else:
             stats["requests"] = stats.get("requests", 0) + 1  # the plain inference requests received
             stats["last_traceparent"] = dict(scope["headers"]).get(b"traceparent", b"").decode() or None
             request = json.loads(await _body(receive) or b"{}")
+            model = str(request.get("model"))
+            if "@" in model and model not in loaded:  # a LoRA it does not hold: vLLM's 404
+                body = _error(f"The model `{model}` does not exist.", 404, "model")
+                await send(
+                    {"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"application/json")]}
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
             if delay and not await _wait_unless_aborted(receive, delay):
                 stats["requests_aborted"] += 1  # the client (the gateway) hung up while the "engine" worked
                 return

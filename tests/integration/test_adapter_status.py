@@ -17,6 +17,7 @@ import httpx
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from engine.pool import EnginePool
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.auth import ADMIN
 from gateway.promotion.decision import AdminAsked, decide
@@ -54,7 +55,9 @@ async def test_status_reads_agree_with_themselves_while_steps_commit_and_promoti
         await add_models(conn, [MODEL])
     registry = AdapterRegistry("base", [MODEL])
     async with httpx.AsyncClient(base_url=stub_engine) as client:
-        adapters = AdapterService(registry, client, engine, keep=STEPS, promotion="gated")
+        adapters = AdapterService(
+            registry, client, engine, EnginePool([stub_engine], saturation=1), keep=STEPS, promotion="gated"
+        )
         reads: list[ModelStatus] = []
         writing = True
 

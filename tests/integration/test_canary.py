@@ -13,7 +13,6 @@ and groups), so what is decided is known in advance:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,32 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GatewayProcess, gateway_on_stub, metric, poll
+from tests.conftest import GatewayProcess, gateway_on_stub, make_adapter, metric, poll
 
 MODEL = "my-agent"
 SHARE = 0.3
 MIN_REWARDS = 60
 ROLLOUTS = 400
-
-
-def make_adapter(tiny_model: Path, path: Path, seed: int) -> Path:
-    """A LoRA adapter of random weights for the tiny model, saved as the trainer saves its steps."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from trainer.config import TrainConfig
-
-    torch.manual_seed(seed)
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # the trainer's LoRA shape
-    config = LoraConfig(
-        r=defaults["lora_rank"],
-        lora_alpha=defaults["lora_alpha"],
-        target_modules=list(defaults["target_modules"]),
-        init_lora_weights=False,
-    )
-    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

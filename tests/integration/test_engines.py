@@ -24,6 +24,7 @@ from tests.conftest import (
     ARTGW,
     BASE_NAME,
     free_port,
+    make_adapter,
     metric,
     poll,
     query_store,
@@ -231,10 +232,11 @@ def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[tuple[st
 
 @pytest.mark.engine
 def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequence(
-    tmp_path: Path, two_vllm_engines: list[tuple[str, subprocess.Popen[bytes]]]
+    tmp_path: Path, tiny_model: Path, two_vllm_engines: list[tuple[str, subprocess.Popen[bytes]]]
 ) -> None:
-    """Its calls reach one engine, spliced there from the model's own tokens; when that engine dies, the next call
-    goes to the other and is spliced there: the rollout is still one sequence."""
+    """Its calls reach one engine, spliced there from the model's own tokens; a step committed meanwhile reaches
+    both engines (each lists it and serves it) while the rollout stays on its first step; when its engine dies, the
+    next call goes to the other and is spliced there: the rollout is still one sequence."""
     (first, _), (second, second_proc) = two_vllm_engines
     gateway = start_gateway(tmp_path, "--upstream", f"{first},{second}")
     try:
@@ -250,6 +252,18 @@ def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequenc
             turn(then)
         assert engines_of(gateway, "warm") == [first]
         assert engines_of(gateway, "counting") == [second] * 3
+        adapter = make_adapter(tiny_model, tmp_path / "step-1", seed=1)
+        committed = httpx.post(
+            f"{gateway.base_url}/art/models/my-agent/adapters",
+            json={"step": 1, "path": str(adapter)},
+            headers=gateway.admin,
+            timeout=300,
+        )
+        assert committed.status_code == 200 and committed.json()["served_step"] == 1, committed.text
+        for url in (first, second):  # published to both: each lists it and serves it
+            assert "my-agent@1" in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+            body = {"model": "my-agent@1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200, url
         os.killpg(second_proc.pid, signal.SIGKILL)  # its engine dies: the next call goes to the other
         second_proc.wait()
         turn("five")

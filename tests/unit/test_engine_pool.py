@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine.pool import EnginePool
+from engine.pool import Engine, EnginePool
 from tests.conftest import apoll
 
 A, B, C = "http://a", "http://b", "http://c"
@@ -134,6 +134,54 @@ async def test_the_probe_loop_takes_an_engine_out_and_brings_it_back() -> None:
     finally:
         task.cancel()
     assert pool.engines[0].healthy and not c.healthy
+
+
+def test_a_quarantined_engine_takes_no_call_and_its_rollouts_move() -> None:
+    pool = EnginePool([A, B], saturation=10)
+    a, b = pool.engines
+    assert pool.pick("r1").engine is a
+    pool.quarantine(a, "did not load m@2")
+    assert (a.healthy, a.in_rotation, pool.in_rotation) == (True, False, (b,))
+    pick = pool.pick("r1")
+    assert (pick.engine, pick.moved) == (b, "quarantined")
+    assert urls(pool, "r2", None) == [B, B]
+    assert pool.failover("r2", b) is None  # not to a quarantined engine either
+    assert pool.moves == {"quarantined": 1}
+
+
+def test_the_only_engine_is_never_quarantined() -> None:
+    """A step it cannot load is published to none instead (gateway/adapters.py)."""
+    pool = EnginePool([A], saturation=1)
+    pool.quarantine(pool.engines[0], "did not load m@1")
+    assert pool.engines[0].in_rotation
+
+
+async def test_an_engine_back_is_prepared_before_it_is_in_rotation_and_stays_out_until_it_is() -> None:
+    pool = EnginePool([A, B], saturation=10)
+    a, b = pool.engines
+    pool.failed(b)  # a call could not reach it: it may come back restarted, holding nothing
+    lacking = {B: "did not load m@2"}  # what `prepare` says of each engine: B's load fails
+    asked: list[tuple[str, bool]] = []
+
+    async def probe(url: str) -> bool:
+        return True
+
+    async def prepare(engine: Engine) -> str | None:
+        asked.append((engine.url, engine.in_rotation))
+        return lacking.get(engine.url)
+
+    task = asyncio.create_task(pool.watch(probe, every=0.01, prepare=prepare))
+    try:
+        await apoll(lambda: b.quarantined == "did not load m@2", 10, "B quarantined: its load failed")
+        assert b.healthy and not b.in_rotation and a.in_rotation
+        assert (B, True) not in asked  # never in rotation before `prepare` said it holds everything
+        del lacking[B]  # the next round's retry loads it
+        await apoll(lambda: b.in_rotation, 10, "B back in rotation")
+        lacking[A] = "it lost m@2 (restarted?)"  # an engine in rotation that lost a step: out until it has it
+        await apoll(lambda: not a.in_rotation, 10, "A quarantined")
+        assert pool.in_rotation == (b,)
+    finally:
+        task.cancel()
 
 
 def test_an_empty_pool_is_refused() -> None:
