@@ -290,7 +290,7 @@ class EngineCalls:
         # One rollout, one sequence (gateway/continuation.py): each rollout's last chat call, and with
         # `--continuity splice` each engine's splicer (by URL), which serves a call continuing it from the model's
         # own tokens: on any engine, since the tokens are the gateway's.
-        self.continuations = continuations or Continuations()
+        self.continuations = Continuations() if continuations is None else continuations  # empty is falsy
         self.splicers = splicers
 
     async def answer(
