@@ -162,10 +162,6 @@ class Continuations:
             _, oldest = self._last.popitem(last=False)
             self._bytes -= oldest.size
 
-    def holds(self, rollout: RolloutKey) -> bool:
-        """Whether the rollout's last call is held in memory (what a call continuing it would be spliced onto)."""
-        return rollout in self._last
-
     def find(
         self, rollout: RolloutKey, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
     ) -> Continued | None:
