@@ -119,8 +119,10 @@ class Continuations:
     its rollout is read for (an assistant message in its history with a message after it: never a rollout's
     first call), and only when memory does not hold what it goes on from, or holds an older call than the one
     its history shows (an assistant message after the held call's reply: a call another replica answered since).
-    A call whose rollout's last call is had neither way is rendered anew and starts a new sequence (its split
-    says `state_lost`)."""
+    A call whose rollout's last call is had neither way is rendered anew, or spliced onto the newest call had
+    (its history goes on past that call's reply: the call after it not written yet, or an assistant message
+    the client added), and said not to have had it: where it starts a new sequence, its split says
+    `state_lost`."""
 
     def __init__(
         self,
@@ -182,14 +184,19 @@ class Continuations:
         last = self._last.get(rollout)
         if last is not None and not _after(last, request, digests):
             return _continued(last, request, route, digests), True
-        if self.read is None or not _may_continue(request):
-            return None, False  # held nowhere else (or a newer one was), or nothing to continue
-        stored = await self._read(rollout)
-        last = None if stored is None else _last_call(stored, None)
-        if last is None or _after(last, request, digests):
-            return None, False  # the call it goes on from is not in the store (not written yet)
-        self._keep(rollout, last)
-        return _continued(last, request, route, digests), True
+        if self.read is not None and _may_continue(request):
+            stored = await self._read(rollout)
+            newer = None if stored is None else _last_call(stored, None)
+            if newer is not None and (last is None or len(newer.message_keys) > len(last.message_keys)):
+                self._keep(rollout, newer)
+                if not _after(newer, request, digests):
+                    return _continued(newer, request, route, digests), True
+                last = newer
+        if last is None:
+            return None, False
+        # Its history goes on past the reply of the newest call had (the call after it not yet in the store, or
+        # an assistant message the client added): spliced onto that one, which is not known to be the last.
+        return _continued(last, request, route, digests), False
 
     async def _read(self, rollout: RolloutKey) -> CallRecord | None:
         """The rollout's last answered chat call from the store; None: none there, or the store failed or was

@@ -193,8 +193,10 @@ def test_a_last_call_had_neither_way_is_not_known() -> None:
     (the replica that answered it has not written it), or cannot be read in time."""
     history = _request([USER, SENT_BACK, RESULT, REPLY_2, MORE])
     counted: list[str] = []
+    # The call before the one the history goes on from: spliced onto it, not known to be the rollout's last.
     not_yet = Continuations(read=_Store(_record([USER], [REPLY])), counted=counted.append)
-    assert _look_up(not_yet, history) == (None, False)
+    continued, known = _look_up(not_yet, history)
+    assert not known and continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11]
     assert _look_up(Continuations(read=_Store(), counted=counted.append), history) == (None, False)
     away = _Store(_record([USER], [REPLY]), fails=True)
     assert _look_up(Continuations(read=away, counted=counted.append), _request([USER, SENT_BACK, RESULT])) == (
@@ -204,6 +206,19 @@ def test_a_last_call_had_neither_way_is_not_known() -> None:
     assert counted == ["found", "none", "failed"]
     # Without a store to read (--continuity rerender): memory only, as before.
     assert _look_up(Continuations(), _request([USER, SENT_BACK, RESULT])) == (None, False)
+
+
+def test_an_assistant_message_the_client_added_is_still_spliced_onto_the_held_call() -> None:
+    """The store holds nothing newer than memory: the call goes on from the held call (as it did before the
+    store was read), though it is not known to be the rollout's last."""
+    first = _record([USER], [REPLY])
+    store = _Store(first)
+    continuations = Continuations(read=store)
+    continuations.remember(first)
+    added = {"role": "assistant", "content": "(the client's note)"}
+    continued, known = _look_up(continuations, _request([USER, SENT_BACK, RESULT, added, MORE]))
+    assert continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11] and not known
+    assert store.reads == 1
 
 
 def test_a_store_slower_than_the_budget_is_not_waited_for() -> None:
