@@ -30,7 +30,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +45,8 @@ log = logging.getLogger("artgw.gateway")
 
 # How a call that continues its rollout was served (artgw_continued_calls_total{how}).
 Served = Literal["spliced", "rerendered", "no_scale_out", "template_mismatch", "render_failed"]
+# What a read of a rollout's last call from the store found (artgw_continuation_reads_total{found}).
+StoreRead = Literal["found", "none", "failed"]
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
@@ -112,11 +114,27 @@ class Continuations:
     """Each rollout's last answered chat call, the newest rollouts first within `budget_bytes`, and whether a call
     continues it.
 
-    In memory: after a restart, on another replica, or once pushed out by newer rollouts, a rollout's next call is
-    rendered as before and starts a new sequence (its split reason says so)."""
+    Held in memory, and read from the store (`read`: store/calls.py `last_chat_call`) when memory does not hold
+    it: after a restart, on another replica, or once pushed out by newer rollouts. Only a call that may continue
+    its rollout is read for (an assistant message in its history with a message after it: never a rollout's
+    first call), and only when memory does not hold what it goes on from, or holds an older call than the one
+    its history shows (an assistant message after the held call's reply: a call another replica answered since).
+    A call whose rollout's last call is had neither way is rendered anew, or spliced onto the newest call had
+    (its history goes on past that call's reply: the call after it not written yet, or an assistant message
+    the client added), and said not to have had it: where it starts a new sequence, its split says
+    `state_lost`."""
 
-    def __init__(self, budget_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        budget_bytes: int = 64 << 20,
+        read: Callable[[RolloutKey], Awaitable[CallRecord | None]] | None = None,
+        read_seconds: float = 1.0,
+        counted: Callable[[StoreRead], None] | None = None,
+    ) -> None:
         self.budget_bytes = budget_bytes
+        self.read = read
+        self.read_seconds = read_seconds  # a store slower than this: the call is rendered anew
+        self.counted = counted  # each store read's outcome (artgw_continuation_reads_total{found})
         self._last: OrderedDict[RolloutKey, LastCall] = OrderedDict()
         self._bytes = 0
 
@@ -130,60 +148,139 @@ class Continuations:
     def remember(self, record: CallRecord, digests: tuple[bytes, ...] | None = None) -> None:
         """A chat call of a rollout was answered: the next call of the rollout may continue it. `digests`: its
         request's `message_digests`, if already known."""
-        if record.status != "ok" or not record.choices:
-            return
-        if digests is None:
-            digests = message_digests(record.request)
-        if digests is None:
-            return
-        last = LastCall(
-            model=record.model,
-            step=record.step,
-            upstream_model=record.upstream_model,
-            render_key=render_key(record.request),
-            message_keys=digests,
-            prompt_ids=array("i", record.prompt_token_ids),
-            replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
-        )
-        replaced = self._last.pop(record.rollout_key, None)
+        last = _last_call(record, digests)
+        if last is not None:
+            self._keep(record.rollout_key, last)
+
+    def _keep(self, rollout: RolloutKey, last: LastCall) -> None:
+        replaced = self._last.pop(rollout, None)
         if replaced is not None:
             self._bytes -= replaced.size
         if last.size > self.budget_bytes:
             return  # one call larger than the whole budget: its rollout's next call is rendered anew
-        self._last[record.rollout_key] = last
+        self._last[rollout] = last
         self._bytes += last.size
         while self._bytes > self.budget_bytes:
             _, oldest = self._last.popitem(last=False)
             self._bytes -= oldest.size
 
-    def holds(self, rollout: RolloutKey) -> bool:
-        """Whether the rollout's last call is held (what a call continuing it would be spliced onto)."""
-        return rollout in self._last
-
     def find(
         self, rollout: RolloutKey, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None = None
     ) -> Continued | None:
-        """How `request` continues the rollout's last call, or None when it does not. `digests`: the request's
-        `message_digests`, if already known."""
+        """How `request` continues the rollout's last call held in memory, or None when it does not. `digests`:
+        the request's `message_digests`, if already known."""
         last = self._last.get(rollout)
-        if last is None or not last.prompt_ids:
-            return None
-        if (last.model, last.step, last.upstream_model) != (route.model, route.step, route.upstream_model):
-            return None
-        if request.get("continue_final_message") or request.get("add_generation_prompt") is False:
+        if last is None:
             return None
         if digests is None:
             digests = message_digests(request)
-        then = len(last.message_keys)
-        if digests is None or len(digests) < then + 2 or render_key(request) != last.render_key:
-            return None  # no new message after the reply, or other tools or template options
-        if digests[:then] != last.message_keys:
+        return _continued(last, request, route, digests)
+
+    async def look_up(
+        self, rollout: RolloutKey, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None
+    ) -> tuple[Continued | None, bool]:
+        """How `request` continues the rollout's last call (None: it does not), from memory or else the store,
+        and whether that last call was had (CallRecord.rollout_known). `digests`: the request's."""
+        last = self._last.get(rollout)
+        if last is not None and not _after(last, request, digests):
+            return _continued(last, request, route, digests), True
+        if self.read is not None and _may_continue(request):
+            stored = await self._read(rollout)
+            newer = None if stored is None else _last_call(stored, None)
+            if newer is not None and (last is None or len(newer.message_keys) > len(last.message_keys)):
+                self._keep(rollout, newer)
+                if not _after(newer, request, digests):
+                    return _continued(newer, request, route, digests), True
+                last = newer
+        if last is None:
+            return None, False
+        # Its history goes on past the reply of the newest call had (the call after it not yet in the store, or
+        # an assistant message the client added): spliced onto that one, which is not known to be the last.
+        return _continued(last, request, route, digests), False
+
+    async def _read(self, rollout: RolloutKey) -> CallRecord | None:
+        """The rollout's last answered chat call from the store; None: none there, or the store failed or was
+        slower than `read_seconds` (the call is served anyway, rendered anew)."""
+        assert self.read is not None
+        try:
+            async with asyncio.timeout(self.read_seconds):
+                stored = await self.read(rollout)
+        except Exception as exc:  # the store away or slow: a continuation is never worth a failed call
+            log.warning(
+                "rollout %s: its last call could not be read from the store (%r); rendered anew", rollout.id, exc
+            )
+            self._count("failed")
             return None
-        reply = digests[then]
-        for key, sampled in last.replies:
-            if key == reply and sampled:
-                return Continued(last.prompt_ids.tolist() + sampled.tolist(), sampled.tolist(), then + 1)
+        self._count("found" if stored is not None else "none")
+        return stored
+
+    def _count(self, found: StoreRead) -> None:
+        if self.counted is not None:
+            self.counted(found)
+
+
+def _last_call(record: CallRecord, digests: tuple[bytes, ...] | None) -> LastCall | None:
+    """What an answered chat call leaves for its rollout's next call; None for any other call."""
+    if record.status != "ok" or not record.choices:
         return None
+    if digests is None:
+        digests = message_digests(record.request)
+    if digests is None:
+        return None
+    return LastCall(
+        model=record.model,
+        step=record.step,
+        upstream_model=record.upstream_model,
+        render_key=render_key(record.request),
+        message_keys=digests,
+        prompt_ids=array("i", record.prompt_token_ids),
+        replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
+    )
+
+
+def _goes_on(last: LastCall, digests: tuple[bytes, ...] | None) -> int | None:
+    """The index of the reply in the request's messages when they are `last`'s then one of its replies, then at
+    least one more; else None."""
+    then = len(last.message_keys)
+    if digests is None or len(digests) < then + 2 or digests[:then] != last.message_keys:
+        return None
+    return then if any(key == digests[then] for key, _ in last.replies) else None
+
+
+def _after(last: LastCall, request: dict[str, Any], digests: tuple[bytes, ...] | None) -> bool:
+    """Whether the request's history goes on from `last` past a later reply of the model: `last` is not the
+    rollout's last call (another replica answered one since), and the request continues that one, if any."""
+    reply = _goes_on(last, digests)
+    return reply is not None and any(m.get("role") == "assistant" for m in request["messages"][reply + 1 :])
+
+
+def _may_continue(request: dict[str, Any]) -> bool:
+    """Whether the request may continue an earlier call: an assistant message after its first, then another."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages[1:-1])
+
+
+def _continued(
+    last: LastCall, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None
+) -> Continued | None:
+    """How `request` continues `last`, or None when it does not."""
+    if not last.prompt_ids:
+        return None
+    if (last.model, last.step, last.upstream_model) != (route.model, route.step, route.upstream_model):
+        return None
+    if request.get("continue_final_message") or request.get("add_generation_prompt") is False:
+        return None
+    then = _goes_on(last, digests)
+    if then is None or render_key(request) != last.render_key:
+        return None  # no new message after the reply, or other tools or template options
+    assert digests is not None
+    reply = digests[then]
+    for key, sampled in last.replies:
+        if key == reply and sampled:
+            return Continued(last.prompt_ids.tolist() + sampled.tolist(), sampled.tolist(), then + 1)
+    return None
 
 
 class ScaleOutUnavailable(Exception):

@@ -314,6 +314,15 @@ class GatewayMetrics:
             ["model", "how"],
             registry=r,
         )
+        self.continuation_reads = Counter(
+            "artgw_continuation_reads",
+            "Reads of a rollout's last call from the store by a call that may continue it and whose gateway does "
+            "not hold that call (a restart, another replica, pushed out of memory), by what they found: found, "
+            "none (not written yet: the call is rendered anew, its split says state_lost), failed (the store "
+            "failed or was slower than --continuation-read-seconds).",
+            ["found"],
+            registry=r,
+        )
         self.engine_resends = Counter(
             "artgw_engine_resends",
             "Calls sent to the engine again because it cut the connection before answering, by the error seen "
@@ -361,6 +370,9 @@ class GatewayMetrics:
 
     def call_continued(self, model: str, how: str) -> None:
         self.continued_calls.labels(model, how).inc()
+
+    def continuation_read(self, found: str) -> None:
+        self.continuation_reads.labels(found).inc()
 
     def rollouts_grouped(self, model: str, trajectories: Iterable[Trajectory]) -> None:
         for trajectory in trajectories:

@@ -40,7 +40,7 @@ from gateway.apis.completions.service import CompletionsService
 from gateway.apis.messages.service import MessagesService, Threads
 from gateway.apis.responses.service import ResponsesService
 from gateway.auth import KeyRing, load_admin_key
-from gateway.continuation import Splicer
+from gateway.continuation import Continuations, Splicer
 from gateway.groups.policy import RulerPolicy, load_judges
 from gateway.groups.scorer import Scorer
 from gateway.groups.service import GroupService
@@ -396,7 +396,13 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(
             splicers=splicers,
-            continuation_bytes=settings.continuation_cache_bytes,
+            # A rollout's last call not held here is read from the store (needed only to splice).
+            continuations=Continuations(
+                settings.continuation_cache_bytes,
+                read=store.rollouts.last_chat_call if splicers is not None else None,
+                read_seconds=settings.continuation_read_seconds,
+                counted=metrics.continuation_read,
+            ),
             session=session,
             engines=engines,
             request_timeout=settings.request_timeout,

@@ -271,7 +271,7 @@ class EngineCalls:
         limits: RateLimits | None = None,
         tracer: CallTracer | None = None,
         splicers: dict[str, Splicer] | None = None,
-        continuation_bytes: int = 64 << 20,
+        continuations: Continuations | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
@@ -290,7 +290,7 @@ class EngineCalls:
         # One rollout, one sequence (gateway/continuation.py): each rollout's last chat call, and with
         # `--continuity splice` each engine's splicer (by URL), which serves a call continuing it from the model's
         # own tokens: on any engine, since the tokens are the gateway's.
-        self.continuations = Continuations(continuation_bytes)
+        self.continuations = Continuations() if continuations is None else continuations  # empty is falsy
         self.splicers = splicers
 
     async def answer(
@@ -538,8 +538,9 @@ class EngineCalls:
         spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
             return None, None
-        call.rollout_known = self.continuations.holds(origin.rollout_key)
-        continued = self.continuations.find(origin.rollout_key, spec.request, spec.route, call.digests)
+        continued, call.rollout_known = await self.continuations.look_up(
+            origin.rollout_key, spec.request, spec.route, call.digests
+        )
         if continued is None:
             return None, None
         splicer = call.splicer

@@ -107,7 +107,16 @@ class ModelSettings:
         default=64 << 20,
         metadata={
             "help": "bytes of memory (all rollouts together) for each rollout's last call, from whose tokens the "
-            "rollout's next call goes on (--continuity splice); a rollout pushed out is rendered anew"
+            "rollout's next call goes on (--continuity splice); one not held (pushed out, a restart, another "
+            "replica) is read from the store"
+        },
+    )
+    continuation_read_seconds: float = field(
+        default=1.0,
+        metadata={
+            "help": "how long a call that continues its rollout waits for the store to give the rollout's last "
+            "call when this gateway does not hold it (a restart, another replica); past it the call is rendered "
+            "anew and starts a new sequence (--continuity splice)"
         },
     )
 
@@ -141,7 +150,10 @@ class ModelSettings:
         if len(set(urls)) != len(urls):
             raise ValueError(f"--upstream names an engine twice: {', '.join(urls)}")
         _at_least(1, ("--continuation-cache-bytes", self.continuation_cache_bytes))
-        _seconds(("--rollout-pin-seconds", self.rollout_pin_seconds))
+        _seconds(
+            ("--rollout-pin-seconds", self.rollout_pin_seconds),
+            ("--continuation-read-seconds", self.continuation_read_seconds),
+        )
 
 
 @dataclass(frozen=True)

@@ -263,12 +263,27 @@ async def rollout_calls(conn: AsyncConnection, key: RolloutKey) -> list[CallReco
     ).scalar_one_or_none()
     if explicit is None:
         return None
+    return expand(await _rollout_rows(conn, key), explicit)
+
+
+async def _rollout_rows(conn: AsyncConnection, key: RolloutKey) -> list[dict[str, Any]]:
+    """A rollout's rows, by its index (ix_calls_rollout_owner), in the order they began."""
     rows = await conn.execute(
         sa.select(calls)
         .where(_is(key, calls.c.rollout_owner, calls.c.rollout_id))
         .order_by(calls.c.started_at, calls.c.id)
     )
-    return expand([_plain(row) for row in rows], explicit)
+    return [_plain(row) for row in rows]
+
+
+async def last_chat_call(conn: AsyncConnection, key: RolloutKey) -> CallRecord | None:
+    """A rollout's last answered chat call (of its calls answered with choices to a messages list, the last to
+    end), whole again, or None: what a call continuing the rollout is spliced onto, read by a gateway that does
+    not hold it (gateway/continuation.py). One read, by the rollout's index: its rows hold each call as what it
+    adds to an earlier one (store/codec.py), so the rollout's rows are about as large as its last call alone."""
+    records = expand(await _rollout_rows(conn, key), explicit=True)
+    answered = (r for r in records if r.status == "ok" and r.choices and isinstance(r.request.get("messages"), list))
+    return max(answered, key=lambda r: r.ended_at, default=None)
 
 
 class RolloutRow(msgspec.Struct, frozen=True):

@@ -56,9 +56,9 @@ class CallRecord(msgspec.Struct, frozen=True):
     ended_at: float
     api: Api = "chat"
     key_id: str | None = None  # the API key that made the call (its id, never the secret); None: no key
-    # Whether the gateway that served it held its rollout's last call, which a continuing call is spliced onto
-    # (gateway/continuation.py; kept in memory). False: a restart, another replica or newer rollouts lost it.
-    # None: not asked (not a chat-path call of a named rollout) or recorded before it was kept.
+    # Whether the gateway that served it had its rollout's last call, which a continuing call is spliced onto
+    # (gateway/continuation.py: in memory, else read from the store). False: neither (the call that answered
+    # it not yet in the store, the store failing). None: not asked (not a chat-path call of a named rollout).
     rollout_known: bool | None = None
     engine: str | None = None  # the base URL of the engine that served it (several behind one gateway); None: before
 

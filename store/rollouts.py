@@ -13,9 +13,9 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.access import Grant
-from store.calls import RolloutFilter, RolloutRow, list_rollouts, rollout_calls
+from store.calls import RolloutFilter, RolloutRow, last_chat_call, list_rollouts, rollout_calls
 from store.errors import Invalid, NotFound
-from store.records import RolloutKey
+from store.records import CallRecord, RolloutKey
 from store.trajectories import Trajectory, assemble
 
 MAX_PAGE = 1000
@@ -64,6 +64,11 @@ class RolloutReader:
         # One choice of an n > 1 call is a rollout of its own, named as groups name it.
         trajectory = assemble(rollout_id if choice is None else f"{rollout_id}/{choice}", calls, choice)
         return msgspec.structs.replace(trajectory, owner=owner) if grant.covers(trajectory.model) else None
+
+    async def last_chat_call(self, rollout: RolloutKey) -> CallRecord | None:
+        """The rollout's last answered chat call (store/calls.py `last_chat_call`)."""
+        async with self.engine.connect() as conn:
+            return await last_chat_call(conn, rollout)
 
     async def get(self, rollout_id: str, *, owner: str | None, grant: Grant, choice: int | None = None) -> Trajectory:
         trajectory = await self.find(rollout_id, owner=owner, grant=grant, choice=choice)

@@ -20,7 +20,7 @@ from store.records import CallRecord, ChoiceRecord
 # Why a call's prompt does not extend the sequence before it (the previous call's prompt and sampled tokens):
 SplitCause = Literal[
     "rerendered",  # the history means what the model produced, but the template rendered it as other tokens
-    "state_lost",  # the same, because the gateway that served it no longer held the rollout's last call
+    "state_lost",  # the same, because the gateway that served it had not the rollout's last call (memory, store)
     "dropped_reasoning",  # the model's reasoning is gone from the history (the client's or the template's doing)
     "edited",  # the client changed a message of the history (`split_reason` says which)
     "history_cut",  # the client sent fewer messages than the history (`split_reason` says how many)
@@ -33,8 +33,9 @@ SplitCause = Literal[
 SPLIT_CAUSES: tuple[SplitCause, ...] = get_args(SplitCause)
 SPLIT_RERENDERED = "the template rendered the model's earlier turns as other tokens than it sampled"
 SPLIT_STATE_LOST = (
-    "the gateway that served this call no longer held the rollout's last call (restarted, another replica, or "
-    "pushed out of memory), so it rendered the model's earlier turns anew"
+    "the gateway that served this call did not have the rollout's last call: not in its memory, and not in the "
+    "store when this call came (not yet written by the replica, or the gateway before a restart, that answered "
+    "it; or the store failed to answer in time), so it rendered the model's earlier turns anew"
 )
 SPLIT_DROPPED_REASONING = "the model's reasoning was dropped from the history"
 SPLIT_NEW_ATTEMPT = "the same history again: another completion of the previous call's prompt"

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import anthropic
 import httpx
+import openai
+import pytest
 
 from tests.conftest import poll
 
@@ -26,6 +31,32 @@ ROME_PARIS_TOOLS = [
 ]
 
 ROME_PARIS_QUESTION = [{"role": "user", "content": "What is the weather in Rome and in Paris?"}]
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
+    """`run(seed)` until one completes (a random-weight model may pad a tool call's JSON past the token limit)."""
+    failures = []
+    for seed in range(seeds):
+        try:
+            return seed, run(seed)
+        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
+            failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
+    pytest.fail("no run completed:\n" + "\n".join(failures))
+
+
+def forced_tool_call(gateway: Any, rid: str, seed: int) -> list[dict[str, Any]]:
+    """A rollout's first call, a forced tool call (the template renders it otherwise than it was sampled: only a
+    splice keeps the rollout one sequence), and the history that continues it: its reply and the tool's result."""
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
+    fields: dict[str, Any] = dict(
+        model="my-agent", messages=ROME_PARIS_QUESTION, tools=ROME_PARIS_TOOLS, max_tokens=48, seed=seed
+    )
+    choice = client.chat.completions.create(tool_choice=FORCED, **fields).choices[0]
+    (call,) = choice.message.tool_calls  # a failed parse raises: another seed
+    json.loads(call.function.arguments)
+    reply = choice.message.model_dump(exclude_none=True)
+    return [*ROME_PARIS_QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
 
 
 ROME_PARIS_TOOLS_ANTHROPIC = [

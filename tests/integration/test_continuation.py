@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -20,12 +19,24 @@ import pytest
 from anthropic.lib.tools import beta_tool
 
 from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
-from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start_gateway, start_stub, stop_group
+from tests.conftest import (
+    BASE_NAME,
+    END_TOKEN,
+    metric,
+    poll,
+    run_client,
+    start_gateway,
+    start_stub,
+    stop_group,
+)
 from tests.recorded import (
+    FORCED,
     ROME_PARIS_QUESTION,
     ROME_PARIS_TOOLS,
     anthropic_tool_loop,
     decode,
+    first_run,
+    forced_tool_call,
     new_id,
     one_sequence,
     recorded_calls,
@@ -33,8 +44,6 @@ from tests.recorded import (
 )
 
 pytestmark = pytest.mark.engine
-
-FORCED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 # -- the token path answers as the plain path does -----------------------------------------------------------
@@ -205,22 +214,11 @@ def _openai_tool_loop(gateway: Any, rid: str, seed: int, stream: bool) -> list[A
     return replies
 
 
-def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
-    """`run(seed)` until one completes (a random-weight model may pad a tool call's JSON past the token limit)."""
-    failures = []
-    for seed in range(seeds):
-        try:
-            return seed, run(seed)
-        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
-            failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
-    pytest.fail("no run completed:\n" + "\n".join(failures))
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_openai_sdk_tool_loop_is_one_sequence(engine_gateway, tokenizer, stream: bool) -> None:
     rid = new_id("loop")
     spliced_before = metric(engine_gateway.url, "artgw_continued_calls_total", how="spliced")
-    seed, replies = _first_run(lambda seed: _openai_tool_loop(engine_gateway, f"{rid}-{seed}", seed, stream))
+    seed, replies = first_run(lambda seed: _openai_tool_loop(engine_gateway, f"{rid}-{seed}", seed, stream))
     recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 4)
     sampled = sampled_by_call(recorded)
     for call, reply in zip(recorded["calls"], replies, strict=True):
@@ -262,7 +260,7 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_anthropic_messages_tool_loop_is_one_sequence(engine_gateway, stream: bool) -> None:
     rid = new_id("anthropic")
-    seed, replies = _first_run(lambda seed: anthropic_tool_loop(engine_gateway.url, f"{rid}-{seed}", seed, stream))
+    seed, replies = first_run(lambda seed: anthropic_tool_loop(engine_gateway.url, f"{rid}-{seed}", seed, stream))
     recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
@@ -311,7 +309,7 @@ def test_anthropic_tool_runner_runs_on_a_thread_and_is_one_sequence(engine_gatew
             raise ValueError(f"not every reply a whole tool call: {[r.stop_reason for r in replies]}")
         return replies
 
-    seed, replies = _first_run(run)
+    seed, replies = first_run(run)
     assert len(replies) == 3
     first, *rest = threads[-3:]
     assert first == ({"type": "create"}, True)
@@ -350,7 +348,7 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
     gateway = start_gateway(tmp_path, "--upstream", vllm_url, "--continuity", "rerender")
     try:
         rid = new_id("rerender")
-        seed, _ = _first_run(lambda seed: _openai_tool_loop(gateway, f"{rid}-{seed}", seed, False))
+        seed, _ = first_run(lambda seed: _openai_tool_loop(gateway, f"{rid}-{seed}", seed, False))
         recorded = poll(lambda: recorded_calls(gateway, f"{rid}-{seed}", 4), 10, "the rollout")
         assert len(recorded["sequences"]) > 1  # the template renders the tool calls anew
         assert metric(gateway.url, "artgw_continued_calls_total", how="rerendered") >= 3
@@ -359,28 +357,13 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
         gateway.stop()
 
 
-def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_path) -> None:
-    """What a rollout's last call was is kept in memory: after a restart the next call is rendered anew and
-    starts a sequence. Before, its split said `rerendered` (the template's doing); now it says the state was
-    lost (`state_lost`)."""
+def test_a_restart_keeps_the_rollout_one_sequence(vllm_url, tmp_path) -> None:
+    """The restarted gateway does not hold the rollout's last call: it reads it from the store, and the next call
+    is spliced onto it. Before, it was rendered anew and the rollout split (`state_lost`)."""
     first = start_gateway(tmp_path, "--upstream", vllm_url)
     rid = new_id("restart")
-
-    def forced(seed: int) -> list[dict[str, Any]]:
-        client = openai.OpenAI(
-            base_url=first.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": f"{rid}-{seed}"}
-        )
-        fields: dict[str, Any] = dict(
-            model="my-agent", messages=ROME_PARIS_QUESTION, tools=ROME_PARIS_TOOLS, max_tokens=48, seed=seed
-        )
-        choice = client.chat.completions.create(tool_choice=FORCED, **fields).choices[0]
-        (call,) = choice.message.tool_calls  # a failed parse raises: another seed
-        json.loads(call.function.arguments)
-        reply = choice.message.model_dump(exclude_none=True)
-        return [*ROME_PARIS_QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-
     try:
-        seed, messages = _first_run(forced)
+        seed, messages = first_run(lambda seed: forced_tool_call(first, f"{rid}-{seed}", seed))
         poll(lambda: recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
     finally:
         first.stop()
@@ -395,11 +378,11 @@ def test_a_restart_loses_the_rollouts_state_and_its_split_says_so(vllm_url, tmp_
         client.chat.completions.create(
             model="my-agent", messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=8, seed=seed
         )
-        recorded = poll(lambda: recorded_calls(again, f"{rid}-{seed}", 2), 10, "the rollout")
+        one_sequence(again, f"{rid}-{seed}", 2)
+        assert metric(again.url, "artgw_continued_calls_total", how="spliced") == 1
+        assert metric(again.url, "artgw_continuation_reads_total", found="found") == 1
     finally:
         again.stop()
-    assert [s["split_cause"] for s in recorded["sequences"]] == [None, "state_lost"], recorded["sequences"]
-    assert "no longer held the rollout's last call" in recorded["sequences"][1]["split_reason"]
 
 
 def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) -> None:
@@ -443,6 +426,6 @@ def test_responses_with_previous_response_id_is_one_sequence(engine_gateway) -> 
         outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]
         client.responses.create(previous_response_id=first.id, input=outputs, **fields)
 
-    seed, _ = _first_run(run)
+    seed, _ = first_run(run)
     recorded = one_sequence(engine_gateway, f"{rid}-{seed}", 2)
     assert {c["api"] for c in recorded["calls"]} == {"responses"}

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -27,6 +26,7 @@ from tests.recorded import (
     ROME_PARIS_TOOLS,
     anthropic_tool_loop,
     app_env,
+    first_run,
     new_id,
     one_sequence,
     recorded_calls,
@@ -201,16 +201,6 @@ class _Loop:
         self.messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"})
 
 
-def _first_run(run: Callable[[int], Any], seeds: int = 8) -> tuple[int, Any]:
-    failures = []
-    for seed in range(seeds):
-        try:
-            return seed, run(seed)
-        except (json.JSONDecodeError, ValueError, TypeError, openai.APIError, anthropic.APIError) as exc:
-            failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
-    pytest.fail("no run completed:\n" + "\n".join(failures))
-
-
 def _received(text: str, thinking: bool) -> tuple[str, str]:
     """Sampled text as the qwen3 reasoning parser splits it: the reasoning (all of it until `</think>`, the
     template's generation prompt opened the block) and the content after it."""
@@ -274,7 +264,7 @@ def test_openai_sdk_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
         return loop, before
 
-    seed, (loop, before) = _first_run(run)
+    seed, (loop, before) = first_run(run)
     _assert_one_sequence_of_what_the_client_got(qwen3, f"{rid}-{seed}", loop, before)
 
 
@@ -306,7 +296,7 @@ def test_anthropic_messages_tool_loop_on_qwen3_is_one_sequence(qwen3: Served, st
     def run(seed: int) -> list[Any]:
         return anthropic_tool_loop(qwen3.gateway.url, f"{rid}-{seed}", seed, stream, extra_body=qwen3.forced_bias_body)
 
-    seed, replies = _first_run(run)
+    seed, replies = first_run(run)
     recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 3)
     assert [r.stop_reason for r in replies[:2]] == ["tool_use", "tool_use"]
     assert {c["api"] for c in recorded["calls"]} == {"messages"}
@@ -396,7 +386,7 @@ def test_openai_sdk_tool_loop_on_mistral_is_served_as_sent_after_a_tool_call(mis
         loop.call(tools=ROME_PARIS_TOOLS, max_tokens=16)
         return loop, before
 
-    seed, (loop, before) = _first_run(run)
+    seed, (loop, before) = first_run(run)
     (tool_call,) = loop.replies[0].message.tool_calls
     assert json.loads(tool_call.function.arguments)["city"] in {"Paris", "Rome"}
     recorded = poll(lambda: recorded_calls(mistral.gateway, f"{rid}-{seed}", 3), 10, "3 calls")

@@ -2,7 +2,9 @@
 
 What a load-balanced deployment relies on, with real processes: replicas started together migrate the
 store once (the others wait on an advisory lock); a call recorded by one replica is visible to the other
-(groups are made from rollouts either one recorded); the trainer claims on PostgreSQL and commits through
+(groups are made from rollouts either one recorded); a rollout whose calls alternate between the replicas is
+one sequence (each continuing call spliced onto its rollout's last call, read from the store when the other
+replica answered it); the trainer claims on PostgreSQL and commits through
 one replica while the other follows; and Prometheus, scraping each replica, reads one consistent picture:
 live counters add up across replicas, store-derived gauges (groups, trainer steps, adapter step) agree.
 """
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from tests.conftest import GatewayProcess, metric, poll, start_gateway, start_trainer, started_together, stop_group
+from tests.recorded import ROME_PARIS_TOOLS, first_run, forced_tool_call, one_sequence, recorded_calls
 
 pytestmark = [pytest.mark.engine, pytest.mark.postgres]
 
@@ -37,6 +40,7 @@ def test_replicas_share_the_store_and_report_one_picture(
 ) -> None:
     a, b = replicas
     assert all(g.proc.poll() is None for g in replicas)
+    _alternating_rollout_is_one_sequence(a, b)
     ok_before = [metric(g.url, "artgw_requests_total", model=MODEL, status="ok") for g in replicas]
 
     # Calls through both replicas; one group made of rollouts recorded by either, created on B.
@@ -98,3 +102,25 @@ def test_replicas_share_the_store_and_report_one_picture(
         lambda: httpx.get(f"{a.base_url}/art/rollouts/{rid}", headers=a.admin).json().get("calls"), 10, "the record"
     )
     assert [call["step"] for call in rollout] == [1]
+
+
+def _alternating_rollout_is_one_sequence(a: GatewayProcess, b: GatewayProcess) -> None:
+    """A forced tool call on A (rendered anew, the template would re-serialize it: a split), then its rollout's
+    calls alternate B, A, B, each once the replica before has written its call: every one is spliced onto the
+    call before it, which the replica serving it does not hold (or holds an older one of): it reads the store."""
+    rid = f"rep-alt-{uuid.uuid4().hex[:8]}"
+    seed, messages = first_run(lambda seed: forced_tool_call(a, f"{rid}-{seed}", seed))
+    rid = f"{rid}-{seed}"
+    poll(lambda: recorded_calls(a, rid, 1), 10, "A's call")
+    for turn, gateway in enumerate((b, a, b), start=2):
+        client = openai.OpenAI(
+            base_url=gateway.base_url, api_key="unused", max_retries=0, default_headers={"X-ART-Rollout-Id": rid}
+        )
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=6, seed=turn
+        )
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        poll(lambda gateway=gateway, turn=turn: recorded_calls(gateway, rid, turn), 10, f"call {turn}")
+    one_sequence(a, rid, 4)
+    assert [metric(g.url, "artgw_continuation_reads_total", found="found") for g in (a, b)] == [1, 2]
+    assert [metric(g.url, "artgw_continued_calls_total", how="spliced") for g in (a, b)] == [1, 2]

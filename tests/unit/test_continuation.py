@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from gateway.adapters import Route
-from gateway.continuation import Continuations
+from gateway.continuation import Continuations, Continued, message_digests
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
 
@@ -126,3 +127,107 @@ def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_
     # A message is kept as a digest: a 2 MB history costs the budget what a short one does.
     big = {"role": "user", "content": "x" * (2 << 20)}
     assert _continuations(_record([big], [REPLY])).bytes == one
+
+
+# -- the rollout's last call read from the store (a restart, another replica) ----------------------------------
+
+REPLY_2 = {"role": "assistant", "content": "It is sunny in Rome."}
+MORE = {"role": "user", "content": "And Paris?"}
+
+
+class _Store:
+    """The store's `last_chat_call` over the records a replica has written, counting the reads."""
+
+    def __init__(self, *records: CallRecord, fails: bool = False) -> None:
+        self.records = {r.rollout_key: r for r in records}
+        self.fails = fails
+        self.reads = 0
+
+    async def __call__(self, rollout: RolloutKey) -> CallRecord | None:
+        self.reads += 1
+        if self.fails:
+            raise ConnectionError("the store is away")
+        return self.records.get(rollout)
+
+
+def _look_up(
+    continuations: Continuations, request: dict[str, Any], route: Route = ROUTE
+) -> tuple[Continued | None, bool]:
+    return asyncio.run(continuations.look_up(RolloutKey("", "r1"), request, route, message_digests(request)))
+
+
+def test_a_call_not_held_is_continued_from_the_store_and_a_first_call_reads_nothing() -> None:
+    store = _Store(_record([USER], [REPLY]))
+    counted: list[str] = []
+    continuations = Continuations(read=store, counted=counted.append)
+    assert _look_up(continuations, _request([USER])) == (None, False)  # a rollout's first call
+    assert store.reads == 0
+    continued, known = _look_up(continuations, _request([USER, SENT_BACK, RESULT]))
+    assert known and continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11]
+    assert (store.reads, counted) == (1, ["found"])
+    # Now held: the next call that goes on from it reads nothing.
+    assert _look_up(continuations, _request([USER, SENT_BACK, RESULT])) == (continued, True)
+    assert store.reads == 1
+
+
+def test_a_held_call_older_than_the_history_is_read_again() -> None:
+    """Calls alternating between two replicas: this one holds the rollout's first call, the other answered the
+    second (now in the store); the third goes on from the second's reply, past the first's."""
+    first = _record([USER], [REPLY])
+    second = _record(
+        [USER, SENT_BACK, RESULT], [REPLY_2], call_id="c2", prompt_token_ids=[1, 2, 3, 10, 11, 4], ended_at=3.0
+    )
+    store = _Store(second)
+    continuations = Continuations(read=store)
+    continuations.remember(first)
+    continued, known = _look_up(continuations, _request([USER, SENT_BACK, RESULT, REPLY_2, MORE]))
+    assert known and store.reads == 1
+    assert continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11, 4, 10, 11]
+    # The history the held call continues, with no later reply in it: no read.
+    assert _look_up(continuations, _request([USER, SENT_BACK, RESULT, REPLY_2, MORE]))[1]
+    assert store.reads == 1
+
+
+def test_a_last_call_had_neither_way_is_not_known() -> None:
+    """What the split says `state_lost` for: the store does not hold the call the history goes on from yet
+    (the replica that answered it has not written it), or cannot be read in time."""
+    history = _request([USER, SENT_BACK, RESULT, REPLY_2, MORE])
+    counted: list[str] = []
+    # The call before the one the history goes on from: spliced onto it, not known to be the rollout's last.
+    not_yet = Continuations(read=_Store(_record([USER], [REPLY])), counted=counted.append)
+    continued, known = _look_up(not_yet, history)
+    assert not known and continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11]
+    assert _look_up(Continuations(read=_Store(), counted=counted.append), history) == (None, False)
+    away = _Store(_record([USER], [REPLY]), fails=True)
+    assert _look_up(Continuations(read=away, counted=counted.append), _request([USER, SENT_BACK, RESULT])) == (
+        None,
+        False,
+    )
+    assert counted == ["found", "none", "failed"]
+    # Without a store to read (--continuity rerender): memory only, as before.
+    assert _look_up(Continuations(), _request([USER, SENT_BACK, RESULT])) == (None, False)
+
+
+def test_an_assistant_message_the_client_added_is_still_spliced_onto_the_held_call() -> None:
+    """The store holds nothing newer than memory: the call goes on from the held call (as it did before the
+    store was read), though it is not known to be the rollout's last."""
+    first = _record([USER], [REPLY])
+    store = _Store(first)
+    continuations = Continuations(read=store)
+    continuations.remember(first)
+    added = {"role": "assistant", "content": "(the client's note)"}
+    continued, known = _look_up(continuations, _request([USER, SENT_BACK, RESULT, added, MORE]))
+    assert continued is not None and continued.prefix_ids == [1, 2, 3, 10, 11] and not known
+    assert store.reads == 1
+
+
+def test_a_store_slower_than_the_budget_is_not_waited_for() -> None:
+    class Slow(_Store):
+        async def __call__(self, rollout: RolloutKey) -> CallRecord | None:
+            await asyncio.sleep(30)
+            return await super().__call__(rollout)
+
+    counted: list[str] = []
+    continuations = Continuations(read=Slow(_record([USER], [REPLY])), read_seconds=0.05, counted=counted.append)
+    assert _look_up(continuations, _request([USER, SENT_BACK, RESULT])) == (None, False)
+    assert counted == ["failed"]
