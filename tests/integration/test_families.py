@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import msgspec
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from store.trajectories import Trajectory
 from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client
 from tests.recorded import (
     ROME_PARIS_QUESTION,
@@ -33,6 +36,10 @@ from tests.recorded import (
     rollout,
     sampled_by_call,
 )
+from trainer.batch import pack_sequences, sequences_from_trajectory
+from trainer.data import constrained_masks
+from trainer.grammar import GrammarMasks
+from trainer.logprobs import policy_token_logprobs
 
 pytestmark = pytest.mark.engine
 
@@ -291,6 +298,80 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
+
+
+def test_a_forced_call_after_a_reasoning_block_trains_on_policy_on_qwen3(
+    qwen3: Served, family_model: Callable[[str], Path]
+) -> None:
+    """The trainer's own path (trainer/data.py, batch.py, logprobs.py) on a rollout of two forced calls, named then
+    `required`, each sampled after a reasoning block (thinking on): vLLM applies the call's grammar only once the
+    reasoning has ended (`</think>`, or `<tool_call>` implicitly), and the trainer must too for the base model's
+    logprobs to be vLLM's (ratio 1). Before, the trainer refused Qwen3's reasoning parser: the calls were context."""
+    model_dir = family_model("qwen3")
+    token = qwen3.tokenizer.convert_tokens_to_ids
+    # Each call's reasoning end a little less favoured than `"` and `}`: a few reasoning tokens, then the call. The
+    # named call's reasoning ends at `<tool_call>` (implicitly: the call's first token), the `required` one's at
+    # `</think>`; one call for `required` (else a favoured `<tool_call>` starts another until the limit).
+    ends = [token("<tool_call>"), token("</think>")]
+    forced = [{}, {"tool_choice": "required", "parallel_tool_calls": False}]
+    rid = new_id("qwen3-on-policy")
+
+    def run(seed: int) -> dict[str, Any]:
+        loop = _Loop(qwen3, f"{rid}-{seed}", "sdk message", stream=False, seed=seed)
+        for end, fields in zip(ends, forced, strict=True):
+            bias = {**qwen3.forced_bias, str(token("</think>")): 0, str(end): 19}
+            loop.forced_call(max_tokens=64, extra_body={"logit_bias": bias}, **fields)
+        recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 2)
+        for end, call in zip(ends, recorded["calls"], strict=True):
+            ids = sampled_by_call(recorded)[call["id"]]
+            if ids.index(end) == 0 or set(ids[: ids.index(end)]) & {token("</think>"), token("<tool_call>")}:
+                raise ValueError(f"a call's reasoning did not end at {end} after a token or more: another seed")
+        return recorded
+
+    seed, recorded = _first_run(run)
+    trajectory = msgspec.convert(recorded, Trajectory)
+    grammar = GrammarMasks.for_model(str(model_dir))  # what `artgw train` builds
+    masks, untrained = constrained_masks(trajectory, grammar)
+    assert not untrained and len(masks) == 2, untrained
+    (sequence,) = sequences_from_trajectory(0, trajectory.sequences, untrained, masks)
+    batch = pack_sequences([sequence], max_tokens_per_row=len(sequence.token_ids), pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def logprobs(allowed_index: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            scored = policy_token_logprobs(
+                model, batch.input_ids, batch.position_ids, batch.attention_mask, batch.labels, batch.loss_mask,
+                chunk_size=1024, allowed_index=allowed_index, allowed_bitmask=bitmask,
+            )  # fmt: skip
+        return scored[batch.loss_mask]
+
+    trained = batch.loss_mask
+    vllm = batch.sampled_logprobs[trained]
+    masked, unmasked = logprobs(batch.allowed_index, batch.allowed_bitmask), logprobs(None, None)
+    assert batch.allowed_bitmask is not None
+    rows = batch.allowed_index[trained]
+    constrained = (rows >= 0) & (batch.allowed_bitmask != -1).any(-1)[rows.clamp(min=0)]
+    ratio = torch.exp(masked - vllm)
+    summary = {
+        "tokens": int(trained.sum()),
+        "free (reasoning)": int((~constrained).sum()),
+        "ratio": round(float(ratio.mean()), 4),
+        "constrained ratio": round(float(ratio[constrained].mean()), 4),
+        "unmasked constrained ratio": round(float(torch.exp(unmasked - vllm)[constrained].mean()), 4),
+    }
+    print(f"\nQwen3 forced calls after reasoning (seed {seed}): {summary}")
+    assert summary["free (reasoning)"] >= 4 and int(constrained.sum()) >= 20, summary  # 2 per call: reasoning, its end
+    assert 0.99 <= summary["ratio"] <= 1.01 and 0.99 <= summary["constrained ratio"] <= 1.01, summary
+    assert float((masked - vllm).abs().max()) < 0.05, summary  # token by token: float noise, no renormalization
+    assert summary["unmasked constrained ratio"] < 0.5, summary  # the masks are what makes it 1
+    # Where the grammar starts matters: applied from the first token (as without a reasoning parser), it rejects
+    # the reasoning the model sampled.
+    (recorded_sequence,) = trajectory.sequences
+    requests = {c.id: c.grammar_request for c in trajectory.calls}
+    for call_id, (start, end) in zip(recorded_sequence.call_ids, recorded_sequence.sampled_spans, strict=True):
+        ids = recorded_sequence.token_ids
+        with pytest.raises(ValueError, match="rejects sampled token"):
+            grammar.for_call({**(requests[call_id] or {}), "include_reasoning": False}, ids[start:end], ids[:start])
 
 
 # -- Llama 3.1: its template trims each message's content and renders no tools ------------------------------------
