@@ -213,7 +213,7 @@ class GrammarMasks:
         self.strict_tool_calling = strict_tool_calling
         self.disable_any_whitespace = disable_any_whitespace
         self._stop_ids = {*eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self._tokenizer = tokenizer
         self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
 
     @classmethod
@@ -285,7 +285,20 @@ class GrammarMasks:
                 f"a tool call's grammar is rebuilt for the hermes parser only, and this model's is "
                 f"{parsers.tool_call_parser} ({parsers.why})"
             )
+        if self._compiler is None:
+            return f"xgrammar cannot read this model's tokenizer ({type(self._tokenizer).__name__})"
         return None
+
+    @functools.cached_property
+    def _compiler(self) -> xgr.GrammarCompiler | None:
+        """xgrammar's compiler for this vocabulary, built for the first grammar (reading a 150k-token vocabulary
+        takes seconds); None where xgrammar cannot read the tokenizer (mistral_common's tekken, which vLLM reads
+        its own way, not mirrored here)."""
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+        except ValueError:
+            return None
+        return xgr.GrammarCompiler(info)
 
     def cache_info(self) -> Any:
         """The compile cache's hits and misses (functools' CacheInfo)."""
@@ -293,6 +306,7 @@ class GrammarMasks:
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
         compiler = self._compiler
+        assert compiler is not None, "refused before (`refusal`)"
         try:
             if spec.kind == "json":
                 compact = self.disable_any_whitespace

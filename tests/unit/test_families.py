@@ -130,20 +130,6 @@ def test_the_qwen3_model_renders_qwen3s_tools_and_thinking(family_model: Callabl
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_the_trainer_refuses_a_reasoning_parser_it_does_not_mirror(
-    family_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
-) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(family_model("qwen3"))
-    parsers = EngineParsers("hermes", "deepseek_r1", "as set")
-    masks = GrammarMasks(tokenizer, len(tokenizer), parsers=parsers)
-    reason = masks.refusal(FORCED_CALL)
-    assert reason is not None and "--reasoning-parser deepseek_r1" in reason
-    with caplog.at_level(logging.WARNING, logger="artgw.trainer"):
-        assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None  # context, not scored under a guessed grammar
-        assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None
-    assert [r.getMessage() for r in caplog.records] == [f"constrained calls trained as context: {reason}"]
-
-
 @pytest.fixture(scope="module")
 def qwen3_masks(family_model: Callable[[str], Path]) -> GrammarMasks:
     return GrammarMasks.for_model(str(family_model("qwen3")))
@@ -152,6 +138,19 @@ def qwen3_masks(family_model: Callable[[str], Path]) -> GrammarMasks:
 @pytest.fixture(scope="module")
 def qwen3_tokenizer(family_model: Callable[[str], Path]) -> Any:
     return AutoTokenizer.from_pretrained(family_model("qwen3"))
+
+
+def test_the_trainer_refuses_a_reasoning_parser_it_does_not_mirror(
+    qwen3_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    parsers = EngineParsers("hermes", "deepseek_r1", "as set")
+    masks = GrammarMasks(qwen3_tokenizer, len(qwen3_tokenizer), parsers=parsers)
+    reason = masks.refusal(FORCED_CALL)
+    assert reason is not None and "--reasoning-parser deepseek_r1" in reason
+    with caplog.at_level(logging.WARNING, logger="artgw.trainer"):
+        assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None  # context, not scored under a guessed grammar
+        assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None
+    assert [r.getMessage() for r in caplog.records] == [f"constrained calls trained as context: {reason}"]
 
 
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
@@ -224,6 +223,20 @@ def test_with_qwen3s_reasoning_parser_a_prompt_whose_reasoning_has_ended_constra
     assert ended is not None and all(_masked_rows(ended))
     fresh = qwen3_masks.for_call(FORCED_CALL, sampled, new_turn)  # `<tool_call>` ends reasoning, sampled free
     assert fresh is not None and _masked_rows(fresh) == [False] + [True] * (len(sampled) - 1)
+
+
+def test_the_trainer_builds_its_grammar_masks_on_a_mistral_tekken_model_and_leaves_constrained_calls_as_context(
+    family_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers reads tekken.json (MistralCommonBackend), xgrammar does not: before, building the masks (what
+    `artgw train` does first) failed, so the trainer could not start on such a model even for plain text calls."""
+    masks = GrammarMasks.for_model(str(family_model("mistral")))
+    json_object = {"response_format": {"type": "json_object"}}
+    assert masks.refusal(json_object) == "xgrammar cannot read this model's tokenizer (MistralCommonBackend)"
+    assert "this model's is mistral" in (masks.refusal(FORCED_CALL) or "")
+    with caplog.at_level(logging.WARNING, logger="artgw.trainer"):
+        assert masks.for_call(json_object, [1, 2]) is None
+    assert "trained as context: xgrammar cannot read" in caplog.text
 
 
 def test_the_trainer_refuses_a_tool_calls_grammar_for_a_parser_other_than_hermes(tiny_model: Path) -> None:
