@@ -9,6 +9,7 @@ model's reasoning (gateway/continuation.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -47,6 +48,7 @@ pytestmark = pytest.mark.engine
 @dataclass(frozen=True)
 class Served:
     gateway: GatewayProcess
+    model: Path  # the tiny model's directory
     tokenizer: Any
     stops: tuple[str, ...]  # the family's end-of-turn tokens, which the client's text never shows
     reasons: bool  # whether the family's template opens a reasoning block (Qwen3's <think>)
@@ -84,14 +86,20 @@ class _Tekken:
 def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
     """Family `name`'s tiny model served with no engine arguments: the suite's one engine for that family."""
     model = family_model(name)
-    tokenizer = _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
+    tokenizer = _tokenizer(model, name)
     eos = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
     stops = tuple(tokenizer.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos]))
     token = tokenizer.convert_tokens_to_ids
     bias = {str(token('"')): 20, str(token("}")): 20}
     if name == "qwen3":
         bias[str(token("</think>"))] = 100
-    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
+    return Served(family_gateway(name), model, tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
+
+
+@functools.cache
+def _tokenizer(model: Path, name: str) -> Any:
+    """The family's tokenizer, read once (each of the family's tests asks for it)."""
+    return _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
 
 
 @pytest.fixture
@@ -229,7 +237,7 @@ def _received(text: str, thinking: bool) -> tuple[str, str]:
 
 def _assert_one_sequence_of_what_the_client_got(
     served: Served, rid: str, loop: _Loop, before: dict[str, float]
-) -> None:
+) -> dict[str, Any]:
     gateway = served.gateway
     recorded = one_sequence(gateway, rid, len(loop.replies))
     sampled = sampled_by_call(recorded)
@@ -254,6 +262,7 @@ def _assert_one_sequence_of_what_the_client_got(
     for how, was in before.items():  # every continuing call spliced, none served as sent
         now = metric(gateway.url, "artgw_continued_calls_total", how=how) - was
         assert now == (len(loop.replies) - 1 if how == "spliced" else 0), (how, now)
+    return recorded
 
 
 def _counts(gateway: GatewayProcess) -> dict[str, float]:
@@ -300,6 +309,40 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
 
 
+class _TrainerScores:
+    """A recorded rollout as `artgw train` scores it (trainer/data.py, batch.py, logprobs.py) under the base model:
+    the grammar masks it rebuilds, and each trained token's ratio to the logprob vLLM recorded (1: on-policy)."""
+
+    def __init__(self, recorded: dict[str, Any], model_dir: Path) -> None:
+        self.trajectory = msgspec.convert(recorded, Trajectory)
+        self.grammar = GrammarMasks.for_model(str(model_dir))  # what `artgw train` builds
+        masks, self.untrained = constrained_masks(self.trajectory, self.grammar)
+        self.constrained_calls = len(masks)
+        sequences = sequences_from_trajectory(0, self.trajectory.sequences, self.untrained, masks)
+        width = max(len(s.token_ids) for s in sequences)
+        batch = pack_sequences(sequences, max_tokens_per_row=width, pad_id=0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+        def logprobs(allowed_index: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
+            with torch.no_grad():
+                scored = policy_token_logprobs(
+                    model, batch.input_ids, batch.position_ids, batch.attention_mask, batch.labels,
+                    batch.loss_mask, chunk_size=1024, allowed_index=allowed_index, allowed_bitmask=bitmask,
+                )  # fmt: skip
+            return scored[batch.loss_mask]
+
+        vllm = batch.sampled_logprobs[batch.loss_mask]
+        grammar_rows = batch.allowed_index if batch.allowed_bitmask is not None else None
+        masked = logprobs(grammar_rows, batch.allowed_bitmask)
+        self.ratio = torch.exp(masked - vllm)
+        self.max_difference = float((masked - vllm).abs().max())
+        self.unmasked_ratio = torch.exp(logprobs(None, None) - vllm)
+        # The trained tokens whose grammar row allowed less than the whole vocabulary.
+        rows = batch.allowed_index[batch.loss_mask]
+        bitmask = batch.allowed_bitmask if batch.allowed_bitmask is not None else torch.full((1, 1), -1)
+        self.constrained = (rows >= 0) & (bitmask != -1).any(-1)[rows.clamp(min=0)]
+
+
 def test_a_forced_call_after_a_reasoning_block_trains_on_policy_on_qwen3(
     qwen3: Served, family_model: Callable[[str], Path]
 ) -> None:
@@ -329,41 +372,22 @@ def test_a_forced_call_after_a_reasoning_block_trains_on_policy_on_qwen3(
         return recorded
 
     seed, recorded = _first_run(run)
-    trajectory = msgspec.convert(recorded, Trajectory)
-    grammar = GrammarMasks.for_model(str(model_dir))  # what `artgw train` builds
-    masks, untrained = constrained_masks(trajectory, grammar)
-    assert not untrained and len(masks) == 2, untrained
-    (sequence,) = sequences_from_trajectory(0, trajectory.sequences, untrained, masks)
-    batch = pack_sequences([sequence], max_tokens_per_row=len(sequence.token_ids), pad_id=0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def logprobs(allowed_index: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
-        with torch.no_grad():
-            scored = policy_token_logprobs(
-                model, batch.input_ids, batch.position_ids, batch.attention_mask, batch.labels, batch.loss_mask,
-                chunk_size=1024, allowed_index=allowed_index, allowed_bitmask=bitmask,
-            )  # fmt: skip
-        return scored[batch.loss_mask]
-
-    trained = batch.loss_mask
-    vllm = batch.sampled_logprobs[trained]
-    masked, unmasked = logprobs(batch.allowed_index, batch.allowed_bitmask), logprobs(None, None)
-    assert batch.allowed_bitmask is not None
-    rows = batch.allowed_index[trained]
-    constrained = (rows >= 0) & (batch.allowed_bitmask != -1).any(-1)[rows.clamp(min=0)]
-    ratio = torch.exp(masked - vllm)
+    scores = _TrainerScores(recorded, model_dir)
+    assert not scores.untrained and scores.constrained_calls == 2, scores.untrained
+    ratio, constrained = scores.ratio, scores.constrained
     summary = {
-        "tokens": int(trained.sum()),
+        "tokens": len(ratio),
         "free (reasoning)": int((~constrained).sum()),
         "ratio": round(float(ratio.mean()), 4),
         "constrained ratio": round(float(ratio[constrained].mean()), 4),
-        "unmasked constrained ratio": round(float(torch.exp(unmasked - vllm)[constrained].mean()), 4),
+        "unmasked constrained ratio": round(float(scores.unmasked_ratio[constrained].mean()), 4),
     }
     print(f"\nQwen3 forced calls after reasoning (seed {seed}): {summary}")
     assert summary["free (reasoning)"] >= 4 and int(constrained.sum()) >= 20, summary  # 2 per call: reasoning, its end
     assert 0.99 <= summary["ratio"] <= 1.01 and 0.99 <= summary["constrained ratio"] <= 1.01, summary
-    assert float((masked - vllm).abs().max()) < 0.05, summary  # token by token: float noise, no renormalization
+    assert scores.max_difference < 0.05, summary  # token by token: float noise, no renormalization
     assert summary["unmasked constrained ratio"] < 0.5, summary  # the masks are what makes it 1
+    trajectory, grammar = scores.trajectory, scores.grammar
     # Where the grammar starts matters: applied from the first token (as without a reasoning parser), it rejects
     # the reasoning the model sampled.
     (recorded_sequence,) = trajectory.sequences
@@ -407,15 +431,15 @@ def test_openai_agents_sdk_run_on_qwen3_is_one_sequence(qwen3: Served) -> None:
     assert recorded["sequences"][-1]["call_ids"] == [tool_turn["id"], answer_turn["id"]], recorded["sequences"]
 
 
-def _text_loop(served: Served, rid: str, stream: bool) -> None:
-    """Three user turns, each answered: one sequence, every continuing call spliced."""
+def _text_loop(served: Served, rid: str, stream: bool) -> dict[str, Any]:
+    """Three user turns, each answered: one sequence, every continuing call spliced. Returns the recording."""
     before = _counts(served.gateway)
     loop = _Loop(served, rid, "reasoning dropped", stream, seed=1)
     for follow_up in ("And tomorrow?", "And the day after?", None):
         loop.call(max_tokens=12)
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
-    _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
+    return _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -454,8 +478,14 @@ def test_serve_picks_mistrals_parsers_and_answers_a_forced_call_as_tool_calls(mi
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_multi_turn_text_loop_on_mistral_is_one_sequence(mistral: Served, stream: bool) -> None:
     """Before, the splice rendered the history through the reply, which mistral_common refuses (a last assistant
-    message must be a prefix): every continuing call was served as sent (`render_failed`)."""
-    _text_loop(mistral, new_id("mistral-text"), stream)
+    message must be a prefix): every continuing call was served as sent (`render_failed`). The rollout trains
+    on-policy: the trainer's logprobs of its sampled tokens are vLLM's (before, the trainer could not start on a
+    tekken model: its grammar masks failed on MistralCommonBackend)."""
+    recorded = _text_loop(mistral, new_id("mistral-text"), stream)
+    if not stream:  # the same tokens either way: scored once
+        scores = _TrainerScores(recorded, mistral.model)
+        print(f"\nMistral text loop: {len(scores.ratio)} tokens, ratio {float(scores.ratio.mean()):.4f}")
+        assert 0.99 <= float(scores.ratio.mean()) <= 1.01 and scores.max_difference < 0.05
 
 
 def test_openai_sdk_tool_loop_on_mistral_is_served_as_sent_after_a_tool_call(mistral: Served) -> None:
