@@ -108,15 +108,17 @@ class _ReasoningGate:
         self.start_id = vocab[markers.start]
         self.end_id = vocab[markers.end]
         self.end_ids = {self.end_id, *(vocab[t] for t in markers.implicit_ends)}
-        self.boundary_ids = {vocab[t] for t in markers.turn_boundaries}
+        self.boundary_ids = {vocab[t] for t in markers.turn_boundaries if t in vocab}  # vLLM skips a missing one
 
     @classmethod
     def for_parser(cls, name: str, tokenizer: Any) -> _ReasoningGate | None:
         """None: the parser is not mirrored, or a marker is not one token of this vocabulary (vLLM's gate then
         falls back to text matching, not mirrored either)."""
         markers = _REASONING.get(name)
+        if markers is None:
+            return None
         vocab = tokenizer.get_vocab()
-        if markers is None or not all(t in vocab for t in (markers.start, markers.end, *markers.implicit_ends)):
+        if not all(t in vocab for t in (markers.start, markers.end, *markers.implicit_ends)):
             return None
         return cls(markers, vocab)
 
