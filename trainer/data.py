@@ -108,7 +108,8 @@ def constrained_masks(trajectory: Trajectory, grammar: GrammarMasks | None) -> t
             rows = None
             if grammar is not None and call.grammar_request is not None:
                 try:
-                    rows = grammar.for_call(call.grammar_request, list(sequence.token_ids[start:end]))
+                    sampled, prompt = list(sequence.token_ids[start:end]), list(sequence.token_ids[:start])
+                    rows = grammar.for_call(call.grammar_request, sampled, prompt)
                 except ValueError as exc:
                     log.warning("call %s: its grammar does not match its tokens, trained as context: %s", call_id, exc)
             if rows is None:

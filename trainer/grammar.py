@@ -5,11 +5,11 @@ logprobs it reports, so a constrained token's recorded logprob is a log-softmax 
 For the importance ratio to compare like with like, the trainer applies the same masks to its own logits.
 
 This module mirrors vLLM 0.32 with its default `auto` structured-output backend (xgrammar) and the gateway's
-engine flags (`--enable-auto-tool-choice`, no reasoning parser, and the gateway's tool parser plugin
-`artgw_hermes`, engine/tool_parser.py: vLLM's hermes parser with compact call arguments). A model whose family
-has vLLM run other parsers (store/families.py: llama3_json, mistral, or a reasoning parser, where vLLM starts the
-grammar only once the reasoning block has ended) is refused here: its constrained calls are trained as context,
-with a warning naming the parser, rather than scored under a grammar vLLM did not apply.
+engine flags (`--enable-auto-tool-choice`, the gateway's tool parser plugin `artgw_hermes`, engine/tool_parser.py:
+vLLM's hermes parser with compact call arguments, and the family's reasoning parser, store/families.py: none, or
+qwen3). A model whose family has vLLM run other parsers (llama3_json, mistral, another reasoning parser) is refused
+here: its constrained calls are trained as context, with a warning naming the parser, rather than scored under a
+grammar vLLM did not apply.
 
 - the request's constraint: `response_format` json_object / json_schema / structural_tag overrides the same
   field of `structured_outputs` (vllm/entrypoints/generate/base/protocol.py,
@@ -30,6 +30,14 @@ with a warning naming the parser, rather than scored under a grammar vLLM did no
 - masking (vllm/v1/structured_output/__init__.py): each step's row is the matcher's bitmask before the sampled
   token is accepted; the stop token ending the output is accepted by the grammar (the only tokens it allows once
   complete); after the grammar terminates (ignore_eos) nothing is masked.
+- reasoning (the same file's _get_constraint_bounds and accept_tokens; vllm/parser/qwen3.py, whose parser engine
+  vllm/parser/engine/parser_engine.py gives is_reasoning_end and find_reasoning_end): with a reasoning parser the
+  grammar starts where the reasoning block ends. Constrained from the first token when the request sets
+  `include_reasoning: false`, or the prompt already ends reasoning (chat_completion/protocol.py,
+  resolve_reasoning_ended: thinking off renders `<think>\n\n</think>\n\n`); otherwise the tokens up to the
+  reasoning's end are sampled free and unmasked. Its end is the first sampled `</think>` (never fed to the
+  grammar, which starts with the next token) or a token that ends it implicitly, `<tool_call>` (fed to the grammar
+  as the call's first token, itself sampled free).
 """
 
 from __future__ import annotations
@@ -76,6 +84,77 @@ _XGRAMMAR_STRING_FORMATS = frozenset(
 )
 # StructuredOutputsParams' constraints, in the order vLLM picks the one that applies (get_structured_output_key).
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+class _ReasoningMarkers(NamedTuple):
+    """A reasoning parser's markers as vLLM's structured-output gate reads them (its parser engine's config)."""
+
+    start: str  # opens a reasoning block (in a prompt: reasoning has not ended)
+    end: str  # ends it; not fed to the grammar
+    implicit_ends: tuple[str, ...]  # content tokens that also end it: fed to the grammar, sampled free
+    turn_boundaries: tuple[str, ...]  # where the prompt scan for an earlier end stops
+
+
+# The reasoning parsers mirrored here, by vLLM's name (qwen3: vllm/parser/qwen3.py, Qwen3Parser and qwen3_config).
+_REASONING: dict[str, _ReasoningMarkers] = {
+    "qwen3": _ReasoningMarkers("<think>", "</think>", ("<tool_call>",), ("<|im_start|>", "<|im_end|>")),
+}
+
+
+class _ReasoningGate:
+    """Where vLLM starts a call's grammar under a reasoning parser, in token ids (the module's doc, `reasoning`)."""
+
+    def __init__(self, markers: _ReasoningMarkers, vocab: dict[str, int]) -> None:
+        self.start_id = vocab[markers.start]
+        self.end_id = vocab[markers.end]
+        self.end_ids = {self.end_id, *(vocab[t] for t in markers.implicit_ends)}
+        self.boundary_ids = {vocab[t] for t in markers.turn_boundaries if t in vocab}  # vLLM skips a missing one
+
+    @classmethod
+    def for_parser(cls, name: str, tokenizer: Any) -> _ReasoningGate | None:
+        """None: the parser is not mirrored, or a marker is not one token of this vocabulary (vLLM's gate then
+        falls back to text matching, not mirrored either)."""
+        markers = _REASONING.get(name)
+        if markers is None:
+            return None
+        vocab = tokenizer.get_vocab()
+        if not all(t in vocab for t in (markers.start, markers.end, *markers.implicit_ends)):
+            return None
+        return cls(markers, vocab)
+
+    def bounds(self, request: dict[str, Any], prompt: list[int], sampled: list[int]) -> tuple[int, int]:
+        """(first sampled position fed to the grammar, first position masked); (n, n): none (reasoning never ends)."""
+        if request.get("include_reasoning") is False or self._ended_in(prompt, _thinking(request)):
+            return 0, 0
+        for position, token in enumerate(sampled):
+            if token == self.end_id:
+                return position + 1, position + 1
+            if token in self.end_ids:  # an implicit end: the grammar's first token, sampled before it applied
+                return position, position + 1
+        return len(sampled), len(sampled)
+
+    def _ended_in(self, prompt: list[int], thinking: bool) -> bool:
+        """vLLM's is_reasoning_end on the prompt: an end after the last start within the last turn, or thinking off."""
+        for token in reversed(prompt):
+            if token in self.end_ids:
+                return True
+            if token == self.start_id:
+                if thinking:  # with thinking off, <think> does not open reasoning (the config's CONTENT state)
+                    return False
+                break
+            if token in self.boundary_ids:
+                break
+        return not thinking
+
+
+def _thinking(request: dict[str, Any]) -> bool:
+    """Whether the request renders and parses with thinking on: the reasoning parser's `enable_thinking`, from
+    `chat_template_kwargs`, else `reasoning_effort` (vLLM's build_chat_params), else on."""
+    kwargs = request.get("chat_template_kwargs") or {}
+    if "enable_thinking" in kwargs:
+        return bool(kwargs["enable_thinking"])
+    effort = request.get("reasoning_effort")
+    return effort != "none" if effort is not None else True
 
 
 class GrammarSpec(NamedTuple):
@@ -130,11 +209,13 @@ class GrammarMasks:
     ) -> None:
         self.vocab_size = vocab_size
         self.parsers = parsers
+        reasoning = parsers.reasoning_parser
+        self._reasoning = _ReasoningGate.for_parser(reasoning, tokenizer) if reasoning is not None else None
         self._refused: set[str] = set()  # the refusals already logged (once each)
         self.strict_tool_calling = strict_tool_calling
         self.disable_any_whitespace = disable_any_whitespace
         self._stop_ids = {*eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self._tokenizer = tokenizer
         self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
 
     @classmethod
@@ -152,9 +233,13 @@ class GrammarMasks:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
         return cls(tokenizer, vocab_size, eos_token_ids=eos_ids, parsers=parsers_for_model(path))
 
-    def for_call(self, request: dict[str, Any], sampled_token_ids: list[int]) -> Tensor | None:
+    def for_call(
+        self, request: dict[str, Any], sampled_token_ids: list[int], prompt_token_ids: list[int] | None = None
+    ) -> Tensor | None:
         """(n, ceil(vocab_size / 32)) int32: row i = the tokens the grammar allowed when sampled_token_ids[i]
-        was sampled (xgrammar's bitmask layout: bit j % 32 of word j // 32). None when the request samples under
+        was sampled (xgrammar's bitmask layout: bit j % 32 of word j // 32); all allowed before the grammar starts
+        (a reasoning block: the module's doc). `prompt_token_ids`: what the call was sampled after (vLLM reads
+        there whether reasoning has already ended). None when the request samples under
         no grammar, or under one that cannot be rebuilt here (another backend's, or one xgrammar fails to
         compile): the caller then treats those tokens as context. ValueError when the grammar rejects a
         sampled token (the request does not describe what vLLM sampled under). None too, with a warning, when
@@ -174,10 +259,15 @@ class GrammarMasks:
         stops = self._stop_ids | set(request.get("stop_token_ids") or ())
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stops))
         masks = xgr.allocate_token_bitmask(len(sampled_token_ids), self.vocab_size)  # all allowed
-        for position, token in enumerate(sampled_token_ids):
+        fed, masked = (0, 0)
+        if self._reasoning is not None:
+            fed, masked = self._reasoning.bounds(request, list(prompt_token_ids or ()), sampled_token_ids)
+        for position in range(fed, len(sampled_token_ids)):
+            token = sampled_token_ids[position]
             if matcher.is_terminated():
                 break  # past the accepted stop token (ignore_eos): vLLM neither feeds nor masks any more tokens
-            matcher.fill_next_token_bitmask(masks, position)
+            if position >= masked:
+                matcher.fill_next_token_bitmask(masks, position)
             if not matcher.accept_token(token):
                 raise ValueError(f"the grammar rejects sampled token {token} at position {position} ({spec.kind})")
         return masks
@@ -185,10 +275,10 @@ class GrammarMasks:
     def refusal(self, request: dict[str, Any]) -> str | None:
         """Why the grammar of `request` (sampled under one) cannot be rebuilt for this model's parsers; None: it can."""
         parsers = self.parsers
-        if parsers.reasoning_parser is not None:
+        if parsers.reasoning_parser is not None and self._reasoning is None:
             return (
                 f"with --reasoning-parser {parsers.reasoning_parser} vLLM starts the grammar where the reasoning "
-                "block ends, which is not rebuilt here yet"
+                f"block ends, which is rebuilt here for {', '.join(_REASONING)} (on a vocabulary with its markers) only"
             )
         tools = request.get("tools") or []
         tool_choice = request.get("tool_choice", "auto" if tools else "none")
@@ -197,7 +287,20 @@ class GrammarMasks:
                 f"a tool call's grammar is rebuilt for the hermes parser only, and this model's is "
                 f"{parsers.tool_call_parser} ({parsers.why})"
             )
+        if self._compiler is None:
+            return f"xgrammar cannot read this model's tokenizer ({type(self._tokenizer).__name__})"
         return None
+
+    @functools.cached_property
+    def _compiler(self) -> xgr.GrammarCompiler | None:
+        """xgrammar's compiler for this vocabulary, built for the first grammar (reading a 150k-token vocabulary
+        takes seconds); None where xgrammar cannot read the tokenizer (mistral_common's tekken, which vLLM reads
+        its own way, not mirrored here)."""
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+        except ValueError:
+            return None
+        return xgr.GrammarCompiler(info)
 
     def cache_info(self) -> Any:
         """The compile cache's hits and misses (functools' CacheInfo)."""
@@ -205,6 +308,7 @@ class GrammarMasks:
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
         compiler = self._compiler
+        assert compiler is not None, "refused before (`refusal`)"
         try:
             if spec.kind == "json":
                 compact = self.disable_any_whitespace

@@ -9,6 +9,7 @@ model's reasoning (gateway/continuation.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -16,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from store.trajectories import Trajectory
 from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client
 from tests.recorded import (
     ROME_PARIS_QUESTION,
@@ -33,6 +37,10 @@ from tests.recorded import (
     rollout,
     sampled_by_call,
 )
+from trainer.batch import pack_sequences, sequences_from_trajectory
+from trainer.data import constrained_masks
+from trainer.grammar import GrammarMasks
+from trainer.logprobs import policy_token_logprobs
 
 pytestmark = pytest.mark.engine
 
@@ -40,6 +48,7 @@ pytestmark = pytest.mark.engine
 @dataclass(frozen=True)
 class Served:
     gateway: GatewayProcess
+    model: Path  # the tiny model's directory
     tokenizer: Any
     stops: tuple[str, ...]  # the family's end-of-turn tokens, which the client's text never shows
     reasons: bool  # whether the family's template opens a reasoning block (Qwen3's <think>)
@@ -77,14 +86,20 @@ class _Tekken:
 def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
     """Family `name`'s tiny model served with no engine arguments: the suite's one engine for that family."""
     model = family_model(name)
-    tokenizer = _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
+    tokenizer = _tokenizer(model, name)
     eos = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
     stops = tuple(tokenizer.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos]))
     token = tokenizer.convert_tokens_to_ids
     bias = {str(token('"')): 20, str(token("}")): 20}
     if name == "qwen3":
         bias[str(token("</think>"))] = 100
-    return Served(family_gateway(name), tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
+    return Served(family_gateway(name), model, tokenizer, stops, reasons=name == "qwen3", forced_bias=bias)
+
+
+@functools.cache
+def _tokenizer(model: Path, name: str) -> Any:
+    """The family's tokenizer, read once (each of the family's tests asks for it)."""
+    return _Tekken(model / "tekken.json") if name == "mistral" else AutoTokenizer.from_pretrained(model)
 
 
 @pytest.fixture
@@ -212,7 +227,7 @@ def _received(text: str, thinking: bool) -> tuple[str, str]:
 
 def _assert_one_sequence_of_what_the_client_got(
     served: Served, rid: str, loop: _Loop, before: dict[str, float]
-) -> None:
+) -> dict[str, Any]:
     gateway = served.gateway
     recorded = one_sequence(gateway, rid, len(loop.replies))
     sampled = sampled_by_call(recorded)
@@ -237,6 +252,7 @@ def _assert_one_sequence_of_what_the_client_got(
     for how, was in before.items():  # every continuing call spliced, none served as sent
         now = metric(gateway.url, "artgw_continued_calls_total", how=how) - was
         assert now == (len(loop.replies) - 1 if how == "spliced" else 0), (how, now)
+    return recorded
 
 
 def _counts(gateway: GatewayProcess) -> dict[str, float]:
@@ -283,6 +299,95 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
 
 
+class _TrainerScores:
+    """A recorded rollout as `artgw train` scores it (trainer/data.py, batch.py, logprobs.py) under the base model:
+    the grammar masks it rebuilds, and each trained token's ratio to the logprob vLLM recorded (1: on-policy)."""
+
+    def __init__(self, recorded: dict[str, Any], model_dir: Path) -> None:
+        self.trajectory = msgspec.convert(recorded, Trajectory)
+        self.grammar = GrammarMasks.for_model(str(model_dir))  # what `artgw train` builds
+        masks, self.untrained = constrained_masks(self.trajectory, self.grammar)
+        self.constrained_calls = len(masks)
+        sequences = sequences_from_trajectory(0, self.trajectory.sequences, self.untrained, masks)
+        width = max(len(s.token_ids) for s in sequences)
+        batch = pack_sequences(sequences, max_tokens_per_row=width, pad_id=0)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+        def logprobs(allowed_index: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
+            with torch.no_grad():
+                scored = policy_token_logprobs(
+                    model, batch.input_ids, batch.position_ids, batch.attention_mask, batch.labels,
+                    batch.loss_mask, chunk_size=1024, allowed_index=allowed_index, allowed_bitmask=bitmask,
+                )  # fmt: skip
+            return scored[batch.loss_mask]
+
+        vllm = batch.sampled_logprobs[batch.loss_mask]
+        grammar_rows = batch.allowed_index if batch.allowed_bitmask is not None else None
+        masked = logprobs(grammar_rows, batch.allowed_bitmask)
+        self.ratio = torch.exp(masked - vllm)
+        self.max_difference = float((masked - vllm).abs().max())
+        self.unmasked_ratio = torch.exp(logprobs(None, None) - vllm)
+        # The trained tokens whose grammar row allowed less than the whole vocabulary.
+        rows = batch.allowed_index[batch.loss_mask]
+        bitmask = batch.allowed_bitmask if batch.allowed_bitmask is not None else torch.full((1, 1), -1)
+        self.constrained = (rows >= 0) & (bitmask != -1).any(-1)[rows.clamp(min=0)]
+
+
+def test_a_forced_call_after_a_reasoning_block_trains_on_policy_on_qwen3(
+    qwen3: Served, family_model: Callable[[str], Path]
+) -> None:
+    """The trainer's own path (trainer/data.py, batch.py, logprobs.py) on a rollout of two forced calls, named then
+    `required`, each sampled after a reasoning block (thinking on): vLLM applies the call's grammar only once the
+    reasoning has ended (`</think>`, or `<tool_call>` implicitly), and the trainer must too for the base model's
+    logprobs to be vLLM's (ratio 1). Before, the trainer refused Qwen3's reasoning parser: the calls were context."""
+    model_dir = family_model("qwen3")
+    token = qwen3.tokenizer.convert_tokens_to_ids
+    # Each call's reasoning end a little less favoured than `"` and `}`: a few reasoning tokens, then the call. The
+    # named call's reasoning ends at `<tool_call>` (implicitly: the call's first token), the `required` one's at
+    # `</think>`; one call for `required` (else a favoured `<tool_call>` starts another until the limit).
+    ends = [token("<tool_call>"), token("</think>")]
+    forced = [{}, {"tool_choice": "required", "parallel_tool_calls": False}]
+    rid = new_id("qwen3-on-policy")
+
+    def run(seed: int) -> dict[str, Any]:
+        loop = _Loop(qwen3, f"{rid}-{seed}", "sdk message", stream=False, seed=seed)
+        for end, fields in zip(ends, forced, strict=True):
+            bias = {**qwen3.forced_bias, str(token("</think>")): 0, str(end): 19}
+            loop.forced_call(max_tokens=64, extra_body={"logit_bias": bias}, **fields)
+        recorded = one_sequence(qwen3.gateway, f"{rid}-{seed}", 2)
+        for end, call in zip(ends, recorded["calls"], strict=True):
+            ids = sampled_by_call(recorded)[call["id"]]
+            if ids.index(end) == 0 or set(ids[: ids.index(end)]) & {token("</think>"), token("<tool_call>")}:
+                raise ValueError(f"a call's reasoning did not end at {end} after a token or more: another seed")
+        return recorded
+
+    seed, recorded = first_run(run)
+    scores = _TrainerScores(recorded, model_dir)
+    assert not scores.untrained and scores.constrained_calls == 2, scores.untrained
+    ratio, constrained = scores.ratio, scores.constrained
+    summary = {
+        "tokens": len(ratio),
+        "free (reasoning)": int((~constrained).sum()),
+        "ratio": round(float(ratio.mean()), 4),
+        "constrained ratio": round(float(ratio[constrained].mean()), 4),
+        "unmasked constrained ratio": round(float(scores.unmasked_ratio[constrained].mean()), 4),
+    }
+    print(f"\nQwen3 forced calls after reasoning (seed {seed}): {summary}")
+    assert summary["free (reasoning)"] >= 4 and int(constrained.sum()) >= 20, summary  # 2 per call: reasoning, its end
+    assert 0.99 <= summary["ratio"] <= 1.01 and 0.99 <= summary["constrained ratio"] <= 1.01, summary
+    assert scores.max_difference < 0.05, summary  # token by token: float noise, no renormalization
+    assert summary["unmasked constrained ratio"] < 0.5, summary  # the masks are what makes it 1
+    trajectory, grammar = scores.trajectory, scores.grammar
+    # Where the grammar starts matters: applied from the first token (as without a reasoning parser), it rejects
+    # the reasoning the model sampled.
+    (recorded_sequence,) = trajectory.sequences
+    requests = {c.id: c.grammar_request for c in trajectory.calls}
+    for call_id, (start, end) in zip(recorded_sequence.call_ids, recorded_sequence.sampled_spans, strict=True):
+        ids = recorded_sequence.token_ids
+        with pytest.raises(ValueError, match="rejects sampled token"):
+            grammar.for_call({**(requests[call_id] or {}), "include_reasoning": False}, ids[start:end], ids[:start])
+
+
 # -- Llama 3.1: its template trims each message's content and renders no tools ------------------------------------
 
 
@@ -316,15 +421,15 @@ def test_openai_agents_sdk_run_on_qwen3_is_one_sequence(qwen3: Served) -> None:
     assert recorded["sequences"][-1]["call_ids"] == [tool_turn["id"], answer_turn["id"]], recorded["sequences"]
 
 
-def _text_loop(served: Served, rid: str, stream: bool) -> None:
-    """Three user turns, each answered: one sequence, every continuing call spliced."""
+def _text_loop(served: Served, rid: str, stream: bool) -> dict[str, Any]:
+    """Three user turns, each answered: one sequence, every continuing call spliced. Returns the recording."""
     before = _counts(served.gateway)
     loop = _Loop(served, rid, "reasoning dropped", stream, seed=1)
     for follow_up in ("And tomorrow?", "And the day after?", None):
         loop.call(max_tokens=12)
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
-    _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
+    return _assert_one_sequence_of_what_the_client_got(served, rid, loop, before)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -363,8 +468,14 @@ def test_serve_picks_mistrals_parsers_and_answers_a_forced_call_as_tool_calls(mi
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_multi_turn_text_loop_on_mistral_is_one_sequence(mistral: Served, stream: bool) -> None:
     """Before, the splice rendered the history through the reply, which mistral_common refuses (a last assistant
-    message must be a prefix): every continuing call was served as sent (`render_failed`)."""
-    _text_loop(mistral, new_id("mistral-text"), stream)
+    message must be a prefix): every continuing call was served as sent (`render_failed`). The rollout trains
+    on-policy: the trainer's logprobs of its sampled tokens are vLLM's (before, the trainer could not start on a
+    tekken model: its grammar masks failed on MistralCommonBackend)."""
+    recorded = _text_loop(mistral, new_id("mistral-text"), stream)
+    if not stream:  # the same tokens either way: scored once
+        scores = _TrainerScores(recorded, mistral.model)
+        print(f"\nMistral text loop: {len(scores.ratio)} tokens, ratio {float(scores.ratio.mean()):.4f}")
+        assert 0.99 <= float(scores.ratio.mean()) <= 1.01 and scores.max_difference < 0.05
 
 
 def test_openai_sdk_tool_loop_on_mistral_is_served_as_sent_after_a_tool_call(mistral: Served) -> None:

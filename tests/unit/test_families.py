@@ -11,6 +11,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mistral_common
 import pytest
@@ -129,17 +130,113 @@ def test_the_qwen3_model_renders_qwen3s_tools_and_thinking(family_model: Callabl
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-@pytest.mark.parametrize(("family", "refused_for"), [("qwen3", "--reasoning-parser qwen3")])
-def test_the_trainer_refuses_to_rebuild_a_grammar_for_parsers_it_does_not_mirror(
-    family_model: Callable[[str], Path], family: str, refused_for: str, caplog: pytest.LogCaptureFixture
+@pytest.fixture(scope="module")
+def qwen3_masks(family_model: Callable[[str], Path]) -> GrammarMasks:
+    return GrammarMasks.for_model(str(family_model("qwen3")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(family_model: Callable[[str], Path]) -> Any:
+    return AutoTokenizer.from_pretrained(family_model("qwen3"))
+
+
+def test_the_trainer_refuses_a_reasoning_parser_it_does_not_mirror(
+    qwen3_tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    masks = GrammarMasks.for_model(str(family_model(family)))
+    parsers = EngineParsers("hermes", "deepseek_r1", "as set")
+    masks = GrammarMasks(qwen3_tokenizer, len(qwen3_tokenizer), parsers=parsers)
     reason = masks.refusal(FORCED_CALL)
-    assert reason is not None and refused_for in reason
+    assert reason is not None and "--reasoning-parser deepseek_r1" in reason
     with caplog.at_level(logging.WARNING, logger="artgw.trainer"):
         assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None  # context, not scored under a guessed grammar
         assert masks.for_call(FORCED_CALL, [0, 1, 2]) is None
     assert [r.getMessage() for r in caplog.records] == [f"constrained calls trained as context: {reason}"]
+
+
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+
+
+def _prompt(tokenizer: Any, **kwargs: Any) -> list[int]:
+    """The ids of a one-question chat's generation prompt."""
+    messages = [{"role": "user", "content": "hi"}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kwargs))
+
+
+def _masked_rows(rows: Any) -> list[bool]:
+    """Per row: whether it masks anything (an all-allowed row is -1 in every word)."""
+    return [bool((row != -1).any()) for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "free"),
+    [
+        ("<think>\nhm</think>", 4),  # `</think>` ends it: the grammar starts with the next token
+        ("<think>\nhm", 3),  # `<tool_call>` ends it: the call's first token, sampled before the grammar applied
+    ],
+    ids=["think-end", "implicit-end"],
+)
+def test_with_qwen3s_reasoning_parser_the_grammar_starts_where_the_reasoning_ends(
+    qwen3_masks: GrammarMasks, qwen3_tokenizer: Any, reasoning: str, free: int
+) -> None:
+    """vLLM samples a reasoning block free and a forced call after it under the call's grammar (thinking on)."""
+    tokenizer = qwen3_tokenizer
+    assert pair(qwen3_masks.parsers) == ("hermes", "qwen3") and qwen3_masks.refusal(FORCED_CALL) is None
+    prompt = _prompt(tokenizer)
+    sampled = tokenizer.encode(reasoning + CALL_TEXT, add_special_tokens=False)
+    assert len(tokenizer.encode(reasoning, add_special_tokens=False)) == free
+    rows = qwen3_masks.for_call(FORCED_CALL, sampled, prompt)
+    assert rows is not None
+    masked = _masked_rows(rows)
+    assert masked[:free] == [False] * free
+    if reasoning.endswith("hm"):  # the implicit end: `<tool_call>` itself sampled free, the rest under the grammar
+        assert masked[free] is False
+        free += 1
+    assert all(masked[free:]), masked
+    with pytest.raises(ValueError, match="rejects sampled token"):  # the grammar applied from the first token
+        qwen3_masks.for_call({**FORCED_CALL, "include_reasoning": False}, sampled, prompt)
+
+
+@pytest.mark.parametrize(
+    "off",
+    [{"chat_template_kwargs": {"enable_thinking": False}}, {"include_reasoning": False}, {"reasoning_effort": "none"}],
+    ids=["thinking-off", "include_reasoning-false", "reasoning_effort-none"],
+)
+def test_with_qwen3s_reasoning_parser_and_no_reasoning_the_grammar_applies_from_the_first_token(
+    qwen3_masks: GrammarMasks, qwen3_tokenizer: Any, off: dict[str, Any]
+) -> None:
+    thinking = off.get("chat_template_kwargs", {}).get("enable_thinking", True)
+    prompt = _prompt(qwen3_tokenizer, enable_thinking=thinking)
+    sampled = qwen3_tokenizer.encode(CALL_TEXT, add_special_tokens=False)
+    rows = qwen3_masks.for_call({**FORCED_CALL, **off}, sampled, prompt)
+    assert rows is not None and all(_masked_rows(rows))
+
+
+def test_with_qwen3s_reasoning_parser_a_prompt_whose_reasoning_has_ended_constrains_from_the_first_token(
+    qwen3_masks: GrammarMasks, qwen3_tokenizer: Any
+) -> None:
+    """vLLM reads the prompt: an assistant turn continued after its `</think>` (continue_final_message) is past
+    the reasoning, a new turn is not."""
+    sampled = qwen3_tokenizer.encode(CALL_TEXT, add_special_tokens=False)
+    new_turn = _prompt(qwen3_tokenizer)
+    continued = new_turn + qwen3_tokenizer.encode("<think>\nhm</think>\n\n", add_special_tokens=False)
+    ended = qwen3_masks.for_call(FORCED_CALL, sampled, continued)
+    assert ended is not None and all(_masked_rows(ended))
+    fresh = qwen3_masks.for_call(FORCED_CALL, sampled, new_turn)  # `<tool_call>` ends reasoning, sampled free
+    assert fresh is not None and _masked_rows(fresh) == [False] + [True] * (len(sampled) - 1)
+
+
+def test_the_trainer_builds_its_grammar_masks_on_a_mistral_tekken_model_and_leaves_constrained_calls_as_context(
+    family_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers reads tekken.json (MistralCommonBackend), xgrammar does not: before, building the masks (what
+    `artgw train` does first) failed, so the trainer could not start on such a model even for plain text calls."""
+    masks = GrammarMasks.for_model(str(family_model("mistral")))
+    json_object = {"response_format": {"type": "json_object"}}
+    assert masks.refusal(json_object) == "xgrammar cannot read this model's tokenizer (MistralCommonBackend)"
+    assert "this model's is mistral" in (masks.refusal(FORCED_CALL) or "")
+    with caplog.at_level(logging.WARNING, logger="artgw.trainer"):
+        assert masks.for_call(json_object, [1, 2]) is None
+    assert "trained as context: xgrammar cannot read" in caplog.text
 
 
 def test_the_trainer_refuses_a_tool_calls_grammar_for_a_parser_other_than_hermes(tiny_model: Path) -> None:
