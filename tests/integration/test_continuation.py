@@ -123,7 +123,8 @@ def test_the_token_path_answers_as_the_engine_does(vllm_url: str, case: str) -> 
 
 def _stream_summary(events: list[Any]) -> dict[str, Any]:
     """A chat stream as a client reads it: per choice its text, tool calls, finish reason and sampled ids, the
-    kinds of its events in order (runs of one kind merged: the engine batches tokens by timing), and the usage."""
+    kinds of its events in order (runs of one kind merged, empty deltas skipped: the engine batches tokens by
+    timing, and so does the token path's derender), and the usage."""
     choices: dict[int, dict[str, Any]] = {}
     usage = None
     assert events[-1] == b"[DONE]"
@@ -134,9 +135,17 @@ def _stream_summary(events: list[Any]) -> dict[str, Any]:
                 choice["index"], {"text": "", "calls": {}, "kinds": [], "finish": None, "ids": [], "logprobs": []}
             )
             delta = choice["delta"]
-            kind = "role" if "role" in delta else "tool" if delta.get("tool_calls") else "text"
-            if not mine["kinds"] or mine["kinds"][-1] != kind:
-                mine["kinds"].append(kind)
+            kind = (
+                "role"
+                if "role" in delta
+                else "tool"
+                if delta.get("tool_calls")
+                else "text"
+                if delta.get("content")
+                else None
+            )
+            if kind is not None and (not mine["kinds"] or mine["kinds"][-1] != kind):
+                mine["kinds"].append(kind)  # an empty delta (tokens the parser holds back) is of no kind
             mine["text"] += delta.get("content") or ""
             for call in delta.get("tool_calls") or ():
                 slot = mine["calls"].setdefault(call["index"], {"name": "", "arguments": "", "type": None})
