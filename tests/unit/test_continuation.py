@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from gateway.adapters import Route
-from gateway.continuation import Continuations
+from gateway.continuation import Continuations, Splice
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
 
@@ -126,3 +128,21 @@ def test_only_answered_calls_are_remembered_and_the_newest_rollouts_kept_within_
     # A message is kept as a digest: a 2 MB history costs the budget what a short one does.
     big = {"role": "user", "content": "x" * (2 << 20)}
     assert _continuations(_record([big], [REPLY])).bytes == one
+
+
+def test_a_derender_request_carries_the_tools_and_options_but_not_the_history() -> None:
+    history = [USER, REPLY, RESULT, {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "x"}]
+    request = _request(history, tool_choice="auto", logprobs=True, chat_template_kwargs={"enable_thinking": False})
+    splice = Splice(list(range(100)), {}, request, "my-agent@2")
+    body = msgspec.json.decode(splice.derender_request(stream=True, stream_state=None))
+    # the history's tool calls stay: a parser may number its call ids after them
+    chat = {**request, "messages": [{"role": "assistant", "content": None, "tool_calls": [CALL]}]}
+    assert body == {
+        "model": "my-agent@2",
+        "prompt_tokens": 100,
+        "prompt_token_ids": list(range(92, 100)),
+        "chat_request": chat,
+        "stream": True,
+        "stream_state": None,
+    }
+    assert msgspec.json.decode(splice.derender_request())["chat_request"] == chat
