@@ -67,8 +67,23 @@ def api_server(gateway: psutil.Process, engine_port: int) -> psutil.Process:
     raise SystemExit("the engine's API server was not found")
 
 
-def streamed(client: httpx.Client, body: dict[str, Any], rollout: str, procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """One streamed call: its time to the first content token, time per later token, and CPU seconds."""
+def derenders(engine: str) -> tuple[float, float]:
+    """The engine's derender requests so far, and their bytes (vLLM's HTTP metrics)."""
+    counts = [0.0, 0.0]
+    for line in httpx.get(engine + "/metrics").text.splitlines():
+        if 'handler="/v1/chat/completions/derender"' in line:
+            for i, name in enumerate(("http_requests_total{", "http_request_size_bytes_sum{")):
+                if line.startswith(name):
+                    counts[i] += float(line.rsplit(" ", 1)[1])
+    return counts[0], counts[1]
+
+
+def streamed(
+    client: httpx.Client, body: dict[str, Any], rollout: str, procs: dict[str, psutil.Process], engine: str
+) -> dict[str, float]:
+    """One streamed call: its time to the first content token, time per later token, CPU seconds, and the
+    derender requests it took."""
+    requests, sent = derenders(engine)
     before = {name: _cpu(p) for name, p in procs.items()}
     start = time.perf_counter()
     first = end = 0.0
@@ -89,7 +104,9 @@ def streamed(client: httpx.Client, body: dict[str, Any], rollout: str, procs: di
                     first = time.perf_counter()
     end = time.perf_counter()
     cpu = {f"{name} cpu": _cpu(p) - before[name] for name, p in procs.items()}
-    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, **cpu}
+    requests_after, sent_after = derenders(engine)
+    took = {"derenders": requests_after - requests, "derender kB": (sent_after - sent) / 1000}
+    return {"ttft": first - start, "tpot": (end - first) / max(1, tokens - 1), "tokens": tokens, **cpu, **took}
 
 
 def spliced_calls(client: httpx.Client) -> float:
@@ -123,6 +140,7 @@ def main() -> int:
             wait_ready(url + "/readyz", gateway, 900)
             watched = {"engine API server": api_server(psutil.Process(gateway.pid), engine_port)}
             watched["gateway"] = psutil.Process(gateway.pid)
+            engine = f"http://127.0.0.1:{engine_port}"
             rows: dict[tuple[str, str], list[dict[str, float]]] = {}
             with httpx.Client(base_url=url, timeout=600) as client:
                 for round_ in range(args.rounds):
@@ -135,30 +153,43 @@ def main() -> int:
                         assert answer.status_code == 200, answer.text
                         reply = answer.json()["choices"][0]["message"]
                         reply = {"role": "assistant", "content": reply.get("content") or ""}
-                        body = {"model": "my-agent", "messages": [*messages, reply, {"role": "user", "content": "More."}]}
+                        body = {
+                            "model": "my-agent",
+                            "messages": [*messages, reply, {"role": "user", "content": "More."}],
+                        }
                         body |= {"tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}}
                         body |= {"max_tokens": args.tokens, "ignore_eos": True, "logprobs": logprobs}
                         kind = "logprobs" if logprobs else "no logprobs"
                         paths = [("splice", rid), ("plain", f"bench-plain-{uuid.uuid4().hex[:8]}")]
                         for path, rollout in paths if round_ % 2 == 0 else paths[::-1]:
-                            rows.setdefault((kind, path), []).append(streamed(client, body, rollout, watched))
+                            rows.setdefault((kind, path), []).append(streamed(client, body, rollout, watched, engine))
                 spliced = spliced_calls(client)
         finally:
             procs.stop_all()
     expected = 2 * args.rounds
-    print(f"\n{args.rounds} rounds, {args.tokens} tokens a call, {args.turns}-turn histories; spliced {spliced:.0f} of {expected}")
+    print(
+        f"\n{args.rounds} rounds, {args.tokens} tokens a call, {args.turns}-turn histories;"
+        f" spliced {spliced:.0f} of {expected}"
+    )
     keys = ["ttft", "tpot", "engine API server cpu", "gateway cpu"]
-    print("\n| kind | path | tokens | TTFT (ms) | per token (ms) | engine API server CPU (s) | gateway CPU (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| kind | path | tokens | TTFT (ms) | per token (ms) | engine API server CPU (s) | gateway CPU (s) |"
+        " derender requests | derender kB sent |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     medians: dict[tuple[str, str], dict[str, float]] = {}
     for (kind, path), calls in rows.items():
-        med = medians[kind, path] = {k: statistics.median(c[k] for c in calls) for k in [*keys, "tokens"]}
+        columns = [*keys, "tokens", "derenders", "derender kB"]
+        med = medians[kind, path] = {k: statistics.median(c[k] for c in calls) for k in columns}
         print(
             f"| {kind} | {path} | {med['tokens']:.0f} | {1000 * med['ttft']:.1f} | {1000 * med['tpot']:.2f} |"
-            f" {med['engine API server cpu']:.2f} | {med['gateway cpu']:.2f} |"
+            f" {med['engine API server cpu']:.2f} | {med['gateway cpu']:.2f} | {med['derenders']:.0f} |"
+            f" {med['derender kB']:.0f} |"
         )
-    print("\n| kind | TTFT splice/plain | per token splice/plain | engine API server CPU splice/plain |"
-          " gateway CPU splice/plain |")
+    print(
+        "\n| kind | TTFT splice/plain | per token splice/plain | engine API server CPU splice/plain |"
+        " gateway CPU splice/plain |"
+    )
     print("|---|---|---|---|---|")
     for kind in ("no logprobs", "logprobs"):
         s, p = medians[kind, "splice"], medians[kind, "plain"]
