@@ -16,9 +16,10 @@ drops earlier turns' reasoning): the new messages' ids are found in the request'
 with sentinel texts in the reply's place (`Splicer.splice`).
 `/v1/chat/completions/render` gives the ids of the new messages and the sampling params (the tool-call grammar
 included), `/inference/v1/generate` samples from the ids, `/v1/chat/completions/derender` turns its answer (or
-each streamed chunk) back into a chat completion with vLLM's own tool-call and reasoning parsers. The client
-gets what it would have got; the recorded prompt extends the previous call's prompt and sampled ids, so the
-store assembles the rollout as one sequence. Anything else is served as before (`rerender`).
+a stream's chunks, as they come: `DerenderedStream`) back into a chat completion with vLLM's own tool-call and
+reasoning parsers. The client gets what it would have got; the recorded prompt extends the previous call's prompt
+and sampled ids, so the store assembles the rollout as one sequence. Anything else is served as before
+(`rerender`).
 """
 
 from __future__ import annotations
