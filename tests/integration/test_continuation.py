@@ -189,8 +189,8 @@ def _long_history(turns: int) -> list[dict[str, Any]]:
 
 LONG_HISTORY = _long_history(20)
 LONG = {  # a long answer after a long history, the tool parser on
-    "long text": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, max_tokens=300, ignore_eos=True, seed=11),
-    "long forced tool": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, tool_choice=FORCED, max_tokens=300),
+    "long text": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, max_tokens=200, ignore_eos=True, seed=11),
+    "long forced tool": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, tool_choice=FORCED, max_tokens=200),
 }
 
 
