@@ -195,7 +195,11 @@ LONG = {  # a long answer after a long history, the tool parser on
 
 
 # each kind once, each with one of the client's logprobs choices (the suite's time: a call pair is ~2.5 s of CPU)
-@pytest.mark.parametrize(("case", "asked"), [("long text", False), ("long forced tool", True)])
+@pytest.mark.parametrize(
+    ("case", "asked"),
+    [("long text", False), ("long forced tool", True)],
+    ids=["long text, no logprobs", "long forced tool, logprobs"],
+)
 def test_a_long_streamed_continuation_derenders_only_what_it_needs(vllm_url: str, case: str, asked: bool) -> None:
     """The engine's chunks that arrive while a derender is out go in one request, which carries the tools and
     options but not the history; a second request (the chunk's chat logprobs) only for a client that asked."""
