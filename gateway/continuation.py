@@ -16,9 +16,10 @@ drops earlier turns' reasoning): the new messages' ids are found in the request'
 with sentinel texts in the reply's place (`Splicer.splice`).
 `/v1/chat/completions/render` gives the ids of the new messages and the sampling params (the tool-call grammar
 included), `/inference/v1/generate` samples from the ids, `/v1/chat/completions/derender` turns its answer (or
-each streamed chunk) back into a chat completion with vLLM's own tool-call and reasoning parsers. The client
-gets what it would have got; the recorded prompt extends the previous call's prompt and sampled ids, so the
-store assembles the rollout as one sequence. Anything else is served as before (`rerender`).
+a stream's chunks, as they come: `DerenderedStream`) back into a chat completion with vLLM's own tool-call and
+reasoning parsers. The client gets what it would have got; the recorded prompt extends the previous call's prompt
+and sampled ids, so the store assembles the rollout as one sequence. Anything else is served as before
+(`rerender`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -295,17 +296,33 @@ class Splice:
     generate: dict[str, Any]  # /inference/v1/generate's request
     chat_request: dict[str, Any]  # the engine's chat request, which derender parses the answer for
     upstream_model: str
+    _derender_head: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Encoded once a call, not once a chunk: what every derender request of the call starts with.
+        head = {
+            "model": self.upstream_model,
+            "prompt_tokens": len(self.prompt_ids),
+            "prompt_token_ids": self.prompt_ids[-_PROMPT_TAIL:],
+            "chat_request": derender_chat_request(self.chat_request),
+        }
+        object.__setattr__(self, "_derender_head", _encode(head)[:-1])  # without its closing `}`
 
     def derender_request(self, **fields: Any) -> bytes:
-        return _encode(
-            {
-                "model": self.upstream_model,
-                "prompt_tokens": len(self.prompt_ids),
-                "prompt_token_ids": self.prompt_ids[-_PROMPT_TAIL:],
-                "chat_request": self.chat_request,
-                **fields,
-            }
-        )
+        rest = _encode(fields)  # `{...}`: its fields go on after the head's
+        return self._derender_head + (b"," + rest[1:] if len(rest) > 2 else b"}")
+
+
+def derender_chat_request(request: dict[str, Any]) -> dict[str, Any]:
+    """The engine's chat request as derender reads it: its parsers read the tools and the options, not the
+    history, which would travel with every chunk of a stream. Of the history it keeps the assistant turns'
+    tool calls (a parser numbering its call ids after the history's calls, as Kimi K2's does, counts them)."""
+    calls = [
+        {"role": "assistant", "content": None, "tool_calls": message["tool_calls"]}
+        for message in request.get("messages") or ()
+        if isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls")
+    ]
+    return {**request, "messages": calls}
 
 
 class Splicer:
@@ -542,10 +559,16 @@ _JSON = {"content-type": "application/json"}
 
 
 class DerenderedStream:
-    """`/inference/v1/generate`'s SSE stream, each chunk derendered into chat's as vLLM's chat stream has it:
-    read by the relay (gateway/proxy.py) as it reads the engine's own chat stream. One derender state a choice."""
+    """`/inference/v1/generate`'s SSE stream, its chunks derendered into chat's as vLLM's chat stream has them:
+    read by the relay (gateway/proxy.py) as it reads the engine's own chat stream. One derender state a choice.
 
-    def __init__(self, splicer: Splicer, upstream: aiohttp.ClientResponse, splice: Splice) -> None:
+    The engine's stream is read on while a derender is out, and what arrived meanwhile is derendered in one
+    request a choice (its tokens in one delta, as vLLM's chat stream sends the tokens a slow reader let pile up):
+    vLLM's parser derender replays a choice's whole output on every request, so one request a token would cost
+    the engine O(n²) at length, and the stream would wait on each round trip. `logprobs`: the client asked for
+    them (the recorder takes the sampled ones from the engine's chunk either way)."""
+
+    def __init__(self, splicer: Splicer, upstream: aiohttp.ClientResponse, splice: Splice, *, logprobs: bool) -> None:
         self.splicer = splicer
         self.upstream = upstream
         self.splice = splice
@@ -554,76 +577,148 @@ class DerenderedStream:
         self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
         self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state, once it has one
         self.called: set[int] = set()  # choices that streamed a tool call
-        self.logprobs_asked = bool(splice.chat_request.get("logprobs"))
+        self.logprobs_asked = logprobs
+        self._arrived: list[_Arrived] = []  # read from the engine, not derendered yet
+        self._wake = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
 
     def release(self) -> None:
+        self._stop_reading()
         self.upstream.release()
 
     def close(self) -> None:
+        self._stop_reading()
         self.upstream.close()
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        pending = b""
-        async for data in self.upstream.content.iter_any():
-            *lines, pending = (pending + data).split(b"\n")
-            out: list[bytes] = []
-            for line in lines:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].rstrip()
-                if payload == b"[DONE]":
-                    out.append(b"data: [DONE]\n\n")
-                    continue
-                chunk = _decode(payload)
-                if "error" in chunk and "choices" not in chunk:
-                    out.append(line + b"\n\n")  # the engine's error event, read by the relay as from chat
-                    continue
-                for event in await self._events(chunk):
-                    out.append(b"data: " + _encode(event) + b"\n\n")
-            if out:
-                yield b"".join(out)
+    def _stop_reading(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
 
-    async def _events(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chat events of one generate chunk: one a choice (each has its own derender state), or the usage
-        chunk. A choice's first event is, as in vLLM's chat stream, its role alone."""
-        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created}
-        head["model"] = self.splice.upstream_model
-        choices = chunk.get("choices") or []
-        if not choices:
-            event = {**head, "choices": [], "usage": chunk.get("usage")}
-            if self.splicer.fingerprint is not None:
-                event["system_fingerprint"] = self.splicer.fingerprint
-            return [event]
-        events = []
-        for choice in choices:
-            index = choice.get("index", 0)
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        self._reader = asyncio.create_task(self._read())
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                arrived, self._arrived = self._arrived, []
+                out, end = await self._derendered(arrived)
+                if out:
+                    yield b"".join(out)
+                if isinstance(end, BaseException):
+                    raise end
+                if end is not None:
+                    return
+        finally:
+            self._stop_reading()
+
+    async def _read(self) -> None:
+        """The engine's stream, line by line into `_arrived`, until it ends (`_ENDED`) or fails (its exception)."""
+        pending = b""
+        try:
+            async for data in self.upstream.content.iter_any():
+                *lines, pending = (pending + data).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:].rstrip()
+                    if payload == b"[DONE]":
+                        self._arrived.append(_DONE)
+                        continue
+                    chunk = _decode(payload)
+                    # the engine's error event goes on as it came, read by the relay as from chat
+                    self._arrived.append(line if "error" in chunk and "choices" not in chunk else chunk)
+                self._wake.set()
+            self._arrived.append(_ENDED)
+        except Exception as exc:  # the relay's to handle, after what came before it
+            self._arrived.append(exc)
+        self._wake.set()
+
+    async def _derendered(self, arrived: list[_Arrived]) -> tuple[list[bytes], _Mark | Exception | None]:
+        """The client's bytes for what arrived, and how the stream ended if it did. The choices' chunks between
+        two other events are derendered together."""
+        out: list[bytes] = []
+        run: list[dict[str, Any]] = []
+        for item in arrived:
+            if isinstance(item, dict) and item.get("choices"):
+                run.append(item)
+                continue
+            if run:
+                out += map(_event_bytes, await self._choices_events(run))
+                run = []
+            if item is _DONE:
+                out.append(b"data: [DONE]\n\n")
+            elif isinstance(item, bytes):
+                out.append(item + b"\n\n")
+            elif isinstance(item, dict):
+                out.append(_event_bytes(self._usage_event(item)))
+            else:
+                return out, item
+        if run:
+            out += map(_event_bytes, await self._choices_events(run))
+        return out, None
+
+    def _head(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.splice.upstream_model,
+        }
+
+    def _usage_event(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        event = {**self._head(), "choices": [], "usage": chunk.get("usage")}
+        if self.splicer.fingerprint is not None:
+            event["system_fingerprint"] = self.splicer.fingerprint
+        return event
+
+    async def _choices_events(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat events of consecutive generate chunks: each choice's tokens in one event (its derender state
+        is its own, so the choices are derendered side by side). A choice's first event is, as in vLLM's chat
+        stream, its role alone."""
+        merged: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # by index: a chunk and its one choice
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                index = choice.get("index", 0)
+                if index in merged:
+                    _extend(merged[index][1], choice)
+                else:
+                    mine = {**choice, "token_ids": list(choice.get("token_ids") or ())}
+                    merged[index] = (chunk, mine)
+        head = self._head()
+        first: list[dict[str, Any]] = []
+        for index in merged:
             if index not in self.states:  # this choice's first event: its role alone, before it
                 delta = {"role": "assistant", "content": ""}
-                events.append({**head, "choices": [{"index": index, "delta": delta, "logprobs": None}]})
-                events[-1]["choices"][0]["finish_reason"] = None
+                first.append({**head, "choices": [{"index": index, "delta": delta, "logprobs": None}]})
+                first[-1]["choices"][0]["finish_reason"] = None
                 if not self.states:  # the stream's first event carries the prompt ids, as vLLM's chat has it
-                    events[-1]["prompt_token_ids"] = self.splice.prompt_ids
-            one = {**chunk, "choices": [{**choice, "token_ids": _shown_ids(choice, self.splice.chat_request)}]}
-            if self.logprobs_asked and choice.get("logprobs"):
-                (derendered, state), logprobs = await asyncio.gather(
-                    self._derender(one, self.states.get(index)), self._chat_logprobs(choice)
-                )
-            else:
-                (derendered, state), logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
-            self.states[index] = state
-            out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
-            shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
-            shaped["delta"] = _delta(out.get("delta") or {})
-            if shaped["delta"].get("tool_calls"):
-                self.called.add(index)
-            if choice.get("finish_reason") is not None:  # the engine's, not derender's (it says tool_calls at length)
-                shaped["finish_reason"] = _finish_reason(
-                    choice["finish_reason"], index in self.called, self.splice.chat_request, streamed=True
-                )
-                shaped["stop_reason"] = out.get("stop_reason")
-            shaped["token_ids"] = choice.get("token_ids") or []
-            events.append({**head, "choices": [shaped]})
-        return events
+                    first[-1]["prompt_token_ids"] = self.splice.prompt_ids
+                self.states[index] = None
+        shaped = await asyncio.gather(*(self._choice(head, chunk, choice) for chunk, choice in merged.values()))
+        return [*first, *shaped]
+
+    async def _choice(self, head: dict[str, Any], chunk: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+        index = choice.get("index", 0)
+        one = {**chunk, "choices": [{**choice, "token_ids": _shown_ids(choice, self.splice.chat_request)}]}
+        if self.logprobs_asked and choice.get("logprobs"):
+            (derendered, state), logprobs = await asyncio.gather(
+                self._derender(one, self.states.get(index)), self._chat_logprobs(choice)
+            )
+        else:
+            (derendered, state), logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
+        self.states[index] = state
+        out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
+        shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
+        shaped["delta"] = _delta(out.get("delta") or {})
+        if shaped["delta"].get("tool_calls"):
+            self.called.add(index)
+        if choice.get("finish_reason") is not None:  # the engine's, not derender's (it says tool_calls at length)
+            shaped["finish_reason"] = _finish_reason(
+                choice["finish_reason"], index in self.called, self.splice.chat_request, streamed=True
+            )
+            shaped["stop_reason"] = out.get("stop_reason")
+        shaped["token_ids"] = choice.get("token_ids") or []
+        return {**head, "choices": [shaped]}
 
     async def _derender(self, chunk: dict[str, Any], state: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
         body = self.splice.derender_request(stream=True, generate_chunk=chunk, stream_state=state)
@@ -637,6 +732,30 @@ class DerenderedStream:
         derendered = await self.splicer.post_derender(self.splice.derender_request(generate_response=part))
         choices = derendered.get("choices") or [{}]
         return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
+
+
+class _Mark:
+    """A mark among what the engine sent: its [DONE], or the end of its stream."""
+
+
+_DONE, _ENDED = _Mark(), _Mark()
+_Arrived = dict[str, Any] | bytes | _Mark | Exception
+
+
+def _event_bytes(event: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(event) + b"\n\n"
+
+
+def _extend(choice: dict[str, Any], later: dict[str, Any]) -> None:
+    """A generate choice's delta, in place, followed by its `later` one: their tokens (and logprobs) as one."""
+    choice["token_ids"] += later.get("token_ids") or ()
+    more = (later.get("logprobs") or {}).get("content")
+    if more:
+        logprobs = choice.get("logprobs") or {"content": []}
+        choice["logprobs"] = {**logprobs, "content": [*(logprobs.get("content") or ()), *more]}
+    for key, value in later.items():
+        if key not in ("index", "token_ids", "logprobs") and value is not None:
+            choice[key] = value
 
 
 def _finish_reason(reason: str | None, called: bool, request: dict[str, Any], *, streamed: bool) -> str | None:

@@ -420,9 +420,11 @@ class EngineCalls:
             raise error
         if spec.stream:
             splicer = call.splicer
-            relay = call.relay(
-                upstream if splice is None or splicer is None else DerenderedStream(splicer, upstream, splice)
-            )
+            if splice is None or splicer is None:
+                relay = call.relay(upstream)
+            else:  # logprobs resolved by derender only for a chat client that asked (`request` is the client's)
+                asked = bool(spec.request.get("logprobs"))
+                relay = call.relay(DerenderedStream(splicer, upstream, splice, logprobs=asked))
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event).

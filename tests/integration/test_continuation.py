@@ -18,17 +18,8 @@ import openai
 import pytest
 from anthropic.lib.tools import beta_tool
 
-from gateway.continuation import GENERATE_PATH, DerenderedStream, Splice, Splicer
-from tests.conftest import (
-    BASE_NAME,
-    END_TOKEN,
-    metric,
-    poll,
-    run_client,
-    start_gateway,
-    start_stub,
-    stop_group,
-)
+from gateway.continuation import DERENDER_PATH, GENERATE_PATH, DerenderedStream, Splice, Splicer
+from tests.conftest import BASE_NAME, END_TOKEN, metric, poll, run_client, start_gateway, start_stub, stop_group
 from tests.recorded import (
     FORCED,
     ROME_PARIS_QUESTION,
@@ -44,6 +35,8 @@ from tests.recorded import (
 )
 
 pytestmark = pytest.mark.engine
+
+DERENDER_METRICS = ("http_requests_total", "http_request_size_bytes_sum")  # vLLM's, by handler
 
 
 # -- the token path answers as the plain path does -----------------------------------------------------------
@@ -72,9 +65,10 @@ CASES = {
 }
 
 
-async def _both_paths(url: str, request: dict[str, Any]) -> tuple[Any, Any]:
+async def _both_paths(url: str, request: dict[str, Any], logprobs: bool | None = None) -> tuple[Any, Any]:
     """The engine's own chat answer to `request`, and the gateway's token path's (render → generate → derender)
-    from the same prompt ids: the plain prompt, no splice, so the sampled tokens are the same."""
+    from the same prompt ids: the plain prompt, no splice, so the sampled tokens are the same. `logprobs`: whether
+    the client asked for them (the gateway's engine request always does); the request's own, by default."""
     async with aiohttp.ClientSession() as session:
         splicer = Splicer(session, url, aiohttp.ClientTimeout(total=120))
         async with session.post(url + "/v1/chat/completions", json=request) as answer:
@@ -91,7 +85,9 @@ async def _both_paths(url: str, request: dict[str, Any]) -> tuple[Any, Any]:
             assert answer.status == 200, await answer.text()
             if not stream:
                 return json.loads(plain), await splicer.derender(await answer.json(), splice)
-            chunks = [chunk async for chunk in DerenderedStream(splicer, answer, splice).iter_any()]
+            asked = bool(request.get("logprobs")) if logprobs is None else logprobs
+            events = DerenderedStream(splicer, answer, splice, logprobs=asked)
+            chunks = [chunk async for chunk in events.iter_any()]
         return _events(plain), _events(b"".join(chunks))
 
 
@@ -128,7 +124,8 @@ def test_the_token_path_answers_as_the_engine_does(vllm_url: str, case: str) -> 
 
 def _stream_summary(events: list[Any]) -> dict[str, Any]:
     """A chat stream as a client reads it: per choice its text, tool calls, finish reason and sampled ids, the
-    kinds of its events in order (runs of one kind merged: the engine batches tokens by timing), and the usage."""
+    kinds of its events in order (runs of one kind merged, empty deltas skipped: the engine batches tokens by
+    timing, and so does the token path's derender), and the usage."""
     choices: dict[int, dict[str, Any]] = {}
     usage = None
     assert events[-1] == b"[DONE]"
@@ -139,9 +136,17 @@ def _stream_summary(events: list[Any]) -> dict[str, Any]:
                 choice["index"], {"text": "", "calls": {}, "kinds": [], "finish": None, "ids": [], "logprobs": []}
             )
             delta = choice["delta"]
-            kind = "role" if "role" in delta else "tool" if delta.get("tool_calls") else "text"
-            if not mine["kinds"] or mine["kinds"][-1] != kind:
-                mine["kinds"].append(kind)
+            kind = (
+                "role"
+                if "role" in delta
+                else "tool"
+                if delta.get("tool_calls")
+                else "text"
+                if delta.get("content")
+                else None
+            )
+            if kind is not None and (not mine["kinds"] or mine["kinds"][-1] != kind):
+                mine["kinds"].append(kind)  # an empty delta (tokens the parser holds back) is of no kind
             mine["text"] += delta.get("content") or ""
             for call in delta.get("tool_calls") or ():
                 slot = mine["calls"].setdefault(call["index"], {"name": "", "arguments": "", "type": None})
@@ -173,6 +178,47 @@ def test_the_token_path_streams_as_the_engine_does(vllm_url: str, case: str) -> 
     assert ours["first"] == {"role": "assistant", "content": ""}
     if case != "text":  # the client did not ask for logprobs' text: the recorder gets the sampled ones anyway
         assert all(c["logprobs"] for c in ours["choices"].values())
+
+
+def _long_history(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}: what will the weather be in Rome on day {i}?"})
+        messages.append({"role": "assistant", "content": f"On day {i} Rome has light rain, {10 + i} degrees."})
+    return [*messages, *ROME_PARIS_QUESTION]
+
+
+LONG_HISTORY = _long_history(20)
+LONG = {  # a long answer after a long history, the tool parser on
+    "long text": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, max_tokens=200, ignore_eos=True, seed=11),
+    "long forced tool": _request(messages=LONG_HISTORY, tools=ROME_PARIS_TOOLS, tool_choice=FORCED, max_tokens=200),
+}
+
+
+# each kind once, each with one of the client's logprobs choices (the suite's time: a call pair is ~2.5 s of CPU)
+@pytest.mark.parametrize(
+    ("case", "asked"),
+    [("long text", False), ("long forced tool", True)],
+    ids=["long text, no logprobs", "long forced tool, logprobs"],
+)
+def test_a_long_streamed_continuation_derenders_only_what_it_needs(vllm_url: str, case: str, asked: bool) -> None:
+    """The engine's chunks that arrive while a derender is out go in one request, which carries the tools and
+    options but not the history; a second request (the chunk's chat logprobs) only for a client that asked."""
+    request = {**LONG[case], "stream": True, "stream_options": {"include_usage": True}}
+    derenders, sent = (metric(vllm_url, name, handler=DERENDER_PATH) for name in DERENDER_METRICS)
+    plain, derendered = asyncio.run(_both_paths(vllm_url, request, logprobs=asked))
+    derenders, sent = (
+        metric(vllm_url, name, handler=DERENDER_PATH) - before
+        for name, before in zip(DERENDER_METRICS, (derenders, sent), strict=True)
+    )
+    ours, theirs = _stream_summary(derendered), _stream_summary(plain)
+    assert ours == theirs
+    (choice,) = ours["choices"].values()
+    assert len(choice["ids"]) > 100 and (case == "long text") == (not choice["calls"])
+    # one derender a batch of tokens (each batch is one event after the role's), and one more for its logprobs
+    batches = sum(1 for event in derendered[1:-1] if event["choices"])
+    assert derenders == batches * (2 if asked else 1)
+    assert sent / derenders < len(json.dumps(LONG_HISTORY))  # no request carries the history
 
 
 # -- clients through the gateway ------------------------------------------------------------------------------

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
+import aiohttp
+import msgspec
+from aiohttp import web
+
 from gateway.adapters import Route
-from gateway.continuation import Continuations, Continued, message_digests
+from gateway.continuation import (
+    DERENDER_PATH,
+    GENERATE_PATH,
+    Continuations,
+    Continued,
+    DerenderedStream,
+    Splice,
+    Splicer,
+    message_digests,
+)
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
 
@@ -231,3 +245,92 @@ def test_a_store_slower_than_the_budget_is_not_waited_for() -> None:
     continuations = Continuations(read=Slow(_record([USER], [REPLY])), read_seconds=0.05, counted=counted.append)
     assert _look_up(continuations, _request([USER, SENT_BACK, RESULT])) == (None, False)
     assert counted == ["failed"]
+
+
+def test_a_derender_request_carries_the_tools_and_options_but_not_the_history() -> None:
+    history = [USER, REPLY, RESULT, {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "x"}]
+    request = _request(history, tool_choice="auto", logprobs=True, chat_template_kwargs={"enable_thinking": False})
+    splice = Splice(list(range(100)), {}, request, "my-agent@2")
+    body = msgspec.json.decode(splice.derender_request(stream=True, stream_state=None))
+    # the history's tool calls stay: a parser may number its call ids after them
+    chat = {**request, "messages": [{"role": "assistant", "content": None, "tool_calls": [CALL]}]}
+    assert body == {
+        "model": "my-agent@2",
+        "prompt_tokens": 100,
+        "prompt_token_ids": list(range(92, 100)),
+        "chat_request": chat,
+        "stream": True,
+        "stream_state": None,
+    }
+    assert msgspec.json.decode(splice.derender_request())["chat_request"] == chat
+
+
+class _StandInEngine:
+    """vLLM's generate stream (one token a chunk) and its derender: the stream's first token, then, once its
+    derender is asked for, all the others, which the derender waits for before it answers."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.asked = asyncio.Event()
+        self.written = asyncio.Event()
+        self.derenders: list[dict[str, Any]] = []
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await answer.prepare(request)
+        for i in range(self.tokens):
+            finish = "length" if i == self.tokens - 1 else None
+            logprobs = {"content": [{"token_id": 300 + i, "logprob": -0.5, "top_logprobs": []}]}
+            choice = {"index": 0, "token_ids": [300 + i], "logprobs": logprobs, "finish_reason": finish}
+            await answer.write(b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n")
+            if i == 0:
+                await self.asked.wait()
+        await answer.write(b"data: [DONE]\n\n")
+        await answer.write_eof()
+        self.written.set()
+        return answer
+
+    async def derender(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.derenders.append(body)
+        self.asked.set()
+        await self.written.wait()
+        if "generate_response" in body:  # a whole answer's derender: for chat's logprobs
+            return web.json_response({"choices": [{"index": 0, "logprobs": {"content": []}}]})
+        ids = body["generate_chunk"]["choices"][0]["token_ids"]
+        state = (body["stream_state"] or {"output_token_ids": []})["output_token_ids"] + ids
+        choice = {"index": 0, "delta": {"content": "".join(f"<{i}>" for i in ids)}}
+        return web.json_response({"chunk": {"choices": [choice]}, "stream_state": {"output_token_ids": state}})
+
+
+async def test_a_stream_derenders_the_tokens_that_arrived_together_in_one_request() -> None:
+    engine = _StandInEngine(tokens=50)
+    app = web.Application()
+    app.router.add_post(GENERATE_PATH, engine.generate)
+    app.router.add_post(DERENDER_PATH, engine.derender)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splice = Splice([1, 2, 3], {}, _request([USER], logprobs=True), "my-agent@2")
+            async with session.post(url + GENERATE_PATH, json={}) as answer:
+                stream = DerenderedStream(splicer, answer, splice, logprobs=False)
+                body = b"".join([chunk async for chunk in stream.iter_any()])
+    finally:
+        await runner.cleanup()
+    events = [msgspec.json.decode(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
+    (role, *choices) = [event["choices"][0] for event in events]
+    assert role["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["delta"]["content"] for c in choices) == "".join(f"<{300 + i}>" for i in range(50))
+    assert [i for c in choices for i in c["token_ids"]] == list(range(300, 350))
+    assert [e["logprob"] for c in choices for e in c["logprobs"]["content"]] == [-0.5] * 50  # the recorder's
+    assert choices[-1]["finish_reason"] == "length"
+    assert body.endswith(b"data: [DONE]\n\n")
+    # the first token alone (nothing else had come), then what came while its derender was out; no request for
+    # the chat logprobs the client did not ask for
+    assert 2 <= len(engine.derenders) <= 3 and all("generate_chunk" in body for body in engine.derenders)
