@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import platform
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,6 +41,7 @@ from store.calls import write_calls  # noqa: E402
 from store.codec import CallCache  # noqa: E402
 from store.records import CallRecord  # noqa: E402
 from store.rollouts import RolloutReader  # noqa: E402
+from tests.conftest import fresh_pg_database  # noqa: E402
 
 ROUTE = Route("my-agent@3", "my-agent", 3)  # the conversations' model and step
 
@@ -94,27 +92,6 @@ async def _measure(
         await engine.dispose()
 
 
-async def _pg_database(server: str) -> tuple[str, str]:
-    """A fresh database on the PostgreSQL server of `server`: its URL and name."""
-    name = f"artgw_bench_{uuid.uuid4().hex[:12]}"
-    admin = create_async_engine(make_url(server).set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            await conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    finally:
-        await admin.dispose()
-    return make_url(server).set(database=name).render_as_string(hide_password=False), name
-
-
-async def _drop(server: str, name: str) -> None:
-    admin = create_async_engine(make_url(server).set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            await conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-    finally:
-        await admin.dispose()
-
-
 def _ms(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if len(values) > 1 else values[0] * 1000
 
@@ -128,38 +105,33 @@ async def main() -> int:
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     stores: list[tuple[str, str]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    async with contextlib.AsyncExitStack() as cleanup:
+        tmp = cleanup.enter_context(tempfile.TemporaryDirectory())
         stores.append(("SQLite", f"sqlite+aiosqlite:///{Path(tmp) / 'artgw.sqlite'}"))
-        pg_name = None
         if args.pg:
-            pg_url, pg_name = await _pg_database(args.pg)
-            stores.append(("PostgreSQL", pg_url))
-        try:
-            table = Table(title="a continuing call's look-up of its rollout's last call (ms)")
-            for column in (
-                "store",
-                "calls/rollout",
-                "prompt tokens",
-                "memory p50",
-                "store p50",
-                "store p90",
-                "added p50",
-            ):
-                table.add_column(column, justify="right")
-            for name, url in stores:
-                for length, tokens, memory, stored in await _measure(url, lengths, args.rollouts, args.repeats):
-                    table.add_row(
-                        name,
-                        str(length),
-                        f"{tokens:,}",
-                        f"{_ms(memory, 50):.3f}",
-                        f"{_ms(stored, 50):.2f}",
-                        f"{_ms(stored, 90):.2f}",
-                        f"+{_ms(stored, 50) - _ms(memory, 50):.2f}",
-                    )
-        finally:
-            if pg_name is not None:
-                await _drop(args.pg, pg_name)
+            stores.append(("PostgreSQL", await cleanup.enter_async_context(fresh_pg_database(args.pg))))
+        table = Table(title="a continuing call's look-up of its rollout's last call (ms)")
+        for column in (
+            "store",
+            "calls/rollout",
+            "prompt tokens",
+            "memory p50",
+            "store p50",
+            "store p90",
+            "added p50",
+        ):
+            table.add_column(column, justify="right")
+        for name, url in stores:
+            for length, tokens, memory, stored in await _measure(url, lengths, args.rollouts, args.repeats):
+                table.add_row(
+                    name,
+                    str(length),
+                    f"{tokens:,}",
+                    f"{_ms(memory, 50):.3f}",
+                    f"{_ms(stored, 50):.2f}",
+                    f"{_ms(stored, 90):.2f}",
+                    f"+{_ms(stored, 50) - _ms(memory, 50):.2f}",
+                )
     console = Console(width=120)
     console.print(table)
     console.print(f"Python {platform.python_version()}, {args.rollouts} rollouts x {args.repeats} look-ups each way")

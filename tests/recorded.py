@@ -116,6 +116,16 @@ def rollout(gateway: Any, rollout_id: str) -> dict[str, Any]:
     return r.json()
 
 
+def answered_call(gateway: Any, rollout_id: str, model: str = "my-agent") -> dict[str, Any]:
+    """One short chat call of `rollout_id` to `model`, answered: its record, as the store has it."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    answer = httpx.post(
+        f"{gateway.base_url}/chat/completions", json=body, headers={"X-ART-Rollout-Id": rollout_id}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    return rollout(gateway, rollout_id)["calls"][-1]
+
+
 def sampled_by_call(recorded: dict[str, Any]) -> dict[str, list[int]]:
     """Each call's sampled token ids, from the assembled sequences (what training would use)."""
     out: dict[str, list[int]] = {}

@@ -27,6 +27,7 @@ import pytest
 from gateway.settings import Settings
 from tests.conftest import metric, poll, start_stub, stop_group, wait_http
 from tests.inprocess import InProcessGateway, ManualClock, serve_in_process
+from tests.recorded import answered_call
 
 MODEL = "my-agent"
 
@@ -60,14 +61,7 @@ def commit(gateway: InProcessGateway, tmp_path: Path, step: int) -> httpx.Respon
 
 def call(gateway: InProcessGateway, rollout_id: str) -> tuple[int, str]:
     """One chat call of `rollout_id` to `NAME`, answered: (the step that served it, its engine), as recorded."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    answer = httpx.post(
-        f"{gateway.base_url}/chat/completions", json=body, headers={"X-ART-Rollout-Id": rollout_id}, timeout=30
-    )
-    assert answer.status_code == 200, answer.text
-    recorded = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin, timeout=30)
-    assert recorded.status_code == 200, recorded.text
-    last = recorded.json()["calls"][-1]
+    last = answered_call(gateway, rollout_id, MODEL)
     return int(last["step"]), str(last["engine"])
 
 

@@ -22,6 +22,7 @@ from store import create_engine, migrate
 from store.records import RolloutKey
 from tests.conftest import start_stub, stop_group
 from tests.inprocess import InProcessGateway, ManualClock, serve_in_process
+from tests.recorded import answered_call
 
 MODEL = "my-agent"
 PIN_SECONDS = 60.0
@@ -55,14 +56,7 @@ def load(gateway: InProcessGateway, tmp_path: Path, step: int) -> None:
 
 def call(gateway: InProcessGateway, rollout_id: str, model: str = MODEL) -> int:
     """One chat call in `rollout_id`: the step that served it, as recorded."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    answer = httpx.post(
-        f"{gateway.base_url}/chat/completions", json=body, headers={"X-ART-Rollout-Id": rollout_id}, timeout=30
-    )
-    assert answer.status_code == 200, answer.text
-    recorded = httpx.get(f"{gateway.base_url}/art/rollouts/{rollout_id}", headers=gateway.admin, timeout=30)
-    assert recorded.status_code == 200, recorded.text
-    return int(recorded.json()["calls"][-1]["step"])
+    return int(answered_call(gateway, rollout_id, model)["step"])
 
 
 def status(gateway: InProcessGateway) -> dict:
