@@ -6,16 +6,18 @@ gateways and ~45 trainers on a 2-core machine, where CPU is what its time is mad
 imports both: a worker that never trains does not pay for torch, and a gateway is not forked from a process
 that holds it.
 
-What a forked gateway shares with one started the usual way: its code and arguments, its environment
-(os.environ is replaced before `main` runs; `spawn` refuses to fork where a variable other than ARTGW_*
-differs from the worker's, since a library may have read it at import), its working directory, its stdio
+What a forked command shares with one started the usual way: its code and arguments, its environment
+(os.environ is replaced before `main` runs; `Server.forkable` says no where a variable other than ARTGW_*
+differs from the one the server started with, since a library may have read it at import: a test that sets
+one, as the W&B and OpenTelemetry tests do, starts its command anew), its working directory, its stdio
 (the caller's file descriptors, passed over the socket), its own session (`start_new_session=True`), and its
 exit: the console script runs in the child (`runpy`, as `__main__`: `artgw train --nproc-per-node 2` starts
 its ranks with multiprocessing's `spawn`, which runs the parent's `__main__` again in each, fresh interpreters
 as without the server). What it does not: it is the fork server's child, not the worker's, so `ForkedProcess`
 stands in for `subprocess.Popen` (pid, poll, wait, send_signal, returncode): the server reports each child's
 exit status over the connection that asked for it, and reaps the child only once that connection is closed
-(after `wait` or a `poll` that saw the exit), so a `killpg` between finds its zombie as with Popen.
+(after `wait` or a `poll` that saw the exit), so a `killpg` between finds its zombie as with Popen. Also shared
+by every child: the server's hash seed (PYTHONHASHSEED); `random`'s and numpy's generators are seeded anew.
 
 The server is one thread (a fork beside another thread could inherit a lock held mid-operation: it refuses to
 serve if its imports started one; torch's OpenMP pool starts on the first parallel op, never at import) and
