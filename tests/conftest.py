@@ -898,6 +898,14 @@ def engine_group(item: pytest.Item) -> str | None:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The fork servers' environment: the worker's once every test module is imported (some set a variable
+    then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or trainer:
+    a server started then would leave every later start to start anew."""
+    for server in (GATEWAYS, TRAINERS):
+        server.base = dict(os.environ)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
     (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The

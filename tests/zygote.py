@@ -215,7 +215,7 @@ class ForkedProcess:
 
 class Server:
     """One of this worker's fork servers (`kind`: what it preloads), started on first use with this worker's
-    environment and `env` over it."""
+    environment (`base`, else os.environ then) and `env` over it."""
 
     def __init__(self, kind: str, env: dict[str, str] | None = None) -> None:
         self.kind = kind
@@ -223,6 +223,8 @@ class Server:
         self._lock = threading.Lock()
         self._path: str | None = None
         self._env: dict[str, str] | None = None  # the environment it started with
+        # The worker's environment to start it with (`env` over it); None: os.environ as it is then.
+        self.base: dict[str, str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
 
     def forkable(self, env: dict[str, str]) -> bool:
@@ -231,7 +233,7 @@ class Server:
         ARTGW_TEST_FORK=0 turns forking off."""
         if os.environ.get("ARTGW_TEST_FORK", "1") == "0":
             return False
-        own = self._env if self._env is not None else {**os.environ, **self._extra}
+        own = self._env if self._env is not None else {**(self.base or os.environ), **self._extra}
         return all(key.startswith("ARTGW_") or env.get(key) == own.get(key) for key in set(env) | set(own))
 
     def spawn(self, argv: list[str], *, stdout: int, env: dict[str, str], cwd: str | None = None) -> ForkedProcess:
@@ -256,7 +258,7 @@ class Server:
             if self._path is None:
                 where = Path(os.environ.get("TMPDIR", "/tmp")) / f"artgw-zygote-{self.kind}-{os.getpid()}.sock"
                 where.unlink(missing_ok=True)
-                self._env = {**os.environ, **self._extra}
+                self._env = {**(self.base or os.environ), **self._extra}
                 self._process = subprocess.Popen(
                     [sys.executable, __file__, str(where), self.kind],
                     stdin=subprocess.DEVNULL,
