@@ -899,9 +899,9 @@ def engine_group(item: pytest.Item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The fork servers' environment: the worker's once every test module is imported (some set a variable
-    then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or trainer:
-    a server started then would leave every later start to start anew."""
+    """The environment the fork servers start with: the worker's once every test module is imported (some set a
+    variable then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or
+    trainer, which the server would import with and hand to every later child."""
     for server in (GATEWAYS, TRAINERS):
         server.base = dict(os.environ)
 

@@ -8,8 +8,7 @@ that holds it.
 
 What a forked command shares with one started the usual way: its code and arguments, its environment
 (os.environ is replaced before `main` runs; `Server.forkable` says no where a variable other than ARTGW_*
-differs from the one the server started with, since a library may have read it at import: a test that sets
-one, as the W&B and OpenTelemetry tests do, starts its command anew), its working directory, its stdio
+differs from the worker's, since a library may have read it at import), its working directory, its stdio
 (the caller's file descriptors, passed over the socket), its own session (`start_new_session=True`), and its
 exit: the console script runs in the child (`runpy`, as `__main__`: `artgw train --nproc-per-node 2` starts
 its ranks with multiprocessing's `spawn`, which runs the parent's `__main__` again in each, fresh interpreters
@@ -222,18 +221,17 @@ class Server:
         self._extra = dict(env or {})
         self._lock = threading.Lock()
         self._path: str | None = None
-        self._env: dict[str, str] | None = None  # the environment it started with
         # The worker's environment to start it with (`env` over it); None: os.environ as it is then.
         self.base: dict[str, str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
 
     def forkable(self, env: dict[str, str]) -> bool:
         """Whether a command with this environment may be forked from this server: only ARTGW_* variables (read
-        when `main` runs) may differ from the server's (a library may have read any other at import), and
-        ARTGW_TEST_FORK=0 turns forking off."""
+        when `main` runs) may differ from this worker's (with the server's `env` over it: a library may have
+        read any other at import), and ARTGW_TEST_FORK=0 turns forking off."""
         if os.environ.get("ARTGW_TEST_FORK", "1") == "0":
             return False
-        own = self._env if self._env is not None else {**(self.base or os.environ), **self._extra}
+        own = {**os.environ, **self._extra}
         return all(key.startswith("ARTGW_") or env.get(key) == own.get(key) for key in set(env) | set(own))
 
     def spawn(self, argv: list[str], *, stdout: int, env: dict[str, str], cwd: str | None = None) -> ForkedProcess:
@@ -258,12 +256,11 @@ class Server:
             if self._path is None:
                 where = Path(os.environ.get("TMPDIR", "/tmp")) / f"artgw-zygote-{self.kind}-{os.getpid()}.sock"
                 where.unlink(missing_ok=True)
-                self._env = {**(self.base or os.environ), **self._extra}
                 self._process = subprocess.Popen(
                     [sys.executable, __file__, str(where), self.kind],
                     stdin=subprocess.DEVNULL,
                     cwd=Path(__file__).resolve().parents[1],
-                    env=self._env,
+                    env={**(self.base or os.environ), **self._extra},
                 )
                 atexit.register(self._stop, where)
                 deadline = time.monotonic() + 120
