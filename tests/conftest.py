@@ -361,13 +361,22 @@ class GatewayProcess:
         return int(self.proc.returncode)
 
 
+# This worker's fork servers (tests/zygote.py), each started on first use.
+GATEWAYS = zygote.Server("serve")
+# One torch thread: the tiny model needs no more, and on 2 cores busy with vLLM, torch's spinning intra-op threads
+# turn a ~1 s step into ~60 s (read when torch is imported: the trainers' fork server starts with it).
+# Unbuffered: a trainer that fails a test shows in its log how far it got.
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TRAINERS = zygote.Server("train", TRAINER_ENV)
+
+
 def start_serve(command: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> Any:
     """`artgw serve ...` as a process of its own session, stdout and stderr to `log`: forked from this worker's
     fork server where the environment allows (tests/zygote.py: no second import of what it imports), else
     started anew. Popen's interface either way."""
     env = dict(os.environ) if env is None else env
-    if zygote.forkable(env):
-        return zygote.spawn(command, stdout=log.fileno(), env=env)
+    if GATEWAYS.forkable(env):
+        return GATEWAYS.spawn(command, stdout=log.fileno(), env=env)
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -504,25 +513,24 @@ def start_trainer(
     *options: str,
     log_name: str = "trainer",
     models: Sequence[str] = ("my-agent",),
-) -> tuple[subprocess.Popen[bytes], Path]:
+    fresh: bool = False,
+) -> tuple[Any, Path]:
     """`artgw train` for `models` (one --model each) against the gateway (its data dir: store, checkpoints and
-    admin key), as a process of its own session (SIGKILL reaches it and nothing else); returns it and its log
-    file. `base_model` None: no --base-model, the trainer asks the gateway what its engine loaded."""
+    admin key), as a process of its own session (SIGKILL reaches it and nothing else); returns it (Popen's
+    interface) and its log file. `base_model` None: no --base-model, the trainer asks the gateway what its engine
+    loaded. Forked from this worker's trainer fork server where the environment allows (tests/zygote.py: torch
+    and the model stack not imported again), else started anew; `fresh`: always anew (a test of how
+    `artgw train` itself starts)."""
     log_path = gateway.data_dir / f"{log_name}.log"
     command = [ARTGW, "train", *(arg for model in models for arg in ("--model", model))]
     command += ["--base-model", str(base_model)] if base_model is not None else []
     command += ["--data-dir", str(gateway.data_dir), "--gateway", gateway.url, *options]
+    env = {**os.environ, **TRAINER_ENV}
     with log_path.open("wb") as log:
+        if not fresh and TRAINERS.forkable(env):
+            return TRAINERS.spawn(command, stdout=log.fileno(), env=env, cwd=str(ROOT)), log_path
         proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # One torch thread: the tiny model needs no more, and on 2 cores busy with vLLM, torch's spinning
-            # intra-op threads turn a ~1 s step into ~60 s.
-            # Unbuffered: a trainer that fails a test shows in its log how far it got.
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     return proc, log_path
 
@@ -537,10 +545,13 @@ class TrainerProcess:
         base_model: Path | None,
         *extra: str,
         models: Sequence[str] = ("my-agent",),
+        fresh: bool = False,
     ) -> None:
         self.name = name
         options = ("--groups-per-step", "2", "--max-wait", "1", "--lease-seconds", "4", *extra)
-        self.proc, self.log_path = start_trainer(gateway, base_model, *options, log_name=name, models=models)
+        self.proc, self.log_path = start_trainer(
+            gateway, base_model, *options, log_name=name, models=models, fresh=fresh
+        )
 
     @property
     def returncode(self) -> int | None:
@@ -887,6 +898,14 @@ def engine_group(item: pytest.Item) -> str | None:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The environment the fork servers start with: the worker's once every test module is imported (some set a
+    variable then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or
+    trainer, which the server would import with and hand to every later child."""
+    for server in (GATEWAYS, TRAINERS):
+        server.base = dict(os.environ)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
     (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The

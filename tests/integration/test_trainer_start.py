@@ -34,7 +34,7 @@ def started(trainer: TrainerProcess) -> str:
 def test_a_start_slower_than_the_bound_prints_every_threads_stack_once(
     gateway: GatewayProcess, tiny_model: Path
 ) -> None:
-    trainer = TrainerProcess("trainer-slow-start", gateway, tiny_model, "--startup-dump-seconds", "0.2")
+    trainer = TrainerProcess("trainer-slow-start", gateway, tiny_model, "--startup-dump-seconds", "0.2", fresh=True)
     try:
         log = started(trainer)
     finally:
@@ -47,7 +47,7 @@ def test_a_start_slower_than_the_bound_prints_every_threads_stack_once(
 
 
 def test_no_stack_with_the_dump_off(gateway: GatewayProcess, tiny_model: Path) -> None:
-    trainer = TrainerProcess("trainer-no-dump", gateway, tiny_model, "--startup-dump-seconds", "0")
+    trainer = TrainerProcess("trainer-no-dump", gateway, tiny_model, "--startup-dump-seconds", "0", fresh=True)
     try:
         log = started(trainer)
     finally:
