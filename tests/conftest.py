@@ -897,7 +897,6 @@ def engine_group(item: pytest.Item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The environment the fork servers start with: the worker's once every test module is imported (some set a
     variable then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or
@@ -906,6 +905,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         server.base = dict(os.environ)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
     (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The
