@@ -17,7 +17,7 @@ def state(pid: int) -> str | None:
     """The process's state letter (R, S, Z, ...), None once it is reaped."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return None
 
 
