@@ -36,8 +36,6 @@ from tests.recorded import (
 
 pytestmark = pytest.mark.engine
 
-DERENDER_METRICS = ("http_requests_total", "http_request_size_bytes_sum")  # vLLM's, by handler
-
 
 # -- the token path answers as the plain path does -----------------------------------------------------------
 
@@ -205,12 +203,9 @@ def test_a_long_streamed_continuation_derenders_only_what_it_needs(vllm_url: str
     """The engine's chunks that arrive while a derender is out go in one request, which carries the tools and
     options but not the history; a second request (the chunk's chat logprobs) only for a client that asked."""
     request = {**LONG[case], "stream": True, "stream_options": {"include_usage": True}}
-    derenders, sent = (metric(vllm_url, name, handler=DERENDER_PATH) for name in DERENDER_METRICS)
+    before = metric(vllm_url, "http_requests_total", handler=DERENDER_PATH)
     plain, derendered = asyncio.run(_both_paths(vllm_url, request, logprobs=asked))
-    derenders, sent = (
-        metric(vllm_url, name, handler=DERENDER_PATH) - before
-        for name, before in zip(DERENDER_METRICS, (derenders, sent), strict=True)
-    )
+    derenders = metric(vllm_url, "http_requests_total", handler=DERENDER_PATH) - before
     ours, theirs = _stream_summary(derendered), _stream_summary(plain)
     assert ours == theirs
     (choice,) = ours["choices"].values()
@@ -218,7 +213,9 @@ def test_a_long_streamed_continuation_derenders_only_what_it_needs(vllm_url: str
     # one derender a batch of tokens (each batch is one event after the role's), and one more for its logprobs
     batches = sum(1 for event in derendered[1:-1] if event["choices"])
     assert derenders == batches * (2 if asked else 1)
-    assert sent / derenders < len(json.dumps(LONG_HISTORY))  # no request carries the history
+    # That no request carries the history is tests/unit/test_continuation.py's: the bytes sent here depend on how
+    # many tokens each batch holds, which is the machine's speed (a fresh clone's run sent 6 requests of ~8.8 KB,
+    # the token ids and logprobs of ~35 tokens each, against a 3.4 KB history).
 
 
 # -- clients through the gateway ------------------------------------------------------------------------------
