@@ -370,6 +370,14 @@ TRAINER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TRAINERS = zygote.Server("train", TRAINER_ENV)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The environment the fork servers start with: the worker's once every test module is imported (some set a
+    variable then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or
+    trainer, which the server would import with and hand to every later child."""
+    for server in (GATEWAYS, TRAINERS):
+        server.base = dict(os.environ)
+
+
 def start_serve(command: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> Any:
     """`artgw serve ...` as a process of its own session, stdout and stderr to `log`: forked from this worker's
     fork server where the environment allows (tests/zygote.py: no second import of what it imports), else
@@ -881,6 +889,7 @@ def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str,
 SESSION_ENGINE_GROUP = "engine"  # every test that uses the session's shared vLLM (`vllm_url`): started once
 FAMILY_ENGINE_GROUP = "families"  # the family engines (`family_gateway`): one family's engine at a time
 DEPLOYMENT_GROUP = "deployment"  # tests/integration/test_compose.py: ~3.5 minutes, its containers' vLLM and trainer
+QUEUE_ORDER = (SESSION_ENGINE_GROUP, DEPLOYMENT_GROUP, FAMILY_ENGINE_GROUP)  # then `engine:FILE`, then the rest
 
 
 def engine_group(item: pytest.Item) -> str | None:
@@ -897,20 +906,20 @@ def engine_group(item: pytest.Item) -> str | None:
     return None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The environment the fork servers start with: the worker's once every test module is imported (some set a
-    variable then), not what a test has set (monkeypatch) when it happens to start the worker's first gateway or
-    trainer, which the server would import with and hand to every later child."""
-    for server in (GATEWAYS, TRAINERS):
-        server.base = dict(os.environ)
+def queue_rank(group: str | None) -> int:
+    """Where a test's unit stands in the queue: the named groups in QUEUE_ORDER, a file's own engines, the rest."""
+    if group in QUEUE_ORDER:
+        return QUEUE_ORDER.index(group)
+    return len(QUEUE_ORDER) if group is not None else len(QUEUE_ORDER) + 1
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
     (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The
-    groups are queued longest first: the session engine's tests (~8 minutes), the deployment's (~3.5), then each
-    file that starts engines of its own, then every other test on its own; a worker that runs out takes the next.
+    groups are queued longest first: the session engine's tests (~8 minutes), the deployment's (~3.5), the family
+    engines' (~3), then each file that starts engines of its own, then every other test on its own; a worker that
+    runs out takes the next.
 
     Until session 28 every engine test ran on one worker, so that two engines never shared the two cores: that
     worker took ~21 minutes while the other idled for its last 2.5. Tests must hold on a busy machine anyway
@@ -918,8 +927,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.pluginmanager.hasplugin("xdist"):  # `-p no:xdist`: no groups to make (nor their marker)
         return
     groups = {item.nodeid: engine_group(item) for item in items}
-    rank = {SESSION_ENGINE_GROUP: 0, DEPLOYMENT_GROUP: 1, FAMILY_ENGINE_GROUP: 2}
-    items.sort(key=lambda item: rank.get(groups[item.nodeid] or "", 3 if groups[item.nodeid] else 4))
+    items.sort(key=lambda item: queue_rank(groups[item.nodeid]))
     for item in items:
         group = groups[item.nodeid]
         if group is not None and item.get_closest_marker("xdist_group") is None:
