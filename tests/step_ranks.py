@@ -63,26 +63,32 @@ def one_step(model_dir: Path, data: StepData, options: dict[str, Any]) -> tuple[
     return metrics, lora_of(model), isinstance(policy.logprobs, torch.nn.parallel.DistributedDataParallel)
 
 
-def worker(rank: int, world: int, rendezvous: str, mode: str, model_dir: str, data: StepData, options: dict, out: str):
-    """One rank: mode "step" (one_step under DDP) or "orders" (rank 0 trains, restores, trains again and stops;
-    the others `follow`)."""
+Job = tuple[str, StepData, dict[str, Any]]  # mode ("step" or "orders"), the batch, TrainConfig options
+
+
+def worker(rank: int, world: int, rendezvous: str, model_dir: str, jobs: list[Job], out: str) -> None:
+    """One rank doing `jobs` in order, each saved to `out % (job, rank)`: mode "step" (one_step under DDP) or
+    "orders" (rank 0 trains, restores, trains again and stops; the others `follow`). One process group for all:
+    a pair of processes costs ~12 s of CPU to start (torch, transformers and peft imported), a job well under 1."""
     from trainer import distributed
 
     # A file to meet at, not a TCP port: no other test can take it between choosing and binding.
     torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     clean = False
     try:
-        if mode == "step":
-            metrics, lora, ddp = one_step(Path(model_dir), data, options)
-            torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lora": lora, "ddp": ddp}, out % rank)
-        else:
-            follow_orders(rank, model_dir, data, options, out)
+        for index, (mode, data, options) in enumerate(jobs):
+            saved = out % (index, rank)
+            if mode == "step":
+                metrics, lora, ddp = one_step(Path(model_dir), data, options)
+                torch.save({"loss": metrics.loss, "grad_norm": metrics.grad_norm, "lora": lora, "ddp": ddp}, saved)
+            else:
+                follow_orders(rank, model_dir, data, options, saved)
         clean = True
     finally:
         distributed.destroy(clean)  # as the trainer's own ranks leave (trainer/distributed.py _worker)
 
 
-def follow_orders(rank: int, model_dir: str, data: StepData, options: dict, out: str) -> None:
+def follow_orders(rank: int, model_dir: str, data: StepData, options: dict, saved: str) -> None:
     """Rank 0 trains, restores, trains again and stops; the others `follow`."""
     from trainer import distributed
     from trainer.checkpoints import restore
@@ -94,7 +100,7 @@ def follow_orders(rank: int, model_dir: str, data: StepData, options: dict, out:
     config = TrainConfig(base_model=model_dir, db="sqlite+aiosqlite:///unused", **options)
     device = torch.device("cpu")
     if rank > 0:  # a follower that missed an order would leave rank 0 waiting in a collective: a hang
-        torch.save({"steps": follow(config)}, out % rank)
+        torch.save({"steps": follow(config)}, saved)
         return
     torch.manual_seed(config.seed)
     distributed.share({"m": (0, None)})
@@ -108,4 +114,4 @@ def follow_orders(rank: int, model_dir: str, data: StepData, options: dict, out:
         train_step(lineage.policy, lineage.optimizer, data, config, device, pad_id=0)
         distributed.barrier()
     tell(Order("stop"))
-    torch.save({"steps": 2}, out % rank)
+    torch.save({"steps": 2}, saved)

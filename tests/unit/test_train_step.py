@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.step_ranks import one_step, worker
+from tests.step_ranks import Job, one_step, worker
 from tests.step_ranks import step_data as _step_data
 from trainer.batch import StepData
 from trainer.step import split_micro_batches
@@ -33,12 +33,36 @@ def _run(tiny_model: Path, data: StepData, **options: object):
     return metrics, lora
 
 
-def _ranks(mode: str, tiny_model: Path, data: StepData, options: dict[str, Any], tmp_path: Path) -> list[dict]:
-    """What each of two gloo processes (tests/step_ranks.py `worker`) saved."""
-    out = str(tmp_path / "rank%d.pt")
-    args = (2, str(tmp_path / "rendezvous"), mode, str(tiny_model), data, options, out)
+# The two-process cases: several micro-batches on each process, and one row (the second process has none).
+DDP_LOSSES = ("ppo", "gspo")
+DDP_LAYOUTS = {
+    6: {"micro_batch_rows": 1, "pack_tokens_per_row": 24},
+    1: {"micro_batch_rows": 1, "pack_tokens_per_row": 512},
+}
+
+
+def _options(loss: str, trajectories: int) -> dict[str, Any]:
+    return {"learning_rate": 1e-2, "loss_name": loss, **DDP_LAYOUTS[trajectories]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], list[dict]]:
+    """What each of two gloo processes (tests/step_ranks.py `worker`) saved for every two-process job of this
+    file, by job: one pair of processes for all (each pair costs ~12 s of CPU to start)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    jobs: dict[tuple[str, ...], Job] = {
+        ("step", loss, str(n)): ("step", _step_data(vocab, n), _options(loss, n))
+        for loss in DDP_LOSSES
+        for n in DDP_LAYOUTS
+    }
+    jobs[("orders",)] = ("orders", _step_data(vocab), {"learning_rate": 1e-2})
+    tmp = tmp_path_factory.mktemp("ranks")
+    out = str(tmp / "job%d-rank%d.pt")
+    args = (2, str(tmp / "rendezvous"), str(tiny_model), list(jobs.values()), out)
     torch.multiprocessing.spawn(worker, args=args, nprocs=2, join=True)
-    return [torch.load(out % rank) for rank in range(2)]
+    return {key: [torch.load(out % (index, rank)) for rank in range(2)] for index, key in enumerate(jobs)}
 
 
 @pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
@@ -85,24 +109,17 @@ def test_micro_batches_hold_at_most_rows_times_width_positions() -> None:
         split_micro_batches(rows, 512, 0, 512)
 
 
-@pytest.mark.parametrize("loss", ["ppo", "gspo"])
-@pytest.mark.parametrize(
-    ("trajectories", "layout"),
-    [
-        (6, {"micro_batch_rows": 1, "pack_tokens_per_row": 24}),  # several micro-batches on each process
-        (1, {"micro_batch_rows": 1, "pack_tokens_per_row": 512}),  # one row: the second process has none
-    ],
-)
+@pytest.mark.parametrize("loss", DDP_LOSSES)
+@pytest.mark.parametrize("trajectories", DDP_LAYOUTS)
 def test_two_processes_take_the_step_one_takes(
-    tiny_model: Path, tmp_path: Path, loss: str, trajectories: int, layout: dict[str, int]
+    tiny_model: Path, two_ranks: dict[tuple[str, ...], list[dict]], loss: str, trajectories: int
 ) -> None:
     """DistributedDataParallel (its gradient sum) over 2 gloo processes gives the one-process step, on each."""
     from transformers import AutoConfig
 
     data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size, trajectories)
-    options = {"learning_rate": 1e-2, "loss_name": loss, **layout}
-    alone, alone_lora, alone_ddp = one_step(tiny_model, data, options)
-    ranks = _ranks("step", tiny_model, data, options, tmp_path)
+    alone, alone_lora, alone_ddp = one_step(tiny_model, data, _options(loss, trajectories))
+    ranks = two_ranks[("step", loss, str(trajectories))]
     assert not alone_ddp and all(rank["ddp"] for rank in ranks)
     assert alone.grad_norm > 0
     for rank in ranks:
@@ -112,13 +129,9 @@ def test_two_processes_take_the_step_one_takes(
             torch.testing.assert_close(tensor, alone_lora[name], rtol=0, atol=1e-9, msg=name)
 
 
-def test_the_other_ranks_follow_rank_0s_orders(tiny_model: Path, tmp_path: Path) -> None:
+def test_the_other_ranks_follow_rank_0s_orders(two_ranks: dict[tuple[str, ...], list[dict]]) -> None:
     """Rank 0 orders train, restore, train, stop (trainer/ranks.py); rank 1 follows each and returns."""
-    from transformers import AutoConfig
-
-    data = _step_data(AutoConfig.from_pretrained(tiny_model).vocab_size)
-    ranks = _ranks("orders", tiny_model, data, {"learning_rate": 1e-2}, tmp_path)
-    assert [rank["steps"] for rank in ranks] == [2, 2]
+    assert [rank["steps"] for rank in two_ranks[("orders",)]] == [2, 2]
 
 
 @pytest.mark.parametrize(
