@@ -11,11 +11,14 @@ with a hub would take for a model they downloaded.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,6 +72,23 @@ def _gguf_from(source: Path, scratch: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """transformers parses the GGUF file anew for the tokenizer, the config and the weights (each ~9 s of CPU
+    here: a 49,152-token vocabulary read field by field in Python) and rebuilds gguf's tensor name map for each of
+    the model's ~400 modules (~11 s in all). Both are pure for one build (the file is not written meanwhile), so
+    they are memoized while it runs (transformers imports both from `gguf` where it calls them)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)  # type: ignore[misc]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]
+
+
 def built_from(out_dir: Path) -> RealModelInfo | None:
     """What `out_dir` was built from, if `build_real_model` built it."""
     try:
@@ -92,7 +112,7 @@ def build_real_model(out_dir: Path, source: Path | None = None) -> RealModelInfo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with tempfile.TemporaryDirectory(prefix="artgw-gguf-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="artgw-gguf-") as scratch, _gguf_read_once():
         gguf = _gguf_from(source, Path(scratch))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # Dequantized: vLLM and the trainer load plain weights (transformers would keep the GGUF blocks packed).
