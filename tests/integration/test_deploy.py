@@ -79,6 +79,11 @@ GATEWAY_METRICS = {
     "artgw_grouped_rollout_calls_total",
     "artgw_grouped_rollout_sequences_total",
     "artgw_sequence_splits_total",
+    "artgw_engine_calls_total",
+    "artgw_engine_in_flight",
+    "artgw_engine_healthy",
+    "artgw_engine_quarantined",
+    "artgw_engine_moves_total",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
