@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from artgw.tiny_model import build_tiny_model  # noqa: E402
-from engine.supervisor import EngineConfig  # noqa: E402
+from bench.vllm_engines import vllm_engines  # noqa: E402
 
 LAYOUTS = {"with a worker (vLLM's)": ("--distributed-executor-backend", "mp"), "without (ours)": ()}
 BURSTS = [(1, 20, 16), (8, 64, 32), (32, 128, 24)]  # (concurrent calls, calls, tokens each)
@@ -69,43 +66,19 @@ async def burst(url: str, concurrent: int, calls: int, tokens: int) -> None:
         await asyncio.gather(*(one(i) for i in range(calls)))
 
 
-def measure(model: Path, extra: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+def measure(model: Path, extra: tuple[str, ...], where: Path) -> dict[str, tuple[float, float]]:
     """{what: (CPU s, wall s)} for the start and each burst of one engine in this layout."""
-    config = EngineConfig(base_model=str(model), served_name="tiny", port=free_port(), extra_args=extra)
-    with tempfile.TemporaryFile() as log:
-        started = time.monotonic()
-        proc = subprocess.Popen(
-            config.command(), env=config.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    started = time.monotonic()
+    with vllm_engines(model, where, extra=extra) as [(url, proc)]:
         root = psutil.Process(proc.pid)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"vLLM exited {proc.returncode}:\n{log.read().decode()[-3000:]}")
-                try:
-                    if httpx.get(f"{config.url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-            figures = {"start": (tree_cpu(root), time.monotonic() - started)}
-            for concurrent, calls, tokens in BURSTS:
-                cpu, wall = tree_cpu(root), time.monotonic()
-                asyncio.run(burst(config.url, concurrent, calls, tokens))
-                wall = time.monotonic() - wall
-                time.sleep(SETTLE)
-                figures[f"{calls} calls x {tokens} tokens, {concurrent} at once"] = (tree_cpu(root) - cpu, wall)
-            return figures
-        finally:
-            os.killpg(proc.pid, 15)
-            proc.wait(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        figures = {"start": (tree_cpu(root), time.monotonic() - started)}
+        for concurrent, calls, tokens in BURSTS:
+            cpu, wall = tree_cpu(root), time.monotonic()
+            asyncio.run(burst(url, concurrent, calls, tokens))
+            wall = time.monotonic() - wall
+            time.sleep(SETTLE)
+            figures[f"{calls} calls x {tokens} tokens, {concurrent} at once"] = (tree_cpu(root) - cpu, wall)
+        return figures
 
 
 def main() -> None:
@@ -119,7 +92,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, extra in LAYOUTS.items():
                 console.print(f"round {round_ + 1}: {name}")
-                runs[name].append(measure(model, extra))
+                runs[name].append(measure(model, extra, Path(where)))
     base, ours = LAYOUTS
     table = Table(title="vLLM on CPU: the engine's CPU seconds (median of the rounds) by process layout")
     for column in ("", f"{base} CPU s", f"{ours} CPU s", "ratio", f"{base} wall s", f"{ours} wall s"):

@@ -40,6 +40,9 @@ GRAFANA = ROOT / "deploy" / "grafana"
 
 SERVICES = {"postgres", "vllm", "gateway", "trainer", "prometheus", "grafana"}
 GPU_SERVICES = {"vllm", "trainer"}
+# Services of a profile, started only with it (`COMPOSE_PROFILES`): the second engine (README "Several engines").
+PROFILED = {"vllm-1": "two-engines"}
+ENGINES = {"vllm", "vllm-1"}
 # Every variable the compose files use has a default, except these (a user sets them in .env).
 REQUIRED_VARIABLES = {"ARTGW_ADMIN_KEY", "ARTGW_METRICS_KEY"}
 KEY_VARIABLES = REQUIRED_VARIABLES  # secrets: never on a command line (`ps` shows those to every user)
@@ -79,6 +82,11 @@ GATEWAY_METRICS = {
     "artgw_grouped_rollout_calls_total",
     "artgw_grouped_rollout_sequences_total",
     "artgw_sequence_splits_total",
+    "artgw_engine_calls_total",
+    "artgw_engine_in_flight",
+    "artgw_engine_healthy",
+    "artgw_engine_quarantined",
+    "artgw_engine_moves_total",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -138,6 +146,13 @@ ComposeLoader.add_constructor("!override", _tagged(Override))
 def load_compose(path: Path) -> dict[str, Any]:
     doc = yaml.load(path.read_text(), Loader=ComposeLoader)  # a SafeLoader subclass
     assert isinstance(doc, dict) and isinstance(doc.get("services"), dict), f"{path.name}: no services"
+    services = doc["services"]
+    for name, service in services.items():
+        # `extends` of a service of the same file (the second engine), as Compose resolves it before merging
+        # files: the base service with this one's keys over it (whole keys: the ones used here are replaced).
+        if "extends" in service:
+            own = {k: v.value if isinstance(v, Override) else v for k, v in service.items() if k != "extends"}
+            services[name] = {**services[service["extends"]["service"]], **own}
     return doc
 
 
@@ -329,11 +344,12 @@ def test_prometheus_scrapes_the_gateway_and_vllm_services() -> None:
         for dns in job.get("dns_sd_configs") or []:
             assert dns["type"] == "A"
             targets |= {f"{name}:{dns['port']}" for name in dns["names"]}
-    services = resolved(["docker-compose.yml"])
-    vllm_port = option(as_args(services["vllm"]["command"]), "--port") or "8000"
+    services = resolved(["docker-compose.yml"], COMPOSE_PROFILES="two-engines")
+    engines = {f"{name}:{option(as_args(services[name]['command']), '--port')}" for name in ENGINES}
     gateway_port = option(as_args(services["gateway"]["command"]), "--port") or "8000"
-    # no trainer target: trainer metrics come through the gateway's /metrics (derived from committed steps)
-    assert targets == {f"gateway:{gateway_port}", f"vllm:{vllm_port}"}, targets
+    # no trainer target: trainer metrics come through the gateway's /metrics (derived from committed steps);
+    # every engine of the two-engines profile by its name (none when it does not run)
+    assert targets == {f"gateway:{gateway_port}", *engines} == {"gateway:8000", "vllm:8000", "vllm-1:8000"}, targets
 
 
 def test_prometheus_scrapes_the_gateway_with_the_metrics_key_compose_hands_it() -> None:
@@ -359,7 +375,10 @@ def compose(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def test_compose_has_the_services_with_restart_policies(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == SERVICES
+    assert set(services) == SERVICES | set(PROFILED)
+    assert {name: s.get("profiles") for name, s in services.items() if s.get("profiles")} == {
+        name: [profile] for name, profile in PROFILED.items()
+    }
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", name
         assert service.get("image") or service.get("build"), name
@@ -552,7 +571,7 @@ def test_the_local_override_only_rewires_addresses() -> None:
 def test_gpu_reservations_only_without_the_cpu_override() -> None:
     gpu = load_compose(COMPOSE)["services"]
     cpu = merged_compose()["services"]
-    assert {name for name, s in gpu.items() if gpu_devices(s)} == GPU_SERVICES
+    assert {name for name, s in gpu.items() if gpu_devices(s)} == GPU_SERVICES | {"vllm-1"}
     assert not [name for name, s in cpu.items() if gpu_devices(s)]
     assert gpu["vllm"]["image"].startswith("vllm/vllm-openai:")
     build_args = cpu["vllm"]["build"]["args"]
@@ -801,3 +820,25 @@ def test_dashboard_metrics_exist_in_the_gateway_and_vllm(engine_gateway, vllm_ur
     exported = exported_names(gateway_metrics.text) | exported_names(vllm_metrics.text)
     missing = sorted(name for name in dashboard_metric_names() if not family_candidates(name) & exported)
     assert not missing, f"the dashboard uses metrics nobody exports: {missing}"
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
+def test_two_engines_and_gateway_replicas(files: list[str]) -> None:
+    """README "Several engines": the two-engines profile adds `vllm-1`, the same server as `vllm` (on the second
+    GPU, or the CPU), which the gateway waits for and sends calls to (VLLM_URLS); `--scale gateway=2` publishes
+    a port each (GATEWAY_PORT a range). Without the profile, neither is there (the other tests)."""
+    two = {"COMPOSE_PROFILES": "two-engines", "VLLM_URLS": "http://vllm:8000,http://vllm-1:8000"}
+    services = resolved(files, GATEWAY_PORT="8000-8001", **two)
+    assert set(services) == SERVICES | set(PROFILED)
+    first, second = services["vllm"], services["vllm-1"]
+    for key in ("image", "command", "entrypoint", "environment", "volumes", "healthcheck", "restart"):
+        assert first.get(key) == second.get(key), key
+    devices = [[d["device_ids"] for d in gpu_devices(engine)] for engine in (first, second)]
+    assert devices == ([[["0"]], [["1"]]] if len(files) == 1 else [[], []]), devices
+    gateway = services["gateway"]
+    port = option(as_args(first["command"]), "--port")
+    upstreams = str(option(as_args(gateway["command"]), "--upstream")).split(",")
+    assert upstreams == [f"http://{name}:{port}" for name in ("vllm", "vllm-1")]
+    assert all(gateway["depends_on"][name]["condition"] == "service_healthy" for name in ENGINES)
+    assert "container_name" not in gateway  # replicas need names of their own
+    assert [(p["published"], p["target"]) for p in gateway["ports"]] == [("8000-8001", 8000)]

@@ -79,6 +79,15 @@ def readiness_engines(gateway: InProcessGateway) -> str:
     return str(httpx.get(f"{gateway.url}/readyz", timeout=10).json()["engines"])
 
 
+def status_engines(gateway: InProcessGateway, capsys: pytest.CaptureFixture[str]) -> str:
+    """The `engines:` line `artgw status` prints (its command run in this process: no interpreter to start)."""
+    from artgw import cli
+
+    assert cli.main(["status", "--gateway", gateway.url, "--data-dir", str(gateway.data_dir)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("engines: ")]
+    return line
+
+
 def test_a_step_reaches_every_engine_before_any_new_rollout_gets_it(tmp_path: Path, engines) -> None:
     (first, _), (second, _) = engines
     loads(second, delay=1.5)  # the second engine takes a while over its load: new rollouts arrive meanwhile
@@ -102,7 +111,9 @@ def test_a_step_reaches_every_engine_before_any_new_rollout_gets_it(tmp_path: Pa
         assert sorted(after) == sorted([(1, first), (1, second)]), after
 
 
-def test_an_engine_that_cannot_load_a_step_is_quarantined_while_the_other_serves_it(tmp_path: Path, engines) -> None:
+def test_an_engine_that_cannot_load_a_step_is_quarantined_while_the_other_serves_it(
+    tmp_path: Path, engines, capsys: pytest.CaptureFixture[str]
+) -> None:
     (first, _), (second, _) = engines
     with serve(tmp_path, [first, second]) as gateway:
         # Neither engine loads it: published to none, no engine quarantined, `NAME` stays on the base weights.
@@ -119,6 +130,9 @@ def test_an_engine_that_cannot_load_a_step_is_quarantined_while_the_other_serves
         assert metric(gateway.url, "artgw_engine_quarantined", engine=first, exported=True) == 0
         assert f"{second} quarantined: did not load {MODEL}@2" in readiness_engines(gateway)
         assert readiness_engines(gateway).startswith("1 of 2 in rotation")
+        status = status_engines(gateway, capsys)  # what an operator sees: which engine, and the step it did not load
+        assert status.startswith(f"engines: 1 of 2 in rotation: {first} in rotation"), status
+        assert f"{second} quarantined: did not load {MODEL}@2" in status, status
         assert [call(gateway, f"new-{n}") for n in range(3)] == [(2, first)] * 3  # never the engine without it
         assert call(gateway, "before") == (0, first)  # a rollout of the base weights goes on, on an engine in rotation
 
@@ -126,6 +140,7 @@ def test_an_engine_that_cannot_load_a_step_is_quarantined_while_the_other_serves
         poll(lambda: metric(gateway.url, "artgw_engine_quarantined", engine=second) == 0, 30, "the quarantine lifted")
         assert held(second) == [f"{MODEL}@2"]
         assert readiness_engines(gateway).startswith("2 of 2 in rotation")
+        assert "quarantined" not in status_engines(gateway, capsys)
         assert call(gateway, "back") == (2, second)  # the engine sent fewer calls
 
 

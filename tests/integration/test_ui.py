@@ -307,7 +307,7 @@ def test_rollout_list_filters_and_pages(site: Site, browser: Any) -> None:
 
 @pytest.mark.engine
 @NEEDS_CHROMIUM
-def test_rollout_page_shows_the_recorded_tokens(site: Site, browser: Any, tiny_model: Path) -> None:
+def test_rollout_page_shows_the_recorded_tokens(site: Site, browser: Any, tiny_model: Path, vllm_url: str) -> None:
     from selenium.webdriver.common.by import By
     from tokenizers import Tokenizer
 
@@ -323,6 +323,9 @@ def test_rollout_page_shows_the_recorded_tokens(site: Site, browser: Any, tiny_m
     names = [e.text for e in conversation.find_elements(By.CSS_SELECTOR, ".tool-call b")]
     assert names == ["get_ballots", "report"]
     assert len(conversation.find_elements(By.CSS_SELECTOR, ".msg.tool")) == 1
+    # Each call's row names the engine that served it (#45), as the API records it.
+    engines = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#calls td.engine")]
+    assert engines == [c["engine"] for c in trajectory["calls"]] == [vllm_url] * 2
     # The token view, by its tab (switched by the page's script, without a reload).
     browser.find_element(By.CSS_SELECTOR, "a[data-tab=tokens]").click()
     assert browser.find_element(By.ID, "tokens").is_displayed() and not conversation.is_displayed()
@@ -410,6 +413,7 @@ class StubSite:
     reader: str  # a client key of my-agent with `read`
     infer_only: str  # a client key of my-agent without it
     judges: dict[str, StandInJudge]  # the operator's judges (--judges-file) by name: stand-ins a test answers for
+    engine: str  # the stand-in engine's URL
 
     def get(self, path: str, key: str | None = None, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -458,7 +462,7 @@ def stub_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StubSite]:
         reader = _make_key(gateway, "ui-reader", ["infer", "reward", "read"])["key"]
         for rollout_id, model, key in [("mine-0", MODEL, reader), ("mine-1", MODEL, reader), ("theirs", "other", None)]:
             _chat(gateway, rollout_id, model, f"hi {rollout_id}", key)
-        yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"], judges)
+        yield StubSite(gateway, reader, _make_key(gateway, "ui-infer", ["infer"])["key"], judges, url)
     finally:
         gateway.stop()
         stop_group(stub)
@@ -554,6 +558,13 @@ def test_a_key_sees_only_its_models(stub_site: StubSite) -> None:
     models = stub_site.get("/ui/models", stub_site.reader).text
     assert "/ui/models/my-agent" in models and "/ui/models/other" not in models
     assert stub_site.get("/ui/models/other", stub_site.reader).status_code == 404
+
+
+def test_the_call_view_names_each_calls_engine(stub_site: StubSite) -> None:
+    page = stub_site.get("/ui/rollouts/mine-0", stub_site.reader).text
+    calls = stub_site.get("/v1/art/rollouts/mine-0", stub_site.reader).json()["calls"]
+    shown = re.findall(r'<td class="engine"><code>([^<]*)</code></td>', page)
+    assert shown == [c["engine"] for c in calls] == [stub_site.engine]
 
 
 def test_bad_parameters_are_pages_naming_them(stub_site: StubSite) -> None:
