@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
 import signal
 import socket
 import sqlite3
+import ssl
 import subprocess
 import sys
 import threading
@@ -51,6 +53,30 @@ WEATHER_TOOLS = [
         },
     }
 ]
+
+
+def _one_ssl_context_per_process() -> None:
+    """httpx builds an SSL context for every client, loading certifi's CA bundle, and `httpx.get` and its kind
+    make a client a call: ~31 ms of CPU a call, against ~1.3 ms through a kept client, though the tests only
+    speak plain HTTP to 127.0.0.1 (thousands of calls and polls a run). The default context is built once per
+    test process here; any other arguments as before. The apps under test run in processes of their own."""
+    from httpx._transports import default
+
+    build = default.create_ssl_context
+
+    @functools.cache
+    def default_context(trust_env: bool, cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+        return build(verify=True, cert=None, trust_env=trust_env)
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is True and cert is None:  # the environment's CA variables are read by `build`: part of the key
+            return default_context(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
+_one_ssl_context_per_process()
 
 
 def free_port() -> int:
