@@ -67,8 +67,11 @@ class Served:
 
     def sampled_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls (name and arguments) in a reply's sampled text, as the family's markers wrap them."""
-        if self.family == "mistral":
-            return [{"name": c["name"], "arguments": c["arguments"]} for c in json.loads(text.split("[TOOL_CALLS]")[1])]
+        if (
+            self.family == "mistral"
+        ):  # a forced call: the JSON array alone (vLLM's schema); a free one: after the marker
+            calls = json.loads(text.split("[TOOL_CALLS]", 1)[-1])
+            return [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
         return [json.loads(text.split("<tool_call>", 1)[1].split("</tool_call>")[0])]
 
 
@@ -88,10 +91,17 @@ class _Tekken:
         return self.tekken.id_to_piece(ids) if isinstance(ids, int) else [self.tekken.id_to_piece(i) for i in ids]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """As vLLM's MistralTokenizer decodes: special tokens kept are only the markers its parsers read (its
+        `convert_tokens_to_string`), the others never text."""
         from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 
+        if not skip_special_tokens:
+            ids = [i for i in ids if not self.tekken.is_special(i) or self.tekken.id_to_piece(i) in _TEKKEN_MARKERS]
         policy = SpecialTokenPolicy.IGNORE if skip_special_tokens else SpecialTokenPolicy.KEEP
         return str(self.tekken.decode(ids, special_token_policy=policy))
+
+
+_TEKKEN_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
 
 
 def _served(family_gateway: Callable[[str], GatewayProcess], family_model: Callable[[str], Path], name: str) -> Served:
