@@ -67,9 +67,8 @@ class Served:
 
     def sampled_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls (name and arguments) in a reply's sampled text, as the family's markers wrap them."""
-        if (
-            self.family == "mistral"
-        ):  # a forced call: the JSON array alone (vLLM's schema); a free one: after the marker
+        if self.family == "mistral":
+            # a forced call is the JSON array alone (vLLM's schema for it), a free one follows the marker
             calls = json.loads(text.split("[TOOL_CALLS]", 1)[-1])
             return [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
         return [json.loads(text.split("<tool_call>", 1)[1].split("</tool_call>")[0])]
