@@ -333,7 +333,8 @@ class Splicer:
         self.upstream_url = upstream_url
         self.timeout = timeout
         self.available: bool | None = None  # None: not known yet (probed at start, and on the first continuation)
-        self._tails: dict[str, list[int]] = {}  # by served model: the template's end of an assistant turn
+        # by served model: the template's end of an assistant turn (None: it renders no history ending with one)
+        self._tails: dict[str, list[int] | None] = {}
         self.fingerprint: str | None = None  # the engine's system_fingerprint (derender's answers have none)
 
     async def probe(self) -> bool:
@@ -364,43 +365,58 @@ class Splicer:
         calls the history through the reply, are each rendered twice, the reply's text replaced by one sentinel
         then another. What follows the reply's text is what the two renders of each share at their end: in the
         history, the reply's tool calls and the template's end of turn; in the request, those and then the new
-        messages."""
+        messages. A template that renders no history ending with an assistant turn (mistral_common's) is asked for
+        the request with a text reply of each sentinel in the reply's place: what those share at their end is the
+        end of turn and the new messages, which the request's own render, its tool calls as sent, must end with
+        token for token."""
         if self.available is None:
             await self.probe()
         if not self.available:
             return "no_scale_out"
         model = str(upstream["model"])
         options = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
-        history = {**options, "model": model, "add_generation_prompt": False}
         messages, reply_at = upstream["messages"], continued.history_len - 1
         # A reply of text only: the template renders nothing of it after its text but its end of turn, so what the
         # two renders of the request share at their end is all the splice needs. A reply with tool calls needs
-        # the history through it rendered too, to find how long the template's rendering of its calls is;
-        # a template that renders no history ending with an assistant turn (mistral_common's) cannot say.
+        # the history through it rendered too, to find how long the template's rendering of its calls is; where
+        # the template renders no history ending with an assistant turn (mistral_common's, which also refuses text
+        # beside tool calls), the request is rendered with a text reply in the reply's place instead, and its
+        # render as sent must end with what follows that text reply's text: its end of turn, then the new messages.
         calls = bool(messages[reply_at].get("tool_calls"))
-        renders = [(upstream, None), (history, reply_at + 1)] if calls else [(upstream, None)]
         try:
-            rendered, tail = await asyncio.gather(
-                asyncio.gather(
-                    *(
-                        self._render({**request, "messages": _with_reply(messages[:end], reply_at, sentinel)})
-                        for request, end in renders
-                        for sentinel in _SENTINELS
-                    )
-                ),
-                self._tail(model, options) if calls else _no_tail(),
-            )
+            tail = await self._tail(model, options) if calls else None
+            if not calls:
+                requests = [{**upstream, "messages": _with_reply(messages, reply_at, s)} for s in _SENTINELS]
+            elif tail is not None:
+                history = {**options, "model": model, "add_generation_prompt": False}
+                requests = [
+                    {**request, "messages": _with_reply(messages[:end], reply_at, sentinel)}
+                    for request, end in ((upstream, None), (history, reply_at + 1))
+                    for sentinel in _SENTINELS
+                ]
+            else:
+                requests = [upstream] + [
+                    {**upstream, "messages": [*messages[:reply_at], _assistant(s), *messages[reply_at + 1 :]]}
+                    for s in _SENTINELS
+                ]
+            rendered = await asyncio.gather(*map(self._render, requests))
         except ScaleOutUnavailable:
             self.available = False
             return "no_scale_out"
         except _RenderFailed:
             return "render_failed"
         whole: list[int] = rendered[0]["token_ids"]
-        shared = _shared_end(whole, rendered[1]["token_ids"])
-        if shared in (0, len(whole)):
-            return "template_mismatch"  # the template does not render the reply's text (or nothing after it)
+        if calls and tail is None:  # the renders with a text reply: what follows it must end the request as sent
+            a, z = rendered[1]["token_ids"], rendered[2]["token_ids"]
+            shared = _shared_end(a, z)
+            if shared in (0, len(a)) or shared >= len(whole) or whole[len(whole) - shared :] != a[len(a) - shared :]:
+                return "template_mismatch"
+        else:
+            shared = _shared_end(whole, rendered[1]["token_ids"])
+            if shared in (0, len(whole)):
+                return "template_mismatch"  # the template does not render the reply's text (or nothing after it)
         after_reply = whole[len(whole) - shared :]
-        if calls:
+        if calls and tail is not None:
             through: list[int] = rendered[2]["token_ids"]
             reply_end = through[len(through) - _shared_end(through, rendered[3]["token_ids"]) :]
             if (
@@ -478,9 +494,10 @@ class Splicer:
         if self.fingerprint is None and answer.get("system_fingerprint"):
             self.fingerprint = answer["system_fingerprint"]
 
-    async def _tail(self, model: str, options: dict[str, Any]) -> list[int]:
+    async def _tail(self, model: str, options: dict[str, Any]) -> list[int] | None:
         """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model and
-        template options: what a one-turn history with each sentinel as the reply renders the same at its end."""
+        template options: what a one-turn history with each sentinel as the reply renders the same at its end.
+        None: the engine refuses to render a history that ends with an assistant turn (mistral_common's)."""
         base = {key: options[key] for key in ("chat_template", "chat_template_kwargs") if key in options}
         key = model + _canonical(base).decode()
         if key not in self._tails:
@@ -488,9 +505,13 @@ class Splicer:
                 {**base, "model": model, "add_generation_prompt": False, "messages": [_ASKED, _assistant(sentinel)]}
                 for sentinel in _SENTINELS
             ]
-            a, b = (rendered["token_ids"] for rendered in await asyncio.gather(*map(self._render, turns)))
-            shared = _shared_end(a, b)
-            self._tails[key] = a[len(a) - shared :] if shared < len(a) else []
+            try:
+                a, b = (rendered["token_ids"] for rendered in await asyncio.gather(*map(self._render, turns)))
+            except _RenderRefused:
+                self._tails[key] = None
+            else:
+                shared = _shared_end(a, b)
+                self._tails[key] = a[len(a) - shared :] if shared < len(a) else []
         return self._tails[key]
 
     async def _render(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -504,6 +525,8 @@ class Splicer:
             raise _RenderFailed(type(exc).__name__) from None
         if status in (403, 404):
             raise ScaleOutUnavailable(status)
+        if status == 400:
+            raise _RenderRefused(f"HTTP {status}: {body[:500]!r}")
         if status != 200:
             raise _RenderFailed(f"HTTP {status}")
         rendered = _decode(body)
@@ -528,10 +551,6 @@ def _with_reply(messages: list[dict[str, Any]], at: int, text: str) -> list[dict
     return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1 :]]
 
 
-async def _no_tail() -> list[int]:
-    return []
-
-
 def _shared_end(a: list[int], b: list[int]) -> int:
     """How many ids `a` and `b` end with in common."""
     n = 0
@@ -544,6 +563,10 @@ def _shared_end(a: list[int], b: list[int]) -> int:
 
 class _RenderFailed(Exception):
     pass
+
+
+class _RenderRefused(_RenderFailed):
+    """The engine refused the render as a bad request: what it is asked to render, not the engine, is at fault."""
 
 
 class DerenderFailed(Exception):

@@ -384,6 +384,7 @@ class EngineCalls:
             finally:
                 if served is not None:  # how it was served on the engine it went to last
                     self.metrics.call_continued(call.label, served)
+                    call.continued = served  # the record says it too: its split names the metric's cause
         except BaseException as exc:
             if isinstance(exc, Exception):
                 await self._decided(call)  # a refused call is refused, whatever the engine did
@@ -643,6 +644,7 @@ class _Call:
         self.first_token_at: float | None = None
         self.recorded = False  # exactly once: whichever path ends the call first records it
         self.rollout_known: bool | None = None  # set by EngineCalls._splice: CallRecord.rollout_known
+        self.continued: Served | None = None  # set by EngineCalls._answer: CallRecord.continued
         self.moved: asyncio.Future[Route | None] | None = None  # EngineCalls.run's `moved`, until awaited
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
         # The engine it goes to, counted in flight there until it is recorded (`finish`).
@@ -718,6 +720,7 @@ class _Call:
                 key_id=self.origin.caller.key_id,
                 rollout_known=self.rollout_known,
                 engine=self.engine.url,
+                continued=self.continued,
             )
             first = False
             records.append(record)

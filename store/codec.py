@@ -250,6 +250,7 @@ def compact(record: CallRecord, heads: Sequence[Head]) -> tuple[dict[str, Any], 
         "key_id": record.key_id,
         "rollout_known": record.rollout_known,
         "engine": record.engine,
+        "continued": record.continued,
         "status": record.status,
         "http_status": record.http_status,
         "error": record.error,
@@ -435,6 +436,7 @@ def expand(rows: Sequence[Mapping[str, Any]], explicit: bool) -> list[CallRecord
                 key_id=row.get("key_id"),
                 rollout_known=row.get("rollout_known"),
                 engine=row.get("engine"),
+                continued=row.get("continued"),
             )
         )
     return records

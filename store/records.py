@@ -61,6 +61,9 @@ class CallRecord(msgspec.Struct, frozen=True):
     # it not yet in the store, the store failing). None: not asked (not a chat-path call of a named rollout).
     rollout_known: bool | None = None
     engine: str | None = None  # the base URL of the engine that served it (several behind one gateway); None: before
+    # How the gateway served it where it continued its rollout (gateway/continuation.py `Served`: spliced, or why
+    # it was served as sent); None: it did not continue (or was recorded before this was kept). A split says it.
+    continued: str | None = None
 
     @property
     def rollout_key(self) -> RolloutKey:

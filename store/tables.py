@@ -50,6 +50,7 @@ calls = sa.Table(
     sa.Column("key_id", sa.String(64), nullable=True),  # the API key that made it (its id; NULL: no key)
     sa.Column("rollout_known", sa.Boolean, nullable=True),  # store.records.CallRecord.rollout_known
     sa.Column("engine", sa.String(512), nullable=True),  # store.records.CallRecord.engine
+    sa.Column("continued", sa.String(32), nullable=True),  # store.records.CallRecord.continued
     sa.Column("status", sa.String(32), nullable=False),  # store.records.CallStatus
     sa.Column("http_status", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=True),

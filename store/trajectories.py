@@ -21,6 +21,9 @@ from store.records import CallRecord, ChoiceRecord
 SplitCause = Literal[
     "rerendered",  # the history means what the model produced, but the template rendered it as other tokens
     "state_lost",  # the same, because the gateway that served it had not the rollout's last call (memory, store)
+    "template_mismatch",  # the same, served as sent: the template's render did not show where the reply's turn ends
+    "render_failed",  # the same, served as sent: the engine refused (or failed) a render the splice needs
+    "no_scale_out",  # the same, served as sent: the engine has no scale-out endpoints (vLLM's --enable-scale-out)
     "dropped_reasoning",  # the model's reasoning is gone from the history (the client's or the template's doing)
     "edited",  # the client changed a message of the history (`split_reason` says which)
     "history_cut",  # the client sent fewer messages than the history (`split_reason` says how many)
@@ -38,6 +41,20 @@ SPLIT_STATE_LOST = (
     "it; or the store failed to answer in time), so it rendered the model's earlier turns anew"
 )
 SPLIT_DROPPED_REASONING = "the model's reasoning was dropped from the history"
+_AS_SENT = "so the template rendered the model's earlier turns as other tokens than it sampled"
+# A continuing call the gateway served as sent (CallRecord.continued, artgw_continued_calls_total{how}): the split's
+# cause is the one it counted.
+SPLIT_SERVED_AS_SENT: dict[str | None, tuple[SplitCause, str]] = {
+    "template_mismatch": (
+        "template_mismatch",
+        f"served as sent: the template's render did not show where the model's reply ends, {_AS_SENT}",
+    ),
+    "render_failed": ("render_failed", f"served as sent: the engine refused a render the splice needs, {_AS_SENT}"),
+    "no_scale_out": (
+        "no_scale_out",
+        f"served as sent: the engine has no scale-out endpoints (--enable-scale-out), {_AS_SENT}",
+    ),
+}
 SPLIT_NEW_ATTEMPT = "the same history again: another completion of the previous call's prompt"
 
 
@@ -208,6 +225,8 @@ def _split(previous: CallRecord, previous_choice: ChoiceRecord, call: CallRecord
             return "other_choice", f"the history goes on from choice {match}, not choice {previous_choice.index}"
         role = reply.get("role") if reply is not None else "none"
         return "edited", f"the client edited message {len(then)} ({role}), the model's reply"
+    if call.continued in SPLIT_SERVED_AS_SENT:
+        return SPLIT_SERVED_AS_SENT[call.continued]
     if _reasoning(previous_choice.message) and not _reasoning(reply):
         return "dropped_reasoning", SPLIT_DROPPED_REASONING
     if call.rollout_known is False:

@@ -69,7 +69,13 @@ ROME_PARIS_TOOLS_ANTHROPIC = [
 
 
 def anthropic_tool_loop(
-    url: str, rollout_id: str, seed: int, stream: bool, *, extra_body: dict[str, Any] | None = None
+    url: str,
+    rollout_id: str,
+    seed: int,
+    stream: bool,
+    *,
+    extra_body: dict[str, Any] | None = None,
+    max_tokens: int = 48,
 ) -> list[Any]:
     """A rollout through Anthropic's Python SDK (the gateway at `url`): two forced tool_use turns, each answered
     with a tool_result, then an answer; each reply sent back whole (thinking blocks included). ValueError when a
@@ -81,7 +87,7 @@ def anthropic_tool_loop(
     replies = []
     for choice in ({"type": "tool", "name": "get_weather"}, {"type": "tool", "name": "get_weather"}, None):
         fields: dict[str, Any] = dict(
-            model="my-agent", max_tokens=48, messages=messages, tools=ROME_PARIS_TOOLS_ANTHROPIC
+            model="my-agent", max_tokens=max_tokens, messages=messages, tools=ROME_PARIS_TOOLS_ANTHROPIC
         )
         fields.update(extra_body={"seed": seed, **(extra_body or {})}, **({"tool_choice": choice} if choice else {}))
         if stream:

@@ -433,17 +433,19 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
     so (the real one would cost a second engine), with the real gateway in front."""
     url, stub = start_stub()
     gateway = start_gateway(tmp_path, "--upstream", url)
+    rid = new_id("stub")
     try:
         assert poll(lambda: "no scale-out endpoints" in gateway.log(), 10, "the warning")
-        client = openai.OpenAI(
-            base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": new_id("stub")}
-        )
+        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
         messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
         reply = client.chat.completions.create(model="my-agent", messages=messages)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
         second = client.chat.completions.create(model="my-agent", messages=messages)
         assert second.choices[0].message.content == reply.choices[0].message.content  # answered as before
         assert metric(gateway.url, "artgw_continued_calls_total", how="no_scale_out") == 1
+        # the split the stored rollout shows names the cause the metric counted (before, `rerendered`)
+        recorded = poll(lambda: recorded_calls(gateway, rid, 2), 10, "2 calls")
+        assert [s["split_cause"] for s in recorded["sequences"]] == [None, "no_scale_out"]
     finally:
         gateway.stop()
         stop_group(stub)

@@ -434,6 +434,7 @@ async def test_rollout_calls_round_trip_exactly(engine: AsyncEngine, cached: boo
         first_token_at=1_732_240_000.2,
         ended_at=1_732_240_001.987654321,
         engine="http://127.0.0.1:8001",  # the engine that served it (one gateway, several engines)
+        continued="render_failed",  # how it was served where it continued its rollout
     )
     plain = call("c-plain", "r-explicit", 1_732_240_002.5, step=0, engine="http://10.0.0.2:8000")
     failed = call(

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -265,6 +268,23 @@ def test_a_derender_request_carries_the_tools_and_options_but_not_the_history() 
     assert msgspec.json.decode(splice.derender_request())["chat_request"] == chat
 
 
+@contextlib.asynccontextmanager
+async def _serving(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]) -> AsyncIterator[str]:
+    """A stand-in engine serving `routes` (POST) on 127.0.0.1: its base URL while the context lasts."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
 class _StandInEngine:
     """vLLM's generate stream (one token a chunk) and its derender: the stream's first token, then, once its
     derender is asked for, all the others, which the derender waits for before it answers."""
@@ -305,24 +325,13 @@ class _StandInEngine:
 
 async def test_a_stream_derenders_the_tokens_that_arrived_together_in_one_request() -> None:
     engine = _StandInEngine(tokens=50)
-    app = web.Application()
-    app.router.add_post(GENERATE_PATH, engine.generate)
-    app.router.add_post(DERENDER_PATH, engine.derender)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    async with _serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
         async with aiohttp.ClientSession() as session:
             splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
             splice = Splice([1, 2, 3], {}, _request([USER], logprobs=True), "my-agent@2")
             async with session.post(url + GENERATE_PATH, json={}) as answer:
                 stream = DerenderedStream(splicer, answer, splice, logprobs=False)
                 body = b"".join([chunk async for chunk in stream.iter_any()])
-    finally:
-        await runner.cleanup()
     events = [msgspec.json.decode(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
     (role, *choices) = [event["choices"][0] for event in events]
     assert role["delta"] == {"role": "assistant", "content": ""}
@@ -334,3 +343,54 @@ async def test_a_stream_derenders_the_tokens_that_arrived_together_in_one_reques
     # the first token alone (nothing else had come), then what came while its derender was out; no request for
     # the chat logprobs the client did not ask for
     assert 2 <= len(engine.derenders) <= 3 and all("generate_chunk" in body for body in engine.derenders)
+
+
+class _MistralRender:
+    """vLLM's render endpoint in `--tokenizer-mode mistral`: mistral_common renders the request (with Mistral NeMo's
+    tekken, as the tiny Mistral model has it) and the engine answers 400 for what it refuses: a history that ends
+    with an assistant turn, an assistant message with both text and tool calls."""
+
+    def __init__(self) -> None:
+        import mistral_common
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        data = Path(mistral_common.__file__).parent / "data"
+        self.mistral = MistralTokenizer.from_file(str(data / "tekken_240718.json"))
+        self.tekken = self.mistral.instruct_tokenizer.tokenizer
+
+    def ids(self, request: dict[str, Any]) -> list[int]:
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        chat = ChatCompletionRequest.from_openai(request["messages"], tools=request.get("tools"))
+        return list(self.mistral.encode_chat_completion(chat).tokens)
+
+    async def render(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            ids = self.ids(body)
+        except Exception as exc:  # mistral_common's refusal: vLLM's 400
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        return web.json_response({"token_ids": ids, "sampling_params": {"max_tokens": 16}, "model": body["model"]})
+
+
+async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_history_ending_with_it() -> None:
+    """mistral_common renders no history through a reply, nor the reply's tool calls beside a sentinel text:
+    before, the call after a tool call was served as sent (`render_failed`). The request is rendered with a text
+    reply in its place, and its own render must end with what follows that text: the end of turn, the new
+    messages. The prompt is the previous prompt, the sampled ids (the model's own `</s>`), then the tool result."""
+    engine = _MistralRender()
+    reply = {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": "abcdefghi"}]}  # 9 characters
+    first = {"model": "my-agent", "messages": [USER], "tools": [TOOL]}
+    previous = engine.ids(first)
+    sampled = [*engine.tekken.encode('[{"name": "get_weather", "arguments": {"city": "Rome"}}]', False, False), 2]
+    sent = {**first, "messages": [USER, reply, {**RESULT, "tool_call_id": "abcdefghi"}]}
+    as_sent = engine.ids(sent)
+    async with _serving({"/v1/chat/completions/render": engine.render}) as url:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splicer.available = True
+            splice = await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+    assert isinstance(splice, Splice), splice
+    after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after its last `</s>`
+    assert engine.tekken.decode(as_sent[after_turn:]).startswith('{"content": "sunny"')  # [TOOL_RESULTS] is special
+    assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]

@@ -11,6 +11,7 @@ from store.trajectories import (
     SPLIT_DROPPED_REASONING,
     SPLIT_NEW_ATTEMPT,
     SPLIT_RERENDERED,
+    SPLIT_SERVED_AS_SENT,
     SPLIT_STATE_LOST,
     assemble,
     sampled_under_grammar,
@@ -115,6 +116,16 @@ SPLITS = {
         call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT], rollout_known=False),
         SPLIT_STATE_LOST,
     ),
+    # The same history, served as sent where the gateway could not splice it: the split names the cause the
+    # gateway counted (artgw_continued_calls_total{how}); before, each said `rerendered`.
+    **{
+        how: (
+            call_of([SYSTEM, USER]),
+            call_of([SYSTEM, USER, TOOL_CALL_REPLY, TOOL_RESULT], continued=how),
+            SPLIT_SERVED_AS_SENT[how][1],
+        )
+        for how in ("template_mismatch", "render_failed", "no_scale_out")
+    },
     "dropped_reasoning": (
         call_of([USER]),
         call_of([USER, {"role": "assistant", "content": "sunny"}, USER]),
