@@ -21,8 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from engine.supervisor import VLLM_SERVER
-from tests.conftest import ARTGW, GatewayProcess, free_port, poll, start_gateway, stop_group, wait_http
+from tests.conftest import ARTGW, GatewayProcess, free_port, is_vllm_server, poll, start_gateway, stop_group, wait_http
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +42,7 @@ def engine_port_of(gateway: GatewayProcess) -> int:
             command = proc.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if _is_vllm_server(command):
+        if is_vllm_server(command):
             ports.add(int(command[command.index("--port") + 1]))
     assert len(ports) == 1, f"expected one vLLM server under the gateway, found ports {ports}"
     return ports.pop()
@@ -157,7 +156,7 @@ def test_two_gateways_with_default_engine_ports_each_serve_and_record_their_own_
         # nothing behind (a SIGTERM's clean exit 0 is test_engine_restart's).
         a = gateways["a"]
         stopped = _tree_or_empty(a.proc.pid)
-        (server,) = [p for p in stopped if _is_vllm_server(_cmdline(p))]
+        (server,) = [p for p in stopped if is_vllm_server(_cmdline(p))]
         server.send_signal(signal.SIGKILL)
         assert a.proc.wait(120) == 1, a.log()[-3000:]
         assert "it was restarted 0 times in 600s; giving up" in a.log(), a.log()[-3000:]
@@ -202,8 +201,3 @@ def _cmdline(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline())
     except psutil.Error:
         return ""
-
-
-def _is_vllm_server(command: list[str] | str) -> bool:
-    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it, either way."""
-    return "vllm.entrypoints.openai.api_server" in command or str(VLLM_SERVER) in command

@@ -27,7 +27,7 @@ import pytest
 
 from artgw.tiny_model import TinyModelSpec, build_tiny_model
 from engine.supervisor import ENGINE_TAG_VAR, shared_memory_of
-from tests.conftest import GatewayProcess, free_port, metric, poll, wait_http
+from tests.conftest import GatewayProcess, free_port, is_vllm_server, metric, poll, wait_http
 
 pytestmark = pytest.mark.engine
 
@@ -64,7 +64,7 @@ def engine_tree(engine_port: int) -> EngineTree | None:
     """The engine listening on `engine_port`, or None while there is none (or it is still spawning children)."""
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "vllm.entrypoints.openai.api_server" in cmdline and f"--port {engine_port}" in cmdline:
+        if is_vllm_server(cmdline) and f"--port {engine_port}" in cmdline:
             try:
                 return EngineTree(proc, [proc, *proc.children(recursive=True)], proc.environ()[ENGINE_TAG_VAR])
             except psutil.Error:
