@@ -109,16 +109,20 @@ def build_real_model(out_dir: Path, source: Path | None = None) -> RealModelInfo
     if done is not None and done.source_sha256 == digest:
         return done
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    with tempfile.TemporaryDirectory(prefix="artgw-gguf-") as scratch:
+        gguf = _gguf_from(source, Path(scratch))  # a source that is no model is said before the imports (~6 s)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with tempfile.TemporaryDirectory(prefix="artgw-gguf-") as scratch, _gguf_read_once():
-        gguf = _gguf_from(source, Path(scratch))
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # Dequantized: vLLM and the trainer load plain weights (transformers would keep the GGUF blocks packed).
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
-        )
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # Dequantized: vLLM and the trainer load plain weights (transformers would keep the GGUF blocks packed).
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                dtype=torch.bfloat16,
+                quantization_config=GgufConfig(dequantize=True),
+            )
     # A plain model of the same config, the weights moved over: the loaded one still names its GGUF quantizer,
     # which refuses to be saved.
     config = model.config
