@@ -359,7 +359,7 @@ class EngineCalls:
         except asyncio.CancelledError:
             if not hang_up.gone:
                 raise  # not the client: the server is stopping this task
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            asyncio.current_task().uncancel()  # type: ignore[unreachable]  # mypy keeps `gone` False from above; fire() set it
             await call.finish("cancelled", 499, "the client hung up before the answer")
             return JSONBody(b"", {ROLLOUT_HEADER: origin.rollout_id}, status=499)  # nobody reads it
         finally:
@@ -400,12 +400,12 @@ class EngineCalls:
         headers = {ROLLOUT_HEADER: call.origin.rollout_id}
         if upstream.status != 200:
             try:
-                payload = await upstream.read()
+                raw = await upstream.read()
             except aiohttp.ClientError:
-                payload = b""
+                raw = b""
             finally:
                 upstream.release()
-            error = upstream_error(upstream.status, payload)
+            error = upstream_error(upstream.status, raw)
             if upstream.status == 404 and spec.route.model is not None and spec.route.step:
                 # vLLM lost (or never really loaded) one of our adapters: its 404 would name its internal alias.
                 error = OpenAIError(
