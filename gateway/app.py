@@ -30,8 +30,9 @@ from gateway.keys import KeyService
 from gateway.local_only import LocalOnly
 from gateway.openapi import errors
 from gateway.promotion.service import PromotionService
-from gateway.provide import Services, provide_services, services_of
+from gateway.provide import provide_services
 from gateway.rollouts import RolloutService
+from gateway.services import Services, services_of
 from gateway.settings import Settings
 from gateway.ui import TEMPLATE_CONFIG as UI_TEMPLATES
 from gateway.ui import router as ui_router

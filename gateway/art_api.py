@@ -181,9 +181,9 @@ async def list_groups(
     responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
     **ADMIN,
 )
-async def load_adapter(request: Request[Any, Any, Any], adapters: AdapterService, name: str) -> ModelStatus:
+async def load_adapter(request: Request[Any, Any, Any], promotions: PromotionService, name: str) -> ModelStatus:
     """A trainer's new step: load it beside the old one, point `name` at it, mark its groups trained."""
-    return await adapters.load(name, decode_body(await request.body(), AdapterLoad))
+    return await promotions.commit(name, decode_body(await request.body(), AdapterLoad))
 
 
 @get("/v1/art/models/{name:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)

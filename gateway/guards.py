@@ -16,7 +16,7 @@ from litestar.types import Guard, Scope
 
 from gateway.auth import Caller, KeyRing, bearer, keyless_refused, same_secret
 from gateway.errors import OpenAIError
-from gateway.provide import services_of
+from gateway.services import services_of
 
 CALLER = "artgw.caller"  # the request scope's key for the Caller a guard found
 

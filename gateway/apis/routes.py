@@ -34,9 +34,9 @@ from gateway.openapi import (
     messages_operation,
     responses_operation,
 )
-from gateway.provide import services_of
 from gateway.proxy import CallOrigin, call_origin
 from gateway.rollouts import ROLLOUT_HEADER
+from gateway.services import services_of
 from gateway.tracing import trace_context
 from store.errors import StoreError
 
