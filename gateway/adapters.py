@@ -271,8 +271,6 @@ class AdapterService:
         self.promotion = promotion
         # model -> {step: active rollouts pinned to it} (gateway/rollouts.py RolloutOwners): kept loaded.
         self.held_steps = held_steps
-        # Told of each step committed under `gated` promotion (gateway/promotion/ evaluates it).
-        self.on_commit: Callable[[str, int], None] | None = None
         self._lock = asyncio.Lock()
 
     def _model(self, name: str) -> TrainableModel:
@@ -373,7 +371,10 @@ class AdapterService:
             log.info("engine %s holds every served step again (%d loaded)", engine.url, len(missing))
             return None
 
-    async def load(self, name: str, spec: AdapterLoad) -> ModelStatus:
+    async def load(self, name: str, spec: AdapterLoad) -> Decision:
+        """Commit a trainer's new step: load it on every engine, record it, unload steps older than `keep`. The
+        decision on it comes back: `evaluate` under `gated` promotion (PromotionService.commit hands it to the
+        gate), `promote` (done, in the commit's transaction) under `always`."""
         model = self._model(name)
         if spec.step < 1:
             raise invalid_request("'step' must be >= 1 (step 0 is the base model).", param="step")
@@ -428,9 +429,7 @@ class AdapterService:
                     raise OpenAIError(409, f"Step not committed: {exc}.", code="lease_lost") from None
                 raise
             await self._unload_old(model)
-        if decision.kind == "evaluate" and self.on_commit is not None:
-            self.on_commit(name, spec.step)
-        return await self.status(name, ADMIN)  # the trainer's commit: an admin endpoint
+        return decision
 
     async def promote(self, name: str, decision: Decision) -> PromotionRow:
         """Point `name` at the decision's step (0: the base weights), loading its adapter again if it was

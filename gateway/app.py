@@ -30,8 +30,9 @@ from gateway.keys import KeyService
 from gateway.local_only import LocalOnly
 from gateway.openapi import errors
 from gateway.promotion.service import PromotionService
-from gateway.provide import Services, provide_services, services_of
+from gateway.provide import provide_services
 from gateway.rollouts import RolloutService
+from gateway.services import Services, services_of
 from gateway.settings import Settings
 from gateway.ui import TEMPLATE_CONFIG as UI_TEMPLATES
 from gateway.ui import router as ui_router
@@ -187,7 +188,7 @@ def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> Litestar:
         # Keyless: only this machine's clients, never a web page they browse (gateway/local_only.py).
         middleware=[] if settings.auth_required else [DefineMiddleware(LocalOnly, names=settings.local_host_names)],
         # Litestar's own errors (gateway/apis/routes.py): Anthropic's shape under /v1/messages, OpenAI's elsewhere.
-        exception_handlers={**exception_handlers, HTTPException: inference.handle_http_exception},  # type: ignore[arg-type]
+        exception_handlers={**exception_handlers, HTTPException: inference.handle_http_exception},
         request_max_body_size=settings.max_body_bytes,
         debug=False,
         type_encoders={msgspec.Struct: msgspec.to_builtins},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -15,7 +15,7 @@ from gateway.auth import ADMIN as ADMIN_CALLER
 from gateway.auth import Caller
 from gateway.errors import decode_body, invalid_request
 from gateway.groups.service import GroupService
-from gateway.guards import admin_only, scoped
+from gateway.guards import RouteAccess, admin_only, scoped
 from gateway.judge_report import JudgeReportService
 from gateway.keys import KeyService
 from gateway.openapi import IDEMPOTENCY_KEY_PARAMETER, documented, errors, struct_schema
@@ -49,9 +49,9 @@ PAGE_LIMIT = Parameter(default=100, schema_extra={"minimum": 1, "maximum": MAX_P
 GROUP_EXAMPLE = {"model": "my-agent", "rollouts": [{"rollout_id": "task-42-a", "reward": 1.0}]}
 KEY_EXAMPLE = {"name": "support-bot", "models": ["my-agent"], "scopes": ["infer", "reward"], "rpm": 600}
 # What each route needs: a client key with a scope (the admin key has them all), or the admin key.
-READ = {"guards": [scoped], "opt": {"scope": "read"}}
-REWARD = {"guards": [scoped], "opt": {"scope": "reward"}}
-ADMIN = {"guards": [admin_only]}
+READ = RouteAccess(guards=[scoped], opt={"scope": "read"})
+REWARD = RouteAccess(guards=[scoped], opt={"scope": "reward"})
+ADMIN = RouteAccess(guards=[admin_only])
 
 
 class ModelCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,7 +148,7 @@ async def list_rollouts(
     },
     **REWARD,
 )
-async def create_group(request: Request, groups: GroupService, caller: Caller) -> Response[GroupOut]:
+async def create_group(request: Request[Any, Any, Any], groups: GroupService, caller: Caller) -> Response[GroupOut]:
     spec = decode_body(await request.body(), GroupCreate)
     group, created = await groups.create(spec, request.headers.get("Idempotency-Key"), caller)
     return Response(group, status_code=201 if created else 200)
@@ -181,9 +181,9 @@ async def list_groups(
     responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
     **ADMIN,
 )
-async def load_adapter(request: Request, adapters: AdapterService, name: str) -> ModelStatus:
+async def load_adapter(request: Request[Any, Any, Any], promotions: PromotionService, name: str) -> ModelStatus:
     """A trainer's new step: load it beside the old one, point `name` at it, mark its groups trained."""
-    return await adapters.load(name, decode_body(await request.body(), AdapterLoad))
+    return await promotions.commit(name, decode_body(await request.body(), AdapterLoad))
 
 
 @get("/v1/art/models/{name:str}", responses=errors(400, 401, 403, 404, 500, 503), **READ)
@@ -215,7 +215,7 @@ async def list_models(adapters: AdapterService, caller: Caller) -> ModelList:
     },
     **ADMIN,
 )
-async def add_model(request: Request, adapters: AdapterService) -> Response[ModelStatus]:
+async def add_model(request: Request[Any, Any, Any], adapters: AdapterService) -> Response[ModelStatus]:
     """Serve (and train) one more model on the same base; a retired one comes back with its history."""
     status, created = await adapters.add_model(decode_body(await request.body(), ModelCreate).name)
     return Response(status, status_code=201 if created else 200)
@@ -234,7 +234,7 @@ async def retire_model(adapters: AdapterService, name: str) -> ModelStatus:
     responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
     **ADMIN,
 )
-async def promote_step(request: Request, adapters: AdapterService, name: str) -> ModelStatus:
+async def promote_step(request: Request[Any, Any, Any], adapters: AdapterService, name: str) -> ModelStatus:
     """Point `name` at a committed step (0: the base weights), whatever the gate said; recorded with its reason."""
     spec = decode_body(await request.body(), PromoteRequest)
     if spec.step is None:
@@ -250,7 +250,7 @@ async def promote_step(request: Request, adapters: AdapterService, name: str) ->
     responses=errors(400, 401, 403, 404, 408, 409, 413, 500, 502, 503),
     **ADMIN,
 )
-async def rollback_step(request: Request, adapters: AdapterService, name: str) -> ModelStatus:
+async def rollback_step(request: Request[Any, Any, Any], adapters: AdapterService, name: str) -> ModelStatus:
     """Point `name` back at the step promoted before the current one (or at `step`); recorded with its reason."""
     body = await request.body()
     spec = decode_body(body, PromoteRequest) if body.strip() else PromoteRequest()
@@ -268,7 +268,9 @@ async def rollback_step(request: Request, adapters: AdapterService, name: str) -
     },
     **ADMIN,
 )
-async def put_eval_set(request: Request, promotions: PromotionService, name: str) -> Response[EvalSetRow]:
+async def put_eval_set(
+    request: Request[Any, Any, Any], promotions: PromotionService, name: str
+) -> Response[EvalSetRow]:
     """Register (or replace) a named eval set: the gate evaluates each new step of `name` on it."""
     row, created = await promotions.put_set(name, decode_body(await request.body(), EvalSetCreate))
     return Response(row, status_code=201 if created else 200)
@@ -299,7 +301,9 @@ async def delete_eval_set(promotions: PromotionService, name: str, eval_set: str
     },
     **REWARD,
 )
-async def post_reward(request: Request, promotions: PromotionService, caller: Caller) -> Response[RewardOut]:
+async def post_reward(
+    request: Request[Any, Any, Any], promotions: PromotionService, caller: Caller
+) -> Response[RewardOut]:
     """One rollout's reward, given after the fact: it counts for the step that served the rollout (a canary's
     arms are judged by these and by the groups' rewards). Not trained on: GRPO needs groups."""
     spec = decode_body(await request.body(), RewardIn)
@@ -313,7 +317,7 @@ async def post_reward(request: Request, promotions: PromotionService, caller: Ca
     responses=errors(400, 401, 403, 408, 413, 500, 503),
     **ADMIN,
 )
-async def create_key(request: Request, keys: KeyService) -> Response[KeyCreated]:
+async def create_key(request: Request[Any, Any, Any], keys: KeyService) -> Response[KeyCreated]:
     """A client key; its secret is in this answer only. It reads, groups, rewards and continues only what it
     makes itself; `read_keys` (none by default) names other keys whose rollouts, groups and stored Responses it
     may also read and continue, never change."""

@@ -8,7 +8,7 @@ keeps the gateway's added time to first token under a millisecond (bench/stream_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
@@ -59,6 +59,13 @@ class HangUp:
         if self.task is not None:
             self.task.cancel()
             self.task = None
+
+
+def hang_up_of(scope: Mapping[str, object]) -> HangUp | None:
+    """The request's HangUp, which the gateway's server puts in each HTTP request's scope (None under another
+    server, as in Litestar's test client)."""
+    found = scope.get(HANG_UP)
+    return found if isinstance(found, HangUp) else None
 
 
 class EventStream:

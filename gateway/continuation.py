@@ -142,10 +142,6 @@ class Continuations:
     def __len__(self) -> int:
         return len(self._last)
 
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
     def remember(self, record: CallRecord, digests: tuple[bytes, ...] | None = None) -> None:
         """A chat call of a rollout was answered: the next call of the rollout may continue it. `digests`: its
         request's `message_digests`, if already known."""
@@ -218,6 +214,10 @@ class Continuations:
     def _count(self, found: StoreRead) -> None:
         if self.counted is not None:
             self.counted(found)
+
+    @property
+    def bytes(self) -> int:  # last in the class: above, it would shadow the builtin in annotations
+        return self._bytes
 
 
 def _last_call(record: CallRecord, digests: tuple[bytes, ...] | None) -> LastCall | None:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.types import ExceptionHandlersMap
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -178,7 +179,7 @@ def not_utf8() -> OpenAIError:
     return invalid_request("Request body is not valid UTF-8.", code="invalid_json")
 
 
-def handle_openai_error(_: Request, exc: OpenAIError) -> Response[bytes]:
+def handle_openai_error(_: Request[Any, Any, Any], exc: OpenAIError) -> Response[bytes]:
     return exc.to_response()
 
 
@@ -196,7 +197,7 @@ def from_store_error(exc: StoreError) -> OpenAIError:
     return OpenAIError(status, exc.message, param=exc.param, code=exc.code)
 
 
-def handle_store_error(_: Request, exc: StoreError) -> Response[bytes]:
+def handle_store_error(_: Request[Any, Any, Any], exc: StoreError) -> Response[bytes]:
     return from_store_error(exc).to_response()
 
 
@@ -216,7 +217,7 @@ SERVED_ENDPOINTS = (
 )
 
 
-def from_http_exception(request: Request, exc: HTTPException) -> OpenAIError:
+def from_http_exception(request: Request[Any, Any, Any], exc: HTTPException) -> OpenAIError:
     """Litestar's own errors (unknown route, wrong method, body too large, a query parameter of the wrong type)
     in OpenAI's shape."""
     status = exc.status_code
@@ -240,7 +241,7 @@ def from_http_exception(request: Request, exc: HTTPException) -> OpenAIError:
     return OpenAIError(status, message, param=param, code=code)
 
 
-def handle_unexpected(_: Request, exc: Exception) -> Response[bytes]:
+def handle_unexpected(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     log.exception("unhandled error", exc_info=exc)
     return OpenAIError(500, "The gateway hit an internal error.", code="internal_error").to_response()
 
@@ -261,7 +262,7 @@ def store_unavailable_response() -> Response[bytes]:
     )
 
 
-def handle_database_error(request: Request, exc: SQLAlchemyError) -> Response[bytes]:
+def handle_database_error(request: Request[Any, Any, Any], exc: SQLAlchemyError) -> Response[bytes]:
     """The store could not be reached, or was locked past its busy timeout, or no pooled connection came free
     in time: a 503 the client may retry, not a 500. What retrying cannot fix (a constraint violation, data the
     column refuses, SQL the database rejects, a non-database SQLAlchemy error) is a bug: a 500."""
@@ -271,7 +272,7 @@ def handle_database_error(request: Request, exc: SQLAlchemyError) -> Response[by
     return store_unavailable_response()
 
 
-exception_handlers = {
+exception_handlers: ExceptionHandlersMap = {
     OpenAIError: handle_openai_error,
     StoreError: handle_store_error,
     SQLAlchemyError: handle_database_error,

@@ -8,17 +8,25 @@ on the data path, without Litestar's DI.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from litestar.types import Scope
+from litestar.types import Guard, Scope
 
 from gateway.auth import Caller, KeyRing, bearer, keyless_refused, same_secret
 from gateway.errors import OpenAIError
-from gateway.provide import services_of
+from gateway.services import services_of
 
 CALLER = "artgw.caller"  # the request scope's key for the Caller a guard found
+
+
+class RouteAccess(TypedDict, total=False):
+    """The keywords a route decorator takes to say who may call it, spread as `@get(path, **READ)`."""
+
+    guards: list[Guard]
+    opt: dict[str, Any]
+    include_in_schema: bool
 
 
 def _keys(connection: ASGIConnection[Any, Any, Any, Any]) -> KeyRing:

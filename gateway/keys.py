@@ -47,7 +47,7 @@ class KeyService:
                 conn,
                 name=spec.name,
                 models=sorted(set(spec.models)) if spec.models is not None else None,
-                scopes=sorted(set(spec.scopes)),  # type: ignore[arg-type]
+                scopes=sorted(set(spec.scopes)),
                 rpm=spec.rpm,
                 tpm=spec.tpm,
                 read_keys=spec.read_keys,

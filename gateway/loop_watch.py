@@ -57,8 +57,8 @@ class LoopWatch:
         self.sampled = 0
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
-        self.gc_seconds: collections.Counter[int] = collections.Counter()  # by generation, while profiling
-        self.gc_longest: collections.Counter[int] = collections.Counter()
+        self.gc_seconds: collections.defaultdict[int, float] = collections.defaultdict(float)  # by generation
+        self.gc_longest: collections.defaultdict[int, float] = collections.defaultdict(float)  # (while profiling)
         self.gc_runs: collections.Counter[int] = collections.Counter()
         self._gc_started = 0.0
 

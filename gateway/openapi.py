@@ -24,7 +24,7 @@ from litestar.openapi.spec import (
 )
 
 from gateway.apis.chat.schema import MAX_N, MAX_TOP_LOGPROBS, ROLES
-from gateway.proxy import ROLLOUT_HEADER
+from gateway.rollouts import ROLLOUT_HEADER
 from store.types import ID_PATTERN
 
 

@@ -254,6 +254,51 @@ class EngineRequest:
     choices_per_prompt: int = 0
 
 
+class PlainUpstream:
+    """A call served as sent, at its API's engine path: the engine's own answer (whose `system_fingerprint` its
+    engine's splicer, with --continuity splice, learns for the calls it splices)."""
+
+    __slots__ = ("body", "path", "splicer")
+
+    def __init__(self, path: str, body: bytes, splicer: Splicer | None) -> None:
+        self.path = path
+        self.body = body
+        self.splicer = splicer
+
+    def stream(self, upstream: aiohttp.ClientResponse) -> aiohttp.ClientResponse:
+        return upstream
+
+    async def answer(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.splicer is not None:
+            self.splicer.learn(payload)
+        return payload
+
+
+class SplicedUpstream:
+    """A call continuing its rollout, served from the model's own tokens (--continuity splice) at
+    /inference/v1/generate: its answer, or each chunk of its stream, derendered to what the engine would have
+    answered the chat request (logprobs only for a chat client that asked: `request` is the client's)."""
+
+    __slots__ = ("body", "logprobs", "splice", "splicer")
+    path = GENERATE_PATH
+
+    def __init__(self, splicer: Splicer, splice: Splice, request: dict[str, Any]) -> None:
+        self.splicer = splicer
+        self.splice = splice
+        self.body = _encode(splice.generate)
+        self.logprobs = bool(request.get("logprobs"))
+
+    def stream(self, upstream: aiohttp.ClientResponse) -> DerenderedStream:
+        return DerenderedStream(self.splicer, upstream, self.splice, logprobs=self.logprobs)
+
+    async def answer(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return await self.splicer.derender(payload, self.splice)
+
+
+# How the engine serves one call, chosen once per engine it is sent to (EngineCalls._upstream).
+Upstream = PlainUpstream | SplicedUpstream
+
+
 class EngineCalls:
     """Sends accepted calls to the engine and records each exactly once, whatever the API."""
 
@@ -359,7 +404,7 @@ class EngineCalls:
         except asyncio.CancelledError:
             if not hang_up.gone:
                 raise  # not the client: the server is stopping this task
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            asyncio.current_task().uncancel()  # type: ignore[unreachable]  # mypy keeps `gone` False from above; fire() set it
             await call.finish("cancelled", 499, "the client hung up before the answer")
             return JSONBody(b"", {ROLLOUT_HEADER: origin.rollout_id}, status=499)  # nobody reads it
         finally:
@@ -371,10 +416,9 @@ class EngineCalls:
         try:
             try:
                 while True:
-                    splice, served = await self._splice(call)
-                    path, body = (spec.path, spec.body) if splice is None else (GENERATE_PATH, _encode(splice.generate))
+                    way, served = await self._upstream(call)
                     try:
-                        upstream = await self._send(call, path, body)
+                        upstream = await self._send(call, way.path, way.body)
                         break
                     except UNREACHED:
                         # Nothing reached the engine: it leaves rotation, and the call (spliced anew there) goes to
@@ -401,12 +445,12 @@ class EngineCalls:
         headers = {ROLLOUT_HEADER: call.origin.rollout_id}
         if upstream.status != 200:
             try:
-                payload = await upstream.read()
+                raw = await upstream.read()
             except aiohttp.ClientError:
-                payload = b""
+                raw = b""
             finally:
                 upstream.release()
-            error = upstream_error(upstream.status, payload)
+            error = upstream_error(upstream.status, raw)
             if upstream.status == 404 and spec.route.model is not None and spec.route.step:
                 # vLLM lost (or never really loaded) one of our adapters: its 404 would name its internal alias.
                 error = OpenAIError(
@@ -420,23 +464,13 @@ class EngineCalls:
             await call.finish("client_error" if error.status < 500 else "upstream_error", error.status, error.message)
             raise error
         if spec.stream:
-            splicer = call.splicer
-            if splice is None or splicer is None:
-                relay = call.relay(upstream)
-            else:  # logprobs resolved by derender only for a chat client that asked (`request` is the client's)
-                asked = bool(spec.request.get("logprobs"))
-                relay = call.relay(DerenderedStream(splicer, upstream, splice, logprobs=asked))
+            relay = call.relay(way.stream(upstream))
             # Starting the relay here means its `finally` (which records the call) is guaranteed to run,
             # even if the client is gone before the response starts: asyncio closes started generators.
             # The relay yields at least one event (the engine's first, or an error event).
             return EventStream(await anext(relay), relay, headers)
         try:
-            payload = _decode(await upstream.read())
-            splicer = call.splicer
-            if splice is not None and splicer is not None:
-                payload = await splicer.derender(payload, splice)
-            elif splicer is not None:
-                splicer.learn(payload)
+            payload = await way.answer(_decode(await upstream.read()))
             if hang_up is not None:
                 # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
                 # is whole and the call is recorded as answered.
@@ -535,27 +569,29 @@ class EngineCalls:
         call.engine = other
         return True
 
-    async def _splice(self, call: _Call) -> tuple[Splice | None, Served | None]:
-        """The splice a chat call that continues its rollout is served from (None: served as sent), and how a
-        continuing call is served (None: it does not continue)."""
-        spec, origin = call.spec, call.origin
+    async def _upstream(self, call: _Call) -> tuple[Upstream, Served | None]:
+        """How the call's engine serves it: spliced, for a chat call that continues its rollout on an engine with
+        a splicer, else as sent; and how a continuing call is served (None: it does not continue)."""
+        spec, origin, splicer = call.spec, call.origin, call.splicer
+        plain = PlainUpstream(spec.path, spec.body, splicer)
         if spec.path != CHAT_PATH or not origin.explicit:
-            return None, None
+            return plain, None
         continued, call.rollout_known = await self.continuations.look_up(
             origin.rollout_key, spec.request, spec.route, call.digests
         )
         if continued is None:
-            return None, None
-        splicer = call.splicer
+            return plain, None
         if splicer is None:
-            return None, "rerendered"
+            return plain, "rerendered"
         upstream = _decode(spec.body)
         try:
             splice = await splicer.splice(upstream, continued, spec.stream)
         except Exception:  # the plain path still answers the call: a splice is never worth a failed call
             log.exception("splicing a call of rollout %s failed; it is rendered anew", origin.rollout_id)
             splice = "render_failed"
-        return (splice, "spliced") if isinstance(splice, Splice) else (None, splice)
+        if isinstance(splice, Splice):
+            return SplicedUpstream(splicer, splice, spec.request), "spliced"
+        return plain, splice
 
     async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the

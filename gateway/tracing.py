@@ -61,7 +61,7 @@ def trace_context(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     parent = (headers.get("traceparent") or "").strip().lower()
     if not _TRACEPARENT.match(parent):
         return ()
-    found = (("traceparent", parent),)
+    found: tuple[tuple[str, str], ...] = (("traceparent", parent),)
     state = headers.get("tracestate")
     if state and len(state) <= _MAX_TRACESTATE:
         found += (("tracestate", state),)
@@ -166,7 +166,9 @@ class CallTracer:
         span.end(end_time=int(first.ended_at * 1e9))
 
 
-def scoring_span(tracer: Tracer | None, group_id: str, model: str, judge_model: str) -> AbstractContextManager[Any]:
+def scoring_span(
+    tracer: Tracer | None, group_id: str, model: str, judge_model: str | None
+) -> AbstractContextManager[Any]:
     """The span of one group's RULER scoring (nothing with tracing off), current inside the `with`: ruler/ makes
     each judge call a child of it."""
     if tracer is None:
@@ -174,8 +176,9 @@ def scoring_span(tracer: Tracer | None, group_id: str, model: str, judge_model: 
     attributes: dict[str, AttributeValue] = {
         "art.group_id": group_id,
         ART_MODEL: model,
-        "art.ruler.judge_model": judge_model,
     }
+    if judge_model is not None:  # a panel's spec names its judges instead
+        attributes["art.ruler.judge_model"] = judge_model
     return tracer.start_as_current_span(f"score_group {model}", attributes=attributes)
 
 

@@ -21,7 +21,7 @@ from gateway.apis.completions.service import CompletionsService
 from gateway.apis.messages.schema import AnthropicError, from_openai_error
 from gateway.apis.messages.service import MessagesService
 from gateway.apis.responses.service import MAX_ITEMS_PAGE, ResponsesService
-from gateway.asgi import HANG_UP, EventStream, HangUp, JSONBody
+from gateway.asgi import EventStream, HangUp, JSONBody, hang_up_of
 from gateway.auth import Caller, KeyRing
 from gateway.errors import OpenAIError, from_http_exception, from_store_error
 from gateway.guards import STORED
@@ -34,8 +34,9 @@ from gateway.openapi import (
     messages_operation,
     responses_operation,
 )
-from gateway.provide import services_of
-from gateway.proxy import ROLLOUT_HEADER, CallOrigin, call_origin
+from gateway.proxy import CallOrigin, call_origin
+from gateway.rollouts import ROLLOUT_HEADER
+from gateway.services import services_of
 from gateway.tracing import trace_context
 from store.errors import StoreError
 
@@ -56,7 +57,7 @@ async def answer(create: Create, request: Request[Any, Any, Any], rollout_id: st
             body = await request.body()
         except HTTPException as exc:  # too large (Litestar's): as the API's own errors, with the rollout id
             raise from_http_exception(request, exc) from None
-        return await create(body, origin, request.scope.get(HANG_UP))  # type: ignore[call-overload]
+        return await create(body, origin, hang_up_of(request.scope))
     except StoreError as exc:  # a stored response that isn't there, say
         error = from_store_error(exc)
         error.headers = {ROLLOUT_HEADER: origin.rollout_id}
@@ -158,10 +159,12 @@ async def create_message(request: Request[Any, Any, Any], rollout_id: str | None
     service: MessagesService = services_of(request.app.state).messages
     try:
         return await answer(service.create, request, rollout_id)
+    # Litestar answers a Response returned by value (to_response checks each return's type); the annotation
+    # stays ASGIApp so that the engine's answers (JSONBody, EventStream) go out as they are.
     except AnthropicError as exc:
-        return _anthropic_response(exc)
+        return _anthropic_response(exc)  # type: ignore[return-value]
     except OpenAIError as exc:
-        return _in_anthropic_shape(exc)
+        return _in_anthropic_shape(exc)  # type: ignore[return-value]
 
 
 @post(

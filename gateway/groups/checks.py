@@ -89,7 +89,8 @@ async def run_checks(
             if isinstance(check.grader, WebhookGrader):
                 log.warning("rollout %d: a group check's webhook failed: %s", index, exc)
                 error = WEBHOOK_FAILED
-        outcomes.append(CheckOutcome(check.grader.__struct_config__.tag, passed, check.on_fail, check.weight, error))
+        kind = str(check.grader.__struct_config__.tag)  # the grader's wire `type` (every tag is a string)
+        outcomes.append(CheckOutcome(kind, passed, check.on_fail, check.weight, error))
     return outcomes
 
 

@@ -7,7 +7,7 @@ import hashlib
 import math
 import statistics
 import uuid
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from sqlalchemy.exc import IntegrityError
@@ -38,7 +38,7 @@ from store.groups import (
 from store.records import RolloutKey
 from store.rollouts import check_limit, decode_cursor_pair, encode_cursor_pair
 from store.trajectories import Trajectory
-from store.types import GROUP_ID, GROUP_STATES, GroupState
+from store.types import GROUP_ID, GROUP_STATES
 
 
 def split_ref(ref: str) -> tuple[str, int | None]:
@@ -395,12 +395,11 @@ class GroupService:
             raise invalid_request(f"'state' must be one of {', '.join(GROUP_STATES)}.", param="state")
         check_limit(limit)
         after = decode_cursor_pair(cursor) if cursor else None
-        group_state = cast(GroupState | None, state)  # checked just above
         async with self.engine.connect() as conn:
             keys = await list_group_ids(
                 conn,
                 model=model,
-                state=group_state,
+                state=state,  # one of GROUP_STATES: checked above
                 limit=limit,
                 after=after,
                 grant=caller.grant,

@@ -124,7 +124,7 @@ class _Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="
     """Base of the grader specs: each subclass sets its `tag` (the wire `type`)."""
 
 
-class ExactGrader(_Spec, tag="exact"):
+class ExactGrader(_Spec, tag="exact", frozen=True):
     """Passes when the content equals `value` (both stripped of surrounding whitespace unless `strip` is
     false; compared case-folded unless `case_sensitive`). No content (tool calls only) fails."""
 
@@ -133,7 +133,7 @@ class ExactGrader(_Spec, tag="exact"):
     case_sensitive: bool = True
 
 
-class RegexGrader(_Spec, tag="regex"):
+class RegexGrader(_Spec, tag="regex", frozen=True):
     """Passes when `regex.search(pattern, content)` finds a match (Python's `re` syntax, run by the `regex`
     module for its time limit; flags inline, e.g. `(?i)`). No content fails. A search that takes over
     `REGEX_SECONDS` (catastrophic backtracking) fails the evaluation with that reason."""
@@ -147,7 +147,7 @@ class RegexGrader(_Spec, tag="regex"):
             raise ValueError(f"`pattern` is not a valid regular expression: {exc}") from None
 
 
-class JsonSchemaGrader(_Spec, tag="json_schema"):
+class JsonSchemaGrader(_Spec, tag="json_schema", frozen=True):
     """Passes when the content parses as JSON (as is: no code fences stripped) and validates against
     `schema` (its `$schema` draft, else 2020-12; `format` is an annotation only, as the draft says)."""
 
@@ -163,7 +163,7 @@ class JsonSchemaGrader(_Spec, tag="json_schema"):
             ) from None
 
 
-class ToolCallGrader(_Spec, tag="tool_call"):
+class ToolCallGrader(_Spec, tag="tool_call", frozen=True):
     """Passes when some tool call is named `name` and, if `arguments` is given, its arguments parse as a
     JSON object that equals them (`exact`) or contains them (`subset`: every key given, recursively into
     nested objects; other values, lists included, must be equal). Equality is JSON's: `true` is not `1`,
@@ -174,7 +174,7 @@ class ToolCallGrader(_Spec, tag="tool_call"):
     match: Literal["exact", "subset"] = "exact"
 
 
-class WebhookGrader(_Spec, tag="webhook"):
+class WebhookGrader(_Spec, tag="webhook", frozen=True):
     """The user's own reward function: the gateway POSTs the transcript as JSON,
     `{"scenario": <index>, "messages": [...], "tools": [...] | null, "answer": {...}, "metadata": ... | null}`,
     and reads back `{"reward": <number>}` (other fields are ignored). Timeouts (`timeout_seconds` for the
@@ -199,7 +199,7 @@ class WebhookGrader(_Spec, tag="webhook"):
                 raise ValueError(f"`headers` value of {name!r} contains a line break or NUL")
 
 
-class RulerGrader(_Spec, tag="ruler"):
+class RulerGrader(_Spec, tag="ruler", frozen=True):
     """Comparative: the judge (RULER) scores the candidate's and the promoted step's answers to the same
     scenario against `rubric` (RULER's default if none), with `judge_model` (the gateway's default if
     none). Graded by `ruler_compare`, not `grade`."""

@@ -40,6 +40,7 @@ from gateway.promotion.graders import (
 )
 from gateway.proxy import EVAL_ROLLOUT_PREFIX, CallOrigin
 from gateway.rollouts import RolloutService
+from store.api import AdapterLoad, ModelStatus
 from store.clock import SYSTEM_CLOCK, Clock
 from store.promotions import (
     CANARY,
@@ -133,6 +134,13 @@ class PromotionService:
             raise model_not_found(model)
 
     # ------------------------------------------------------------ the gate
+
+    async def commit(self, name: str, spec: AdapterLoad) -> ModelStatus:
+        """A trainer's new step (AdapterService.load), which the gate then evaluates under `--promotion gated`."""
+        decision = await self.adapters.load(name, spec)
+        if decision.kind == "evaluate":
+            self.step_committed(name, spec.step)
+        return await self.adapters.status(name, ADMIN)  # the trainer's commit: an admin endpoint
 
     def step_committed(self, model: str, step: int) -> None:
         """A new step of a gated model: evaluate it (after any evaluation of the model under way)."""

@@ -19,6 +19,7 @@ from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.auth import Caller
 from gateway.errors import OpenAIError
 from gateway.groups.service import GroupService
+from gateway.guards import RouteAccess
 from gateway.rollouts import RolloutService
 from gateway.ui import pages
 from gateway.ui.auth import (
@@ -34,7 +35,7 @@ from gateway.ui.auth import (
 from gateway.ui.views import FILTERS
 
 HERE = Path(__file__).parent
-PAGE = {"guards": [ui_reader], "include_in_schema": False}
+PAGE = RouteAccess(guards=[ui_reader], include_in_schema=False)
 
 
 class LoginForm(msgspec.Struct, frozen=True):

@@ -173,9 +173,9 @@ def pretty_json(value: Any) -> str:
     """Tool-call arguments and structured content, indented when they are JSON."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(text := value)
         except ValueError:
-            return value
+            return text
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 

@@ -28,7 +28,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from engine.pool import EnginePool
 from gateway.errors import exception_handlers
 from gateway.metrics import GatewayMetrics, StoreSnapshot
-from gateway.provide import Services
+from gateway.services import Services
 from store import create_engine
 from tests.conftest import TcpProxy, free_port, metric, poll, start_stub, stop_group
 

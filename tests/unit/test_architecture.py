@@ -4,7 +4,8 @@ store/ (shared, no HTTP) ← recording/ (each call to the store exactly once) an
 its own) ← gateway/ (HTTP); store/ ← client/ (the typed client of the gateway's /v1/art API, its only caller) ←
 trainer/ (torch; of engine/ only the tool-call grammar vLLM samples under, which it rebuilds); ruler/ stands
 alone; artgw/ (the CLI) sits on top. Checked on the source (every import statement, module level or not) and on
-what a real `import trainer.train` loads.
+what a real `import trainer.train` loads. Inside gateway/, three rooms: its services, the HTTP layer over them,
+and the app that builds and runs both (GATEWAY_HTTP, GATEWAY_TOP).
 """
 
 from __future__ import annotations
@@ -107,6 +108,77 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+# ---------------------------------------------------------------- gateway/'s own rooms (#44)
+
+# Bottom to top: the services (every module not named below: the APIs' schemas, translations and services, the
+# engine call, the stores' services), then the HTTP layer that reads them (handlers, guards, the OpenAPI
+# document, the web UI, and `services.py`, the one object handlers find them in), then what builds and runs the
+# app. A module imports its own room's modules and those of the rooms below it.
+GATEWAY_HTTP = ("gateway.apis.routes", "gateway.art_api", "gateway.guards", "gateway.openapi", "gateway.local_only")
+GATEWAY_HTTP += ("gateway.services", "gateway.ui")
+GATEWAY_TOP = ("gateway.app", "gateway.provide", "gateway.server")
+
+
+def gateway_room(module: str) -> int:
+    """0: a service; 1: the HTTP layer; 2: the app, its building (provide.py) and its server."""
+    if any(module == m or module.startswith(m + ".") for m in GATEWAY_TOP):
+        return 2
+    return 1 if any(module == m or module.startswith(m + ".") for m in GATEWAY_HTTP) else 0
+
+
+def test_gateway_imports_only_its_own_room_and_those_below() -> None:
+    """Services never import the HTTP layer, and handlers never import what builds the services (provide.py):
+    they read them from `gateway.services`. The knots this unties: `apis/routes.py` and `guards.py` importing
+    provide.py for `services_of`."""
+    wrong = sorted(
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        if name.startswith("gateway.")
+        for target in targets
+        if target.startswith("gateway.") and gateway_room(target) > gateway_room(name)
+    )
+    assert wrong == []
+
+
+def test_only_the_http_layer_and_the_wire_errors_import_litestar() -> None:
+    """The services are Litestar-free: what answers HTTP is the HTTP layer's, bar the wire errors
+    (gateway/errors.py), which build their own responses."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("gateway") and gateway_room(name) == 0 and name != "gateway.errors":
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{name}: {n}" for n in names if n.split(".")[0] == "litestar"]
+    assert found == []
+
+
+def test_the_engine_call_path_knows_no_api_and_the_openapi_document_no_engine_call() -> None:
+    """gateway/proxy.py and continuation.py serve the four APIs alike, so they import none of them; the OpenAPI
+    document describes the wire and imports nothing of the engine call (it once imported proxy.py for a header
+    name)."""
+    graph = _graph()
+    engine_path = ("gateway.proxy", "gateway.continuation", "gateway.asgi")
+    assert sorted(t for m in engine_path for t in graph[m] if t.startswith("gateway.apis")) == []
+    assert sorted(graph["gateway.openapi"] & set(engine_path)) == []
+
+
+def test_the_services_are_built_whole() -> None:
+    """provide.py hands each service what it needs when it builds it: no attribute of a built service is set
+    afterwards (the promotion gate learned of commits through `adapters.on_commit = promotions.step_committed`;
+    the commit now goes through PromotionService.commit)."""
+    tree = ast.parse((ROOT / "gateway" / "provide.py").read_text())
+    build = next(n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == "provide_services")
+    set_after = [
+        ast.unparse(target)
+        for node in ast.walk(build)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+    ]
+    assert set_after == []
 
 
 @pytest.mark.parametrize(

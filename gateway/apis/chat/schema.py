@@ -82,7 +82,7 @@ def parse_chat_request(body: bytes) -> tuple[ChatRequestHead, dict[str, Any]]:
     return head, request
 
 
-def check_allowed_tools(allowed: Any, offered: Collection[str], where: str, *, chat: bool) -> None:
+def check_allowed_tools(allowed: Any, offered: Collection[str | None], where: str, *, chat: bool) -> None:
     """OpenAI's `allowed_tools` tool choice (`where`: its `mode` and `tools`; chat names a tool as
     `{"type": "function", "function": {"name"}}`, Responses as `{"type": "function", "name"}`): a mode the engine
     has (`auto`, `required`), and function tools among those the request offers. A 400 naming the param else."""

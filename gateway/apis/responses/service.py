@@ -42,7 +42,9 @@ class ResponsesWire:
     """The engine's chat answer as a Responses object or event stream; a `store: true` response is kept before
     the client gets its end (the object, or `response.completed`), so a follow-up can name it at once."""
 
-    def __init__(self, service: ResponsesService, request: ResponsesRequest, origin: CallOrigin, history: list) -> None:
+    def __init__(
+        self, service: ResponsesService, request: ResponsesRequest, origin: CallOrigin, history: list[dict[str, Any]]
+    ) -> None:
         self.service = service
         self.request = request
         self.origin = origin

@@ -154,7 +154,7 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[st
 
 
 def _chat_tool(tool: Tool) -> dict[str, Any]:
-    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
     if tool.strict is not None:
         function["strict"] = tool.strict
     elif tool.parameters is not None and strict_compatible(tool.parameters):
