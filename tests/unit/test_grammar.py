@@ -128,7 +128,7 @@ def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | N
 def test_spec_is_what_vllm_compiles(name: str, tokenizer: Any) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **REQUESTS[name]}
     theirs = vllm_spec(copy.deepcopy(body), tokenizer)
-    ours = grammar_spec(copy.deepcopy(body))
+    ours = grammar_spec(copy.deepcopy(body), tokenizer)
     if theirs is None or not theirs[2]:  # no grammar, or another backend's
         assert ours is None
         return
@@ -156,6 +156,26 @@ def test_named_tool_call_masks_every_position(tokenizer: Any, masks: GrammarMask
     assert allowed_text(tokenizer, bitmask[0]) <= {"<tool_call>", *("<tool_call>"[:k] for k in range(1, 11))}
     # The forced call closes with `}`, then the only way on is the stop token.
     assert allowed(bitmask[-1], len(tokenizer)) == {tokenizer.eos_token_id}
+
+
+def test_a_forced_calls_constant_text_is_sampled_in_the_tokenizers_spelling(
+    tokenizer: Any, masks: GrammarMasks
+) -> None:
+    """#42: the envelope of a named call is the tokens the tokenizer spells it in, one allowed at each position
+    (before: every spelling, `<`, `tool`, `_`, ...: a random model spent 27 tokens on a head the tokenizer
+    spells in 14, and ran out of tokens at 48). The text at the arguments' edge stays text, so the model may
+    merge it with them as the tokenizer does (` {"`)."""
+    sampled = ids(tokenizer, WEATHER_CALL)
+    rows = masks.for_call(NAMED, sampled)
+    assert rows is not None
+    head = len(ids(tokenizer, '<tool_call>\n{"name": "get_weather", "arguments":', eos=False))
+    compact = tokenizer.convert_tokens_to_ids('{"')  # the envelope without the newline (vLLM's second form)
+    for position in range(head):
+        expected = {sampled[position], compact} if position == 1 else {sampled[position]}
+        assert allowed(rows[position], len(tokenizer)) == expected, position
+    assert allowed_text(tokenizer, rows[head]) == {" ", ' {"'}
+    # After the arguments' closing `}`: `\n` and `</tool_call>` as their tokens, then only the stop token.
+    assert [allowed_text(tokenizer, row) for row in rows[-3:]] == [{"\n"}, {"</tool_call>"}, {tokenizer.eos_token}]
 
 
 def test_a_tool_calls_arguments_have_no_free_whitespace(tokenizer: Any, masks: GrammarMasks) -> None:
@@ -276,7 +296,7 @@ def test_a_sequence_the_grammar_rejects_names_its_position(tokenizer: Any, masks
 
 def test_strict_tool_calling_off_uses_the_tools_json_schema(tokenizer: Any) -> None:
     masks = GrammarMasks(tokenizer, len(tokenizer), strict_tool_calling=False)
-    assert grammar_spec(NAMED, strict_tool_calling=False) == GrammarSpec("json", json.dumps(CITY_SCHEMA))
+    assert grammar_spec(NAMED, tokenizer, strict_tool_calling=False) == GrammarSpec("json", json.dumps(CITY_SCHEMA))
     rows = masks.for_call(NAMED, ids(tokenizer, '{"city": "Paris"}'))  # bare arguments, no envelope
     assert rows is not None
     with pytest.raises(ValueError, match="position 0"):
