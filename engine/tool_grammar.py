@@ -31,6 +31,7 @@ from typing import Any
 
 import xgrammar as xgr
 from xgrammar.structural_tag import (
+    AnyTextFormat,
     ConstStringFormat,
     Format,
     GrammarFormat,
@@ -60,6 +61,12 @@ _SUBSCHEMAS = (
 )
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
+# Matches only the empty text; a grammar with it is kept out of xgrammar's cross-grammar cache of token masks (a
+# rule with a character budget opts out of it). That cache, on in vLLM's compiler, tells rules apart by their
+# shape and not by the ids of their token edges (xgrammar 0.2.8, cpp/grammar_functor.cc HashFsm hashes a token
+# edge's index, not its tokens): without this, a forced call of `note` compiled after one of `get_weather` was
+# masked with get_weather's tokens and vLLM failed the request ("grammar rejected tokens").
+_NO_SHARED_MASKS = AnyTextFormat(max_chars=0)
 # hermes' call markers
 START, END = "<tool_call>", "</tool_call>"
 # What may follow a call's head (the first characters of its JSON arguments) and precede its tail (the last of
@@ -168,7 +175,7 @@ def _pinned(tag: TagFormat, spell: _Spelling, start: int, end: int) -> TagFormat
     tail = spell.settled(tag.end, [c + tag.end for c in _BEFORE_TAIL], prefix=False)
     if not head or not tail or head[0] != start or tail[-1] != end:
         return tag
-    elements: list[Format] = [TokenFormat(token=t) for t in head[1:]]
+    elements: list[Format] = [_NO_SHARED_MASKS, *(TokenFormat(token=t) for t in head[1:])]
     if rest := tag.begin[len(spell.decode(head)) :]:
         elements.append(ConstStringFormat(value=rest))
     elements.append(tag.content)

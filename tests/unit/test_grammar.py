@@ -178,6 +178,33 @@ def test_a_forced_calls_constant_text_is_sampled_in_the_tokenizers_spelling(
     assert [allowed_text(tokenizer, row) for row in rows[-3:]] == [{"\n"}, {"</tool_call>"}, {tokenizer.eos_token}]
 
 
+def test_forced_calls_of_other_tools_compiled_by_one_compiler_keep_their_own_tokens(tokenizer: Any) -> None:
+    """vLLM compiles every request's grammar with one caching xgrammar compiler, whose cross-grammar cache of
+    token masks does not tell token edges apart by their ids (engine/tool_grammar.py, _NO_SHARED_MASKS): each
+    forced call's rows must be what its grammar alone allows, whatever was compiled before it (before the opt-out,
+    a call of `note` after one of `get_weather` allowed `get` where `note` begins, and vLLM failed it)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    shared, alone = xgr.GrammarCompiler(info), xgr.GrammarCompiler(info, cache_enabled=False)
+    for name in ("get_weather", "note", "lookup", "get_weather"):
+        tool = {"type": "function", "function": {"name": name, "strict": True, "parameters": CITY_SCHEMA}}
+        spec = grammar_spec(
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": name}}}, tokenizer
+        )
+        assert spec is not None
+        sampled = ids(tokenizer, WEATHER_CALL.replace("get_weather", name))
+        rows = []
+        for compiler in (shared, alone):
+            matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(spec.text))
+            bitmask = xgr.allocate_token_bitmask(len(sampled), len(tokenizer))
+            for position, token in enumerate(sampled):
+                matcher.fill_next_token_bitmask(bitmask, position)
+                assert matcher.accept_token(token), (name, position)
+            rows.append(bitmask)
+        assert torch.equal(*rows), name
+
+
 def test_a_tool_calls_arguments_have_no_free_whitespace(tokenizer: Any, masks: GrammarMasks) -> None:
     """Spaced as `json.dumps` spaces them (engine/tool_parser.py): one space after `:` and `,`, none elsewhere."""
     for padded in ('{ "city": "Rome"}', '{"city":  "Rome"}', '{"city":"Rome"}', '{"city": "Rome" }'):
