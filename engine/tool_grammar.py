@@ -134,10 +134,15 @@ def pinned_calls(calls: Format, tokenizer: Any) -> Format:
         and spell.encode(f"}}{END}{START}\n") == [*spell.encode("}"), *end, *start, *spell.encode("\n")]
     ):
         return calls
-    return calls.model_copy(update={"tags": [_pinned(tag, spell, start[0], end[0]) for tag in calls.tags]})
+    tags = [_pinned(tag, spell, start[0], end[0]) for tag in calls.tags]
+    if any(tag is None for tag in tags):
+        return calls  # all or none: the tags of one list begin alike
+    return calls.model_copy(update={"tags": tags})
 
 
 class _Spelling:
+    """A tokenizer's spelling of constant text, special tokens not added."""
+
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
@@ -147,7 +152,7 @@ class _Spelling:
     def settled(self, text: str, beside: Sequence[str], *, prefix: bool) -> list[int]:
         """The tokens of `text` (its first ones for `prefix`, else its last) that the tokenizer spells the same in
         each of `beside` (`text` with what may come next to it), the token at the edge always left out; empty
-        unless their text is `text`'s own (not a piece of a character, nothing normalized away)."""
+        where no such tokens spell `text`'s own text (nothing normalized away)."""
         own = self.encode(text)
         spellings = [self.encode(b) for b in beside]
         if not prefix:
@@ -156,25 +161,29 @@ class _Spelling:
         for spelling in spellings:
             common = next((i for i, (a, b) in enumerate(zip(own, spelling, strict=False)) if a != b), len(spelling))
             n = min(n, common)
-        settled = own[:n] if prefix else own[:n][::-1]
-        spelled = self.decode(settled)
-        return settled if settled and (text.startswith(spelled) if prefix else text.endswith(spelled)) else []
+        while n > 0:  # fewer where the last tokens hold part of a character
+            settled = own[:n] if prefix else own[:n][::-1]
+            spelled = self.decode(settled)
+            if text.startswith(spelled) if prefix else text.endswith(spelled):
+                return settled
+            n -= 1
+        return []
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids))
 
 
-def _pinned(tag: TagFormat, spell: _Spelling, start: int, end: int) -> TagFormat:
+def _pinned(tag: TagFormat, spell: _Spelling, start: int, end: int) -> TagFormat | None:
     """One call `<tool_call>head` arguments `tail</tool_call>` as tokens, arguments, tokens: the markers as
     the tag's begin and end tokens, and the rest of the head and tail as far as their spelling is the same
     whatever the arguments are. The text at the arguments' edge stays text, which the model may merge with
-    them as the tokenizer does (`": ` and `{"` are ` {"`)."""
+    them as the tokenizer does (`": ` and `{"` are ` {"`). None where the tag is not hermes' envelope."""
     if not (isinstance(tag.begin, str) and isinstance(tag.end, str)):
-        return tag
+        return None
     head = spell.settled(tag.begin, [tag.begin + c for c in _AFTER_HEAD], prefix=True)
     tail = spell.settled(tag.end, [c + tag.end for c in _BEFORE_TAIL], prefix=False)
     if not head or not tail or head[0] != start or tail[-1] != end:
-        return tag
+        return None
     elements: list[Format] = [_NO_SHARED_MASKS, *(TokenFormat(token=t) for t in head[1:])]
     if rest := tag.begin[len(spell.decode(head)) :]:
         elements.append(ConstStringFormat(value=rest))

@@ -60,6 +60,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "named": NAMED,
     "named_not_strict": named("lookup"),
     "named_integers": {"tools": [COUNT], "tool_choice": {"type": "function", "function": {"name": "count"}}},
+    "named_not_ascii": {  # its name's characters span tokens: pinned up to the last whole one
+        "tools": [{"type": "function", "function": {"name": "météo_東京", "strict": True, "parameters": CITY_SCHEMA}}],
+        "tool_choice": {"type": "function", "function": {"name": "météo_東京"}},
+    },
     "required": {"tools": [WEATHER, LOOKUP], "tool_choice": "required"},
     "required_single_call": {"tools": [WEATHER, LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
     "auto_strict_tool": {"tools": [WEATHER, LOOKUP]},
