@@ -39,6 +39,7 @@ import aiohttp
 import msgspec
 
 from gateway.adapters import Route
+from gateway.splicing import CallsReply, CallsReplyAsText, Mismatch, Renders, TextReply, splice_ids, turn_tail
 from store.records import CallRecord, RolloutKey
 from store.trajectories import message_key, tools_key
 
@@ -359,16 +360,10 @@ class Splicer:
     async def splice(self, upstream: dict[str, Any], continued: Continued, stream: bool) -> Splice | Served:
         """The splice of a continuing call (`upstream`: the engine's chat request), or why it is not spliced.
 
-        Where the reply's turn ends in the request's render is found without assuming the template renders the
-        reply, or the history before it, as it did when the reply was sampled (Qwen3's drops an earlier turn's
-        reasoning; a template may wrap tool calls in its own markers): the request, and for a reply with tool
-        calls the history through the reply, are each rendered twice, the reply's text replaced by one sentinel
-        then another. What follows the reply's text is what the two renders of each share at their end: in the
-        history, the reply's tool calls and the template's end of turn; in the request, those and then the new
-        messages. A template that renders no history ending with an assistant turn (mistral_common's) is asked for
-        the request with a text reply of each sentinel in the reply's place: what those share at their end is the
-        end of turn and the new messages, which the request's own render, its tool calls as sent, must end with
-        token for token."""
+        The renders are asked for here, and read by gateway/splicing.py `splice_ids` (pure): where the reply's turn
+        ends in the request's render is found without assuming the template renders the reply, or the history
+        before it, as it did when the reply was sampled (Qwen3's drops an earlier turn's reasoning; a template may
+        wrap tool calls in its own markers)."""
         if self.available is None:
             await self.probe()
         if not self.available:
@@ -376,12 +371,10 @@ class Splicer:
         model = str(upstream["model"])
         options = {key: upstream[key] for key in ("tools", *_RENDER_KEYS) if key in upstream}
         messages, reply_at = upstream["messages"], continued.history_len - 1
-        # A reply of text only: the template renders nothing of it after its text but its end of turn, so what the
-        # two renders of the request share at their end is all the splice needs. A reply with tool calls needs
-        # the history through it rendered too, to find how long the template's rendering of its calls is; where
-        # the template renders no history ending with an assistant turn (mistral_common's, which also refuses text
-        # beside tool calls), the request is rendered with a text reply in the reply's place instead, and its
-        # render as sent must end with what follows that text reply's text: its end of turn, then the new messages.
+        # A reply of text only: the request with each sentinel as its text (`TextReply`). A reply with tool calls:
+        # the history through it too (`CallsReply`); where the template renders no history ending with an assistant
+        # turn (mistral_common's, which also refuses text beside tool calls), the request as sent and with a text
+        # reply of each sentinel in the reply's place (`CallsReplyAsText`).
         calls = bool(messages[reply_at].get("tool_calls"))
         try:
             tail = await self._tail(model, options) if calls else None
@@ -405,47 +398,32 @@ class Splicer:
             return "no_scale_out"
         except _RenderFailed:
             return "render_failed"
-        whole: list[int] = rendered[0]["token_ids"]
-        if calls and tail is None:  # the renders with a text reply: what follows it must end the request as sent
-            a, z = rendered[1]["token_ids"], rendered[2]["token_ids"]
-            shared = _shared_end(a, z)
-            if shared in (0, len(a)) or shared >= len(whole) or whole[len(whole) - shared :] != a[len(a) - shared :]:
-                return "template_mismatch"
+        ids: list[list[int]] = [r["token_ids"] for r in rendered]
+        renders: Renders
+        if not calls:
+            renders = TextReply(request_a=ids[0], request_z=ids[1])
+        elif tail is not None:
+            renders = CallsReply(request_a=ids[0], request_z=ids[1], through_a=ids[2], through_z=ids[3], tail=tail)
         else:
-            shared = _shared_end(whole, rendered[1]["token_ids"])
-            if shared in (0, len(whole)):
-                return "template_mismatch"  # the template does not render the reply's text (or nothing after it)
-        after_reply = whole[len(whole) - shared :]
-        if calls and tail is not None:
-            through: list[int] = rendered[2]["token_ids"]
-            reply_end = through[len(through) - _shared_end(through, rendered[3]["token_ids"]) :]
-            if (
-                not tail
-                or len(reply_end) == len(through)  # the template does not render the reply's text
-                or after_reply[: len(reply_end)] != reply_end
-                or reply_end[-len(tail) :] != tail
-            ):
-                return "template_mismatch"  # where the reply's turn ends is not found in the request's render
-        else:  # what follows the text is the end of turn (its first id the model's own stop, if it sampled it)
-            reply_end = tail = after_reply[:1]
-        sampled = continued.sampled_ids
-        end_of_turn = tail[1:] if sampled[-1] == tail[0] else tail  # the model's own end, if it sampled it
-        prompt_ids = continued.prefix_ids + end_of_turn + after_reply[len(reply_end) :]
-        # The sentinel's render serves for the sampling params: they do not depend on the history's text.
+            renders = CallsReplyAsText(request=ids[0], text_a=ids[1], text_z=ids[2])
+        # The first render serves for the sampling params: they do not depend on the history's text.
         generate = {k: v for k, v in rendered[0].items() if k not in ("token_offsets", "request_id")}
-        generate["token_ids"] = prompt_ids
-        generate["stream"] = stream
-        generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
         params = generate.setdefault("sampling_params", {})
         # The render leaves out a param at its default (max_tokens 16), and generate takes one left out as unasked:
         # it would sample to the end of the context.
         params.setdefault("max_tokens", _DEFAULT_MAX_TOKENS)
         asked = upstream.get("max_completion_tokens") or upstream.get("max_tokens")
-        if asked is None and isinstance(params.get("max_tokens"), int):
-            # vLLM's default is what the context leaves after the prompt it rendered; the splice is another length
-            params["max_tokens"] = params["max_tokens"] + len(whole) - len(prompt_ids)
-            if params["max_tokens"] < 1:
-                return "template_mismatch"
+        # vLLM's default is what the context leaves after the prompt it rendered; the splice is another length
+        unasked = params["max_tokens"] if asked is None and isinstance(params.get("max_tokens"), int) else None
+        spliced = splice_ids(renders, continued.prefix_ids, continued.sampled_ids, unasked_max_tokens=unasked)
+        if isinstance(spliced, Mismatch):
+            return spliced.reason
+        if spliced.max_tokens is not None:
+            params["max_tokens"] = spliced.max_tokens
+        prompt_ids = spliced.prompt_ids
+        generate["token_ids"] = prompt_ids
+        generate["stream"] = stream
+        generate["stream_options"] = upstream.get("stream_options") if stream else None  # usage only when asked
         return Splice(prompt_ids, generate, upstream, model)
 
     async def derender(self, generated: dict[str, Any], splice: Splice) -> dict[str, Any]:
@@ -510,8 +488,7 @@ class Splicer:
             except _RenderRefused:
                 self._tails[key] = None
             else:
-                shared = _shared_end(a, b)
-                self._tails[key] = a[len(a) - shared :] if shared < len(a) else []
+                self._tails[key] = turn_tail(a, b)
         return self._tails[key]
 
     async def _render(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -549,16 +526,6 @@ def _with_reply(messages: list[dict[str, Any]], at: int, text: str) -> list[dict
     """`messages` with the one `at`'s text replaced by `text`: its role, tool calls and reasoning kept, so the
     template renders its turn as it renders the reply's."""
     return [*messages[:at], {**messages[at], "content": text}, *messages[at + 1 :]]
-
-
-def _shared_end(a: list[int], b: list[int]) -> int:
-    """How many ids `a` and `b` end with in common."""
-    n = 0
-    for x, y in zip(reversed(a), reversed(b), strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _RenderFailed(Exception):
