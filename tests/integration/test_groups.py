@@ -508,13 +508,14 @@ def test_a_panel_of_two_judges_two_samples_two_criteria_and_a_hard_check(engine_
 def test_grouped_rollouts_count_their_calls_sequences_and_split_causes(stub_gateway) -> None:
     """#25's figures on /metrics, counted when a group is made (the rollouts training reads): two rollouts of two
     calls each, the second call sending back the first one's reply. The stand-in engine's prompt ids never
-    extend a sequence, so each call is a sequence of its own, split because the "template" re-rendered."""
+    extend a sequence, so each call is a sequence of its own, split because it was served as sent: the stand-in
+    has no scale-out endpoints to continue a rollout with (the cause the continuing call recorded)."""
     url = stub_gateway.url
     before = {
         name: metric(url, name, model="my-agent")
         for name in ("artgw_grouped_rollout_calls_total", "artgw_grouped_rollout_sequences_total")
     }
-    rerendered = metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered")
+    served_as_sent = metric(url, "artgw_sequence_splits_total", model="my-agent", cause="no_scale_out")
     rollouts = []
     for _ in range(2):
         rid = f"two-turns-{uuid.uuid4().hex[:8]}"
@@ -542,7 +543,7 @@ def test_grouped_rollouts_count_their_calls_sequences_and_split_causes(stub_gate
         - before["artgw_grouped_rollout_sequences_total"]
         == 4
     )
-    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered") - rerendered == 2
+    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="no_scale_out") - served_as_sent == 2
     again = post_group(stub_gateway, {"model": "my-agent", "group_id": made.json()["id"], "rollouts": rollouts})
     assert again.status_code == 200  # the same group: counted once
-    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="rerendered") - rerendered == 2
+    assert metric(url, "artgw_sequence_splits_total", model="my-agent", cause="no_scale_out") - served_as_sent == 2
