@@ -9,8 +9,8 @@ gateway/apis/chat/translate.py strict_forced_calls):
 - before: vLLM's own `hermes` tool parser (free whitespace in a call's JSON; a reply cut in its last call loses
   every call, its raw text becomes the content), or with `--before REV` the plugin as of git revision REV;
 - after: the gateway's engine plugin, `artgw_hermes` (engine/tool_parser.py: arguments spaced as `json.dumps`
-  spaces them, integers without bounds bounded to JSON's safe integers (engine/tool_grammar.py), the complete
-  calls of a cut reply returned).
+  spaces them, integers without bounds bounded to JSON's safe integers, a forced call's envelope sampled as
+  the tokens the tokenizer spells it in (engine/tool_grammar.py), the complete calls of a cut reply returned).
 
 It prints one table, before and after side by side per tool_choice (named, `required`) and max_tokens: replies
 whose calls are all schema-valid (at least one), replies cut at the limit (finish_reason `length`), complete

@@ -4,8 +4,10 @@ deployment's own vLLM image mounts the two files side by side.
 
 - The grammar: a call's arguments are written as `json.dumps` writes them (one space after `,` and `:`, none
   elsewhere) instead of with free whitespace, and an integer without bounds is bounded to JSON's safe integers
-  (engine/tool_grammar.py says why: an untrained model can then end a forced call). trainer/grammar.py rebuilds
-  the same tag with the same file.
+  (engine/tool_grammar.py says why: an untrained model can then end a forced call), and a forced call's
+  constant text, `<tool_call>` up to its arguments and after them to `</tool_call>`, is sampled as the tokens the
+  tokenizer spells it in (tool_grammar.pinned_calls). trainer/grammar.py rebuilds the same tag with the same
+  file.
 - The parsing: each call's end is the first `</tool_call>` outside a JSON string, so an argument that contains
   the marker is still parsed; a reply with complete calls and an unfinished last one (cut at the token limit)
   returns the complete calls, where vLLM 0.32 returned none and the raw text as content.
@@ -65,6 +67,7 @@ class ArtgwHermesToolParser(Hermes2ProToolParser):
         tag = super().get_structural_tag(request, **kwargs)
         if tag is not None:
             _compact_arguments(tag.format)
+            tag.format = tool_grammar.pinned_calls(tag.format, self.model_tokenizer)
         return tag
 
     def _extract_tool_call_jsons(self, text: str) -> list[tuple[str, bool]]:

@@ -19,8 +19,9 @@ grammar vLLM did not apply.
   with VLLM_ENFORCE_STRICT_TOOL_CALLING on (the default), a named or `required` tool_choice, or `auto` when a
   tool is `strict` or `parallel_tool_calls` is false, is sampled under hermes' structural tag: `<tool_call>`
   envelopes whose arguments follow the tool's schema when the tool is strict, any JSON otherwise, spaced as
-  `json.dumps` spaces them and with unbounded integers bounded to JSON's safe integers (the plugin's change,
-  engine/tool_grammar.py, which both import). With it off,
+  `json.dumps` spaces them and with unbounded integers bounded to JSON's safe integers, and under a named or
+  `required` tool_choice the envelope's constant text as the tokens the tokenizer spells it in (the plugin's
+  changes, engine/tool_grammar.py, which both import). With it off,
   named / `required` use the JSON schema of vllm/tool_parsers/utils.py (get_json_schema_from_tools).
 - compilation (vllm/v1/structured_output/backend_xgrammar.py): TokenizerInfo.from_huggingface with the model's
   vocab size; JSON schemas with any whitespace (compact with `--structured-outputs-config.disable_any_whitespace`);
@@ -53,7 +54,7 @@ import xgrammar as xgr
 from torch import Tensor
 from xgrammar import structural_tag as st
 
-from engine.tool_grammar import arguments_grammar
+from engine.tool_grammar import arguments_grammar, pinned_calls
 from store.families import HERMES, HERMES_ONLY, EngineParsers, parsers_for_model
 
 if TYPE_CHECKING:
@@ -164,10 +165,11 @@ class GrammarSpec(NamedTuple):
     text: str
 
 
-def grammar_spec(request: dict[str, Any], *, strict_tool_calling: bool = True) -> GrammarSpec | None:
+def grammar_spec(request: dict[str, Any], tokenizer: Any, *, strict_tool_calling: bool = True) -> GrammarSpec | None:
     """The grammar vLLM compiles for a chat or completions request as sent to it; None when it samples under none,
     or under a grammar of a backend other than xgrammar (a JSON schema with features xgrammar lacks).
 
+    `tokenizer`: the model's, which spells a forced call's constant text (the plugin's pinned_calls).
     `strict_tool_calling`: vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING (on unless the engine's environment turns it off).
     """
     structured = _structured_outputs(request)
@@ -180,7 +182,7 @@ def grammar_spec(request: dict[str, Any], *, strict_tool_calling: bool = True) -
         return None  # vLLM leaves the tools unconstrained and hands the output to guidance
     single_call = request.get("parallel_tool_calls") is False
     if strict_tool_calling:
-        tag = _hermes_tag(tools, tool_choice, single_call, structured)
+        tag = _hermes_tag(tools, tool_choice, single_call, structured, tokenizer)
         return GrammarSpec("structural_tag", tag) if tag is not None else own
     if structured is not None and "structural_tag" in structured:
         return own  # the parser keeps a structural tag the client gave
@@ -244,7 +246,7 @@ class GrammarMasks:
         compile): the caller then treats those tokens as context. ValueError when the grammar rejects a
         sampled token (the request does not describe what vLLM sampled under). None too, with a warning, when
         the model's parsers are ones this module does not mirror (`refusal`)."""
-        spec = grammar_spec(request, strict_tool_calling=self.strict_tool_calling)
+        spec = grammar_spec(request, self._tokenizer, strict_tool_calling=self.strict_tool_calling)
         if spec is None:
             return None
         refusal = self.refusal(request)
@@ -423,7 +425,7 @@ def _needs_other_backend(schema: Any) -> bool:
 
 
 def _hermes_tag(
-    tools: list[dict[str, Any]], tool_choice: Any, single_call: bool, structured: dict[str, Any] | None
+    tools: list[dict[str, Any]], tool_choice: Any, single_call: bool, structured: dict[str, Any] | None, tokenizer: Any
 ) -> str | None:
     """The structural tag (JSON) vLLM's hermes parser samples tool calls under; None when it sets none."""
     is_auto = tool_choice == "auto"
@@ -466,6 +468,7 @@ def _hermes_tag(
         calls = st.TagsWithSeparatorFormat(
             tags=tags, separator="", at_least_one=True, stop_after_first=single_call or simplified == "forced"
         )
+        calls = pinned_calls(calls, tokenizer)
     tag = st.StructuralTag(format=calls if output is None else st.OrFormat(elements=[calls, output]))
     return json.dumps(tag.model_dump())
 

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.engine
 END_BIAS = {str(END_TOKEN): 100}  # the answer ends at once: its only token is the end of sequence
 FOLLOW_UP = "And tomorrow?"
 SEED = 1
+# A forced call cut in its arguments: the envelope's head is 13 tokens (the tokenizer's own spelling, pinned)
+CUT_AT = 16
 STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 
 
@@ -87,7 +89,7 @@ def _chat_first(gateway: GatewayProcess) -> Callable[[str], list[dict[str, Any]]
 
 @STREAMS
 def test_chat_cut_at_max_tokens_says_length(engine_gateway: GatewayProcess, stream: bool) -> None:
-    then = _chat(engine_gateway, stream, tool_choice="required", max_tokens=28)
+    then = _chat(engine_gateway, stream, tool_choice="required", max_tokens=CUT_AT)
     spliced, plain, recorded = _spliced_and_plain(engine_gateway, _chat_first(engine_gateway), then)
     assert plain["finish_reason"] == "length"
     if stream:  # the edge: the call's name and part of its arguments streamed before the cut
@@ -158,7 +160,9 @@ def _responses(gateway: GatewayProcess, stream: bool, **fields: Any) -> Callable
 
 @STREAMS
 def test_responses_cut_at_max_output_tokens_is_incomplete(engine_gateway: GatewayProcess, stream: bool) -> None:
-    then = _responses(engine_gateway, stream, tool_choice="required", max_output_tokens=28, extra_body={"seed": SEED})
+    then = _responses(
+        engine_gateway, stream, tool_choice="required", max_output_tokens=CUT_AT, extra_body={"seed": SEED}
+    )
     spliced, plain, recorded = _spliced_and_plain(engine_gateway, _responses_first(engine_gateway), then)
     assert (plain["status"], plain["incomplete"]) == ("incomplete", "max_output_tokens")
     assert plain["last_event"] == ("response.incomplete" if stream else None)
@@ -224,7 +228,7 @@ def _messages(gateway: GatewayProcess, stream: bool, seed: int, **fields: Any) -
 
 @STREAMS
 def test_messages_cut_at_max_tokens_says_max_tokens(engine_gateway: GatewayProcess, stream: bool) -> None:
-    then = _messages(engine_gateway, stream, SEED, tools=MESSAGE_TOOLS, tool_choice={"type": "any"}, max_tokens=28)
+    then = _messages(engine_gateway, stream, SEED, tools=MESSAGE_TOOLS, tool_choice={"type": "any"}, max_tokens=CUT_AT)
     first = _messages_first(engine_gateway, SEED, tools=True)
     spliced, plain, recorded = _spliced_and_plain(engine_gateway, first, then)
     assert plain["stop_reason"] == "max_tokens"

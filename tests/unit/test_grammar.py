@@ -60,6 +60,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "named": NAMED,
     "named_not_strict": named("lookup"),
     "named_integers": {"tools": [COUNT], "tool_choice": {"type": "function", "function": {"name": "count"}}},
+    "named_not_ascii": {  # its name's characters span tokens: pinned up to the last whole one
+        "tools": [{"type": "function", "function": {"name": "météo_東京", "strict": True, "parameters": CITY_SCHEMA}}],
+        "tool_choice": {"type": "function", "function": {"name": "météo_東京"}},
+    },
     "required": {"tools": [WEATHER, LOOKUP], "tool_choice": "required"},
     "required_single_call": {"tools": [WEATHER, LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
     "auto_strict_tool": {"tools": [WEATHER, LOOKUP]},
@@ -128,7 +132,7 @@ def vllm_spec(body: dict[str, Any], tokenizer: Any) -> tuple[str, str, bool] | N
 def test_spec_is_what_vllm_compiles(name: str, tokenizer: Any) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **REQUESTS[name]}
     theirs = vllm_spec(copy.deepcopy(body), tokenizer)
-    ours = grammar_spec(copy.deepcopy(body))
+    ours = grammar_spec(copy.deepcopy(body), tokenizer)
     if theirs is None or not theirs[2]:  # no grammar, or another backend's
         assert ours is None
         return
@@ -156,6 +160,53 @@ def test_named_tool_call_masks_every_position(tokenizer: Any, masks: GrammarMask
     assert allowed_text(tokenizer, bitmask[0]) <= {"<tool_call>", *("<tool_call>"[:k] for k in range(1, 11))}
     # The forced call closes with `}`, then the only way on is the stop token.
     assert allowed(bitmask[-1], len(tokenizer)) == {tokenizer.eos_token_id}
+
+
+def test_a_forced_calls_constant_text_is_sampled_in_the_tokenizers_spelling(
+    tokenizer: Any, masks: GrammarMasks
+) -> None:
+    """#42: the envelope of a named call is the tokens the tokenizer spells it in, one allowed at each position
+    (before: every spelling, `<`, `tool`, `_`, ...: a random model spent 27 tokens on a head the tokenizer
+    spells in 14, and ran out of tokens at 48). The text at the arguments' edge stays text, so the model may
+    merge it with them as the tokenizer does (` {"`)."""
+    sampled = ids(tokenizer, WEATHER_CALL)
+    rows = masks.for_call(NAMED, sampled)
+    assert rows is not None
+    head = len(ids(tokenizer, '<tool_call>\n{"name": "get_weather", "arguments":', eos=False))
+    compact = tokenizer.convert_tokens_to_ids('{"')  # the envelope without the newline (vLLM's second form)
+    for position in range(head):
+        expected = {sampled[position], compact} if position == 1 else {sampled[position]}
+        assert allowed(rows[position], len(tokenizer)) == expected, position
+    assert allowed_text(tokenizer, rows[head]) == {" ", ' {"'}
+    # After the arguments' closing `}`: `\n` and `</tool_call>` as their tokens, then only the stop token.
+    assert [allowed_text(tokenizer, row) for row in rows[-3:]] == [{"\n"}, {"</tool_call>"}, {tokenizer.eos_token}]
+
+
+def test_forced_calls_of_other_tools_compiled_by_one_compiler_keep_their_own_tokens(tokenizer: Any) -> None:
+    """vLLM compiles every request's grammar with one caching xgrammar compiler, whose cross-grammar cache of
+    token masks does not tell token edges apart by their ids (engine/tool_grammar.py, _NO_SHARED_MASKS): each
+    forced call's rows must be what its grammar alone allows, whatever was compiled before it (before the opt-out,
+    a call of `note` after one of `get_weather` allowed `get` where `note` begins, and vLLM failed it)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    shared, alone = xgr.GrammarCompiler(info), xgr.GrammarCompiler(info, cache_enabled=False)
+    for name in ("get_weather", "note", "lookup", "get_weather"):
+        tool = {"type": "function", "function": {"name": name, "strict": True, "parameters": CITY_SCHEMA}}
+        spec = grammar_spec(
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": name}}}, tokenizer
+        )
+        assert spec is not None
+        sampled = ids(tokenizer, WEATHER_CALL.replace("get_weather", name))
+        rows = []
+        for compiler in (shared, alone):
+            matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(spec.text))
+            bitmask = xgr.allocate_token_bitmask(len(sampled), len(tokenizer))
+            for position, token in enumerate(sampled):
+                matcher.fill_next_token_bitmask(bitmask, position)
+                assert matcher.accept_token(token), (name, position)
+            rows.append(bitmask)
+        assert torch.equal(*rows), name
 
 
 def test_a_tool_calls_arguments_have_no_free_whitespace(tokenizer: Any, masks: GrammarMasks) -> None:
@@ -276,7 +327,7 @@ def test_a_sequence_the_grammar_rejects_names_its_position(tokenizer: Any, masks
 
 def test_strict_tool_calling_off_uses_the_tools_json_schema(tokenizer: Any) -> None:
     masks = GrammarMasks(tokenizer, len(tokenizer), strict_tool_calling=False)
-    assert grammar_spec(NAMED, strict_tool_calling=False) == GrammarSpec("json", json.dumps(CITY_SCHEMA))
+    assert grammar_spec(NAMED, tokenizer, strict_tool_calling=False) == GrammarSpec("json", json.dumps(CITY_SCHEMA))
     rows = masks.for_call(NAMED, ids(tokenizer, '{"city": "Paris"}'))  # bare arguments, no envelope
     assert rows is not None
     with pytest.raises(ValueError, match="position 0"):
