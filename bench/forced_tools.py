@@ -136,10 +136,7 @@ def engine(model: Path, extra: tuple[str, ...], log_path: Path) -> Iterator[str]
         log_path=log_path,
         extra_args=list(extra),
     )
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            config.command(), env=config.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    proc = config.start_unsupervised()
     try:
         while not _healthy(config.url):
             if proc.poll() is not None:

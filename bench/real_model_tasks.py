@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -168,10 +167,7 @@ def main() -> None:
     config = EngineConfig(
         base_model=str(model), served_name="smollm2", port=free_port(), log_path=scratch / "engine.log"
     )
-    with config.log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            config.command(), env=config.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    proc = config.start_unsupervised()
     try:
         while True:
             if proc.poll() is not None:

@@ -59,15 +59,7 @@ def vllm_engines(
                 log_path=where / f"vllm-{n}.log",
                 extra_args=tuple(extra),
             )
-            with config.log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    config.command(),
-                    env=config.environment(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            started.append((config.url, proc))
+            started.append((config.url, config.start_unsupervised()))
         deadline = time.monotonic() + timeout
         for n, (url, proc) in enumerate(started):
             while not healthy(url):

@@ -36,6 +36,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -125,6 +126,14 @@ class EngineConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def start_unsupervised(self) -> subprocess.Popen[bytes]:
+        """This engine as a process leading a session of its own, its output into `log_path`, with nobody to
+        restart or stop it: the tests' shared engine and the benches' (a gateway supervises its own)."""
+        with self.log_path.open("wb") as log:
+            return subprocess.Popen(
+                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def command(self) -> list[str]:
         return [

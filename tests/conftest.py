@@ -340,14 +340,7 @@ def vllm_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         max_model_len=4096,
         log_path=tmp_path_factory.mktemp("vllm") / "engine.log",
     )
-    with config.log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            config.command(),
-            env=config.environment(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = config.start_unsupervised()
     try:
         wait_http(f"{config.url}/health", 600, proc)
     except Exception:

@@ -211,16 +211,7 @@ def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[tuple[st
                 max_model_len=4096,
                 log_path=tmp_path / f"vllm-{n}.log",
             )
-            with config.log_path.open("wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        config.command(),
-                        env=config.environment(),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+            procs.append(config.start_unsupervised())
             urls.append(config.url)
         for url, proc in zip(urls, procs, strict=True):
             wait_http(f"{url}/health", 600, proc)
