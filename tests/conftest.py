@@ -758,6 +758,12 @@ def start_stub(*args: str, port: int | None = None) -> tuple[str, subprocess.Pop
     return url, proc
 
 
+def hold_stub(url: str, hold: bool) -> None:
+    """Make the stand-in engine at `url` hold every inference call until released (`hold=False`): a call stays in
+    flight for exactly as long as a test needs it."""
+    httpx.put(f"{url}/hold", json={"hold": hold}, timeout=30).raise_for_status()
+
+
 @pytest.fixture
 def upstream() -> Iterator[str]:
     """The stand-in engine's URL, for one test: its plain answers and streams are cheap, so under load the

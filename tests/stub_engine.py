@@ -2,8 +2,10 @@
 (a hang past the gateway's timeout, a 5xx answer, dying mid-stream, vLLM's 400 for a negative temperature,
 its runtime LoRA API with what is loaded in `GET /loras` and `GET /v1/models`, a LoRA it does not hold answered
 404 as vLLM does, and `PUT /loads` {"refuse": true, "delay": SECONDS} making it refuse, or take that long over,
-every load until told otherwise) and for watching the engine's side of a client hang-up: with --endless-stream
-it streams a token every 20 ms until its client goes away, and `GET /stats` counts the streams it started and
+every load until told otherwise; `PUT /hold` {"hold": true} holds every inference call until {"hold": false}: a
+call in flight for as long as a test needs one) and for watching the engine's side of a client hang-up:
+with --endless-stream it streams a token every 20 ms until its client goes away, and `GET /stats` counts the
+streams it started and
 the ones whose client hung up (vLLM aborts the request then, but on a busy CPU its own event loop may only
 notice once the generation is over), and shows the W3C `traceparent` of the last inference request (vLLM's
 tracing parents its spans on it) and, once one came, how many plain inference `requests` came.
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+from collections.abc import Awaitable
 from typing import Any
 
 import uvicorn
@@ -157,15 +160,18 @@ async def _garbled(send, kind: str, stream: bool) -> None:  # type: ignore[no-un
     await send({"type": "http.response.body", "body": _chunk() + b"data: [DONE]\n\n", "more_body": False})
 
 
-async def _wait_unless_aborted(receive, seconds: float) -> bool:  # type: ignore[no-untyped-def]
-    """Sleep, as an engine busy generating; False when the client goes away first (vLLM aborts then)."""
+async def _wait_unless_aborted(receive, work: Awaitable[object]) -> bool:  # type: ignore[no-untyped-def]
+    """Wait for `work` (a sleep, or a hold's release), as an engine busy generating; False when the client goes away
+    first (vLLM aborts then)."""
     listener = asyncio.ensure_future(receive())
+    working = asyncio.ensure_future(work)
     try:
-        await asyncio.wait_for(asyncio.shield(listener), seconds)
-    except TimeoutError:
-        return True
+        await asyncio.wait((listener, working), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        working.cancel()
+    if not listener.done():
         listener.cancel()
+        return True
     return listener.result()["type"] != "http.disconnect"
 
 
@@ -181,6 +187,8 @@ def make_app(  # type: ignore[no-untyped-def]
     stats: dict[str, Any] = {"streams_started": 0, "streams_aborted": 0, "requests_aborted": 0}
     loaded: dict[str, str] = {}  # LoRA adapters by name -> path: GET /loras
     loads: dict[str, Any] = {"refuse": False, "delay": 0.0}  # PUT /loads: every load fails, or takes that long
+    released = asyncio.Event()  # PUT /hold {"hold": true} clears it: inference calls wait until {"hold": false}
+    released.set()
     calls: list[str] = []  # the LoRA API calls, in order: "load NAME", "unload NAME"
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
@@ -196,6 +204,13 @@ def make_app(  # type: ignore[no-untyped-def]
         elif path == "/loads":
             loads.update(json.loads(await _body(receive) or b"{}"))
             body, code = json.dumps(loads).encode(), 200
+        elif path == "/hold":
+            hold = bool(json.loads(await _body(receive) or b"{}").get("hold"))
+            if hold:
+                released.clear()
+            else:
+                released.set()
+            body, code = json.dumps({"hold": hold}).encode(), 200
         elif path.endswith("_lora_adapter"):
             if path.endswith("/load_lora_adapter"):
                 await asyncio.sleep(loads["delay"])
@@ -230,8 +245,11 @@ def make_app(  # type: ignore[no-untyped-def]
                 )
                 await send({"type": "http.response.body", "body": body})
                 return
-            if delay and not await _wait_unless_aborted(receive, delay):
+            if delay and not await _wait_unless_aborted(receive, asyncio.sleep(delay)):
                 stats["requests_aborted"] += 1  # the client (the gateway) hung up while the "engine" worked
+                return
+            if not released.is_set() and not await _wait_unless_aborted(receive, released.wait()):
+                stats["requests_aborted"] += 1
                 return
             if garbled is not None:  # an answer vLLM never sends: the gateway must say so, not crash
                 await _garbled(send, garbled, bool(request.get("stream")))

@@ -24,6 +24,7 @@ from tests.conftest import (
     ARTGW,
     BASE_NAME,
     free_port,
+    hold_stub,
     make_adapter,
     metric,
     poll,
@@ -67,12 +68,14 @@ def engines_of(gateway: Any, rollout_id: str) -> list[str]:
 
 
 def test_a_rollouts_calls_reach_one_engine_and_new_rollouts_go_to_the_least_loaded(tmp_path: Path, stubs) -> None:
-    # The first engine answers after 5 s, the second at once: a call in flight on the first makes it the busier.
-    stubs.append(slow := start_stub("--delay", "5"))
+    # The first engine holds its calls until released, the second answers at once: a call in flight on the first
+    # makes it the busier.
+    stubs.append(slow := start_stub())
     stubs.append(fast := start_stub())
     gateway = start_gateway(tmp_path, "--upstream", f"{slow[0]},{fast[0]}")
     try:
         answered: list[httpx.Response] = []
+        hold_stub(slow[0], True)
         first = threading.Thread(target=lambda: answered.append(chat(gateway, "slow-1")))
         first.start()  # a new rollout, both engines idle: the first engine
         poll(lambda: metric(gateway.url, "artgw_engine_in_flight", engine=slow[0]) == 1, 30, "the call in flight")
@@ -82,6 +85,7 @@ def test_a_rollouts_calls_reach_one_engine_and_new_rollouts_go_to_the_least_load
             for _ in range(3):
                 assert chat(gateway, f"fast-{n}").status_code == 200
         assert first.is_alive(), "the slow engine's call ended before the others were sent: no load to see"
+        hold_stub(slow[0], False)
         first.join()
         assert answered[0].status_code == 200
         assert chat(gateway, "slow-1").status_code == 200  # its rollout's engine, though it is the slower
@@ -99,11 +103,14 @@ def test_a_rollouts_calls_reach_one_engine_and_new_rollouts_go_to_the_least_load
 
 
 def test_an_engine_killed_mid_run_is_out_of_rotation_and_back_when_it_answers(tmp_path: Path, stubs) -> None:
-    stubs.append(dying := start_stub("--delay", "3"))
-    stubs.append(other := start_stub("--delay", "3"))
+    # Both engines hold their calls until released: the dying one dies with two in flight.
+    stubs.append(dying := start_stub())
+    stubs.append(other := start_stub())
     port = int(dying[0].rsplit(":", 1)[1])
     gateway = start_gateway(tmp_path, "--upstream", dying[0], "--upstream", other[0], "--engine-health-interval", "0.5")
     try:
+        for url, _ in (dying, other):
+            hold_stub(url, True)
         rollouts = ["r0", "r1", "r2", "r3"]
         threads, answers = [], {}
         for rollout_id in rollouts:  # each rollout's first call, two on each engine
@@ -114,6 +121,7 @@ def test_an_engine_killed_mid_run_is_out_of_rotation_and_back_when_it_answers(tm
         poll(lambda: metric(gateway.url, "artgw_engine_in_flight", engine=dying[0]) == 2, 30, "two calls in flight")
         os.killpg(dying[1].pid, signal.SIGKILL)  # mid-run: two calls in flight on it
         dying[1].wait()
+        hold_stub(other[0], False)
         for thread in threads:
             thread.join()
         # The calls it was working on were cut before any answer: sent again to the other engine, and answered.

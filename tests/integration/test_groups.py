@@ -227,14 +227,14 @@ def test_rollouts_of_another_model_are_rejected(stub_gateway) -> None:
 # both cores while it generated 60,000 tokens) and took 47, 197 and 179 s (15 s alone), twice never seeing its call
 # in flight within 120 s; why is not known (issue 39's note). A failure prints what the busy call got.
 def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
-    from tests.conftest import start_gateway
+    from tests.conftest import hold_stub, start_gateway
 
-    # The engine holds each call 20 s: the window in which the test must see the call in flight (a fresh clone's
-    # run under load once took longer than a 6 s window to scrape the gateway's metrics)
-    url, proc = start_stub("--delay", "20")
+    # The engine holds the busy call until the test has seen it in flight and been refused: no window to miss
+    url, proc = start_stub()
     gateway = start_gateway(tmp_path, "--upstream", url)
     try:
         done = record(gateway)
+        hold_stub(url, True)
         busy = f"busy-{uuid.uuid4().hex[:6]}"
         answered: list[object] = []  # the busy call's answer or exception: what a failure below prints
 
@@ -258,6 +258,7 @@ def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
         try:
             poll(in_flight, 120, "the call in flight")
         except AssertionError as exc:
+            hold_stub(url, False)
             thread.join(60)
             raise AssertionError(f"never seen in flight; the busy call got {answered!r}\n{gateway.log()}") from exc
         err = error(
@@ -271,7 +272,9 @@ def test_rollout_with_a_call_in_flight_is_409(tmp_path) -> None:
             409,
         )
         assert err["code"] == "rollout_in_flight" and busy in err["message"]
+        hold_stub(url, False)
         thread.join()
+        assert isinstance(answered[0], httpx.Response) and answered[0].status_code == 200, answered
         r = post_group(
             gateway,
             {"model": "my-agent", "rollouts": [{"rollout_id": done, "reward": 1}, {"rollout_id": busy, "reward": 0}]},
