@@ -91,7 +91,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
     keep_private(settings.data_dir, settings.sqlite_path)
     async with (
-        open_store(settings.db_url, migrate_schema=settings.migrate) as store,
+        open_store(settings.db_url, migrate_schema=settings.migrate, wait_seconds=settings.store_wait) as store,
         httpx.AsyncClient(
             base_url=settings.upstream_url,
             timeout=httpx.Timeout(settings.request_timeout, connect=5.0),

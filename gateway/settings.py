@@ -183,6 +183,13 @@ class ServerSettings:
         default=True,
         metadata={"help": "run the store's Alembic migrations on start", "inverse_env": "ARTGW_NO_MIGRATE"},
     )
+    store_wait: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds a store access waits for a lock or a connection before the call that needs it is "
+            "refused (503 store_unavailable, Retry-After)"
+        },
+    )
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "largest request body accepted (bytes)"})
     # Read timeouts of the gateway's own server (gateway/server.py): a client can't hold a connection forever.
     # Longer than clients' own keep-alive expiry (httpx 5 s, aiohttp 15 s) so the client ends an idle connection:
@@ -228,6 +235,7 @@ class ServerSettings:
         _at_least(1, ("--max-body-bytes", self.max_body_bytes))
         _at_least(1024, ("--max-header-bytes", self.max_header_bytes))
         _seconds(
+            ("--store-wait", self.store_wait),
             ("--keep-alive-timeout", self.keep_alive_timeout),
             ("--header-timeout", self.header_timeout),
             ("--body-timeout", self.body_timeout),

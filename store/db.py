@@ -41,7 +41,7 @@ def _sqlite_path(url: str) -> None:
 # it fails. The async engine serves request handlers, which must answer 503 `store_unavailable` promptly when
 # the store is locked or down rather than hang for half a minute; the recorder writes through its own engine
 # (create_sync_sqlite_engine) or retries, so it keeps waiting as long as it takes.
-STORE_WAIT_SECONDS = 5.0
+STORE_WAIT_SECONDS = 5.0  # the gateway's --store-wait (gateway/settings.py) has the same default
 RECORDER_BUSY_TIMEOUT = 30.0
 
 

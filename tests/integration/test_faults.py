@@ -70,15 +70,15 @@ def adapter_dir(tmp_path: Path) -> Path:
 
 
 def test_locked_store_is_a_prompt_503_while_inference_and_reads_go_on(gateway_factory, stub_url, tmp_path) -> None:
-    gateway = gateway_factory("--upstream", stub_url)
+    gateway = gateway_factory("--upstream", stub_url, "--store-wait", "1")
     for rollout_id in ("before", "before-2"):
         assert chat(gateway, rollout_id).status_code == 200
         assert rollout(gateway, rollout_id).status_code == 200  # read-your-writes: waits until it is stored
     lock = sqlite3.connect(gateway.db_path, isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
     try:
-        # A write waits out the store's busy timeout (5 s), not 30 s, then says what happened (within the
-        # client's 12 s, else httpx raises ReadTimeout).
+        # A write waits out the store's busy timeout (--store-wait, 1 s here), not SQLite's own, then says what
+        # happened (within the client's 12 s, else httpx raises ReadTimeout).
         rewards = [{"rollout_id": "before", "reward": 1.0}, {"rollout_id": "before-2", "reward": 0.0}]
         group = {"model": "my-agent", "group_id": "g-locked", "rollouts": rewards}
         r = httpx.post(f"{gateway.base_url}/art/groups", json=group, timeout=12, headers=gateway.admin)
