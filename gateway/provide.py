@@ -217,6 +217,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             ),
             session=session,
             engines=engines,
+            restore=adapters.restore_engine,
             request_timeout=settings.request_timeout,
             registry=registry,
             recorder=recorder,

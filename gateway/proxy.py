@@ -26,7 +26,7 @@ from opentelemetry.trace import Span
 
 from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineState
-from gateway.adapters import AdapterRegistry, Pin, Route
+from gateway.adapters import AdapterRegistry, Pin, Route, adapter_name
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
 from gateway.continuation import (
@@ -317,6 +317,7 @@ class EngineCalls:
         tracer: CallTracer | None = None,
         splicers: dict[str, Splicer] | None = None,
         continuations: Continuations | None = None,
+        restore: Callable[[Engine], Awaitable[str | None]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
@@ -337,6 +338,9 @@ class EngineCalls:
         # own tokens: on any engine, since the tokens are the gateway's.
         self.continuations = Continuations() if continuations is None else continuations  # empty is falsy
         self.splicers = splicers
+        # An engine that answers that it lacks a call's LoRA step (it restarted before its next probe) gets every
+        # served step loaded again (gateway/adapters.py restore_engine), when no other engine can take the call.
+        self.restore = restore
 
     async def answer(
         self,
@@ -413,12 +417,16 @@ class EngineCalls:
     async def _answer(self, call: _Call, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         spec = call.spec
         served: Served | None = None
+        regained = False
         try:
             try:
                 while True:
                     way, served = await self._upstream(call)
                     try:
                         upstream = await self._send(call, way.path, way.body)
+                        if upstream.status == 404 and not regained and await self._regained(call, upstream):
+                            regained = True  # once: an engine that still lacks the step fails the call below
+                            continue
                         break
                     except UNREACHED:
                         # Nothing reached the engine: it leaves rotation, and the call (spliced anew there) goes to
@@ -555,6 +563,31 @@ class EngineCalls:
     def _resending(self, call: _Call, exc: BaseException | None) -> None:
         log.warning("the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc)
         self.metrics.engine_resent(call.label, type(exc).__name__)
+
+    async def _regained(self, call: _Call, upstream: aiohttp.ClientResponse) -> bool:
+        """The call's engine answered 404 to a call routed to a LoRA step: it does not hold the step (it restarted
+        since its last probe, losing every adapter). Whether the call is sent again (`upstream` released): to
+        another engine in rotation, this one quarantined until its probe has loaded every served step there, or,
+        with no other, to this one once they are loaded again. Else the client gets 503 `adapter_unavailable`."""
+        route = call.spec.route
+        if route.model is None or not route.step:
+            return False
+        lost = adapter_name(route.model, route.step)
+        engine = call.engine
+        other = self.engines.lost_step(call.rollout, engine, f"it does not hold {lost} (restarted?)")
+        if other is not None:
+            log.warning("engine %s does not hold %s: a call of it goes to %s", engine.url, lost, other.url)
+            call.engine = other
+        elif self.restore is None:
+            return False
+        else:
+            problem = await self.restore(engine)
+            if problem is not None:
+                log.warning("engine %s lacks %s, and could not be given it again: %s", engine.url, lost, problem)
+                return False
+            log.warning("engine %s lacked %s (restarted?): every served step loaded there again", engine.url, lost)
+        upstream.release()
+        return True
 
     def _fail_over(self, call: _Call) -> bool:
         """The call's engine could not be reached: whether the call goes to another engine (`call.engine`)."""
