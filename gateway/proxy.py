@@ -605,13 +605,19 @@ class EngineCalls:
     async def _upstream(self, call: _Call) -> tuple[Upstream, Served | None]:
         """How the call's engine serves it: spliced, for a chat call that continues its rollout on an engine with
         a splicer, else as sent; and how a continuing call is served (None: it does not continue)."""
-        spec, origin, splicer = call.spec, call.origin, call.splicer
-        plain = PlainUpstream(spec.path, spec.body, splicer)
+        spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
-            return plain, None
+            return PlainUpstream(spec.path, spec.body, call.splicer), None
         continued, call.rollout_known = await self.continuations.look_up(
             origin.rollout_key, spec.request, spec.route, call.digests
         )
+        if call.rejoin:  # the pool did not know the rollout: the engine of its last call, where one served it
+            call.rejoin = False
+            last = self.continuations.engine_of(origin.rollout_key)
+            if last is not None and call.rollout is not None:
+                call.engine = self.engines.rejoin(call.rollout, call.engine, last)
+        splicer = call.splicer
+        plain = PlainUpstream(spec.path, spec.body, splicer)
         if continued is None:
             return plain, None
         if splicer is None:
@@ -718,7 +724,11 @@ class _Call:
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
         # The engine it goes to, counted in flight there until it is recorded (`finish`).
         self.rollout = origin.rollout_key if origin.explicit else None
-        self.engine: Engine = service.engines.pick(self.rollout).engine
+        picked = service.engines.pick(self.rollout)
+        self.engine: Engine = picked.engine
+        # A rollout new to this pool (another replica's, or from before a restart) goes back to the engine of its
+        # last call once the continuation look-up has found it (EngineCalls._upstream), if it can take it.
+        self.rejoin = not picked.remembered
         # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
         # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
         tracer = service.tracer
