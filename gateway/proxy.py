@@ -570,9 +570,10 @@ class EngineCalls:
         another engine in rotation, this one quarantined until its probe has loaded every served step there, or,
         with no other, to this one once they are loaded again. Else the client gets 503 `adapter_unavailable`."""
         route = call.spec.route
-        if route.model is None or not route.step:
-            return False
-        lost = adapter_name(route.model, route.step)
+        model = self.registry.models.get(route.model) if route.model is not None else None
+        if model is None or not route.step or route.step not in model.loaded_steps:
+            return False  # the base weights, or a step unloaded since the call was routed to it: the engine is right
+        lost = adapter_name(model.name, route.step)
         engine = call.engine
         other = self.engines.lost_step(call.rollout, engine, f"it does not hold {lost} (restarted?)")
         if other is not None:
