@@ -49,6 +49,7 @@ class Pick:
 
     engine: Engine
     moved: str | None = None  # "unhealthy" | "quarantined" | "saturated": its previous engine could not take it
+    remembered: bool = True  # the pool knew the rollout's engine (False: new here; `rejoin` may still find it)
 
 
 class EnginePool:
@@ -108,21 +109,48 @@ class EnginePool:
             self.moves[moved] = self.moves.get(moved, 0) + 1
         chosen.in_flight += 1
         chosen.calls += 1
-        return Pick(chosen, moved)
+        return Pick(chosen, moved, remembered=rollout is None or sticky is not None)
+
+    def rejoin(self, rollout: Hashable, picked: Engine, url: str) -> Engine:
+        """A call of a rollout the pool did not remember was picked for `picked`; `url` served the rollout's last
+        call (through another replica, or before a restart: the store says so). The call goes back there, its
+        prefix in that engine's cache, when it is in rotation and not saturated (`pick`'s escape); else it stays.
+        `picked` keeps the call in its count of calls (a counter never goes down)."""
+        engine = next((e for e in self.engines if e.url == url), None)
+        if engine is None or engine is picked or not engine.in_rotation:
+            return picked
+        if engine.in_flight >= self.saturation and picked.in_flight < engine.in_flight:
+            return picked
+        picked.in_flight -= 1
+        engine.in_flight += 1
+        engine.calls += 1
+        self._remember(rollout, engine)
+        return engine
 
     def failover(self, rollout: Hashable | None, failed: Engine) -> Engine | None:
         """A call could not reach `failed`: it leaves rotation, and the call (counted in flight where it goes)
         goes to the least loaded other engine; None when there is none."""
         self.failed(failed)
-        other = self.least_loaded(exclude=failed)
+        return self._move(rollout, failed, "unreachable")
+
+    def lost_step(self, rollout: Hashable | None, engine: Engine, why: str) -> Engine | None:
+        """`engine` answered that it does not hold a LoRA step the gateway routes to (it restarted since its last
+        probe): quarantined, and the call goes to the least loaded other engine; None when there is none."""
+        self.quarantine(engine, why)
+        return self._move(rollout, engine, "quarantined")
+
+    def _move(self, rollout: Hashable | None, left: Engine, why: str) -> Engine | None:
+        """A call picked for `left` goes to the least loaded other engine in rotation (counted there); None when
+        there is none."""
+        other = self.least_loaded(exclude=left)
         if other is None:
             return None
-        failed.in_flight -= 1
+        left.in_flight -= 1
         other.in_flight += 1
         other.calls += 1
         if rollout is not None:
             self._remember(rollout, other)
-            self.moves["unreachable"] = self.moves.get("unreachable", 0) + 1
+            self.moves[why] = self.moves.get(why, 0) + 1
         return other
 
     def done(self, engine: Engine) -> None:

@@ -347,29 +347,40 @@ class AdapterService:
         if engine.in_rotation and self._lock.locked():
             return None
         async with self._lock:
-            held = await self._held(engine, wait=2.0 if engine.in_rotation else 30.0)
-            if held is None:  # in rotation, its health probe says whether it is gone
-                return None if engine.in_rotation else "its /v1/models does not answer"
-            missing = {
-                adapter_name(m.name, step): (m.name, step)
-                for m in self.registry.models.values()
-                for step in m.loaded_steps
-                if adapter_name(m.name, step) not in held
-            }
-            if not missing:
-                return None
-            if engine.in_rotation:
-                return f"it lost {', '.join(sorted(missing))} (restarted?)"
-            async with self.store.connect() as conn:
-                rows = [await committed_step(conn, model, step) for model, step in missing.values()]
-            for adapter, row in zip(missing, rows, strict=True):
-                if row is None:
-                    return f"{adapter} is served but not in the store"
-                why = await self._load_on(engine, adapter, row.path)
-                if why is not None:
-                    return f"did not load {adapter}: {why[:500]}"
-            log.info("engine %s holds every served step again (%d loaded)", engine.url, len(missing))
+            return await self._prepare(engine, load=not engine.in_rotation)
+
+    async def restore_engine(self, engine: Engine) -> str | None:
+        """An engine answered a call that it does not hold the step the call was routed to (it restarted since
+        its last probe, and lost every adapter: gateway/proxy.py): every step calls may be routed to is loaded
+        there again, now, so that the call is sent again rather than failed. None when it holds them all."""
+        async with self._lock:
+            return await self._prepare(engine, load=True)
+
+    async def _prepare(self, engine: Engine, *, load: bool) -> str | None:
+        """`prepare_engine`'s check (under the lock); `load`: the missing steps are loaded, else only said."""
+        held = await self._held(engine, wait=30.0 if load else 2.0)
+        if held is None:  # only checked (in rotation): its health probe says whether it is gone
+            return "its /v1/models does not answer" if load else None
+        missing = {
+            adapter_name(m.name, step): (m.name, step)
+            for m in self.registry.models.values()
+            for step in m.loaded_steps
+            if adapter_name(m.name, step) not in held
+        }
+        if not missing:
             return None
+        if not load:
+            return f"it lost {', '.join(sorted(missing))} (restarted?)"
+        async with self.store.connect() as conn:
+            rows = [await committed_step(conn, model, step) for model, step in missing.values()]
+        for adapter, row in zip(missing, rows, strict=True):
+            if row is None:
+                return f"{adapter} is served but not in the store"
+            why = await self._load_on(engine, adapter, row.path)
+            if why is not None:
+                return f"did not load {adapter}: {why[:500]}"
+        log.info("engine %s holds every served step again (%d loaded)", engine.url, len(missing))
+        return None
 
     async def load(self, name: str, spec: AdapterLoad) -> Decision:
         """Commit a trainer's new step: load it on every engine, record it, unload steps older than `keep`. The

@@ -95,6 +95,7 @@ class LastCall:
     message_keys: tuple[bytes, ...]  # each message's digest
     prompt_ids: array[int]  # int32: 4 bytes a token
     replies: tuple[tuple[bytes, array[int]], ...]  # each choice: its message's digest and its sampled ids
+    engine: str | None = None  # the engine that served it (CallRecord.engine): the rollout's next call goes there
 
     @property
     def size(self) -> int:
@@ -174,6 +175,11 @@ class Continuations:
             digests = message_digests(request)
         return _continued(last, request, route, digests)
 
+    def engine_of(self, rollout: RolloutKey) -> str | None:
+        """The engine that served the rollout's last call held (after `look_up`: the newest had), if known."""
+        last = self._last.get(rollout)
+        return None if last is None else last.engine
+
     async def look_up(
         self, rollout: RolloutKey, request: dict[str, Any], route: Route, digests: tuple[bytes, ...] | None
     ) -> tuple[Continued | None, bool]:
@@ -237,6 +243,7 @@ def _last_call(record: CallRecord, digests: tuple[bytes, ...] | None) -> LastCal
         message_keys=digests,
         prompt_ids=array("i", record.prompt_token_ids),
         replies=tuple((_digest(c.message), array("i", c.token_ids)) for c in record.choices),
+        engine=record.engine,
     )
 
 

@@ -208,15 +208,17 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(
             splicers=splicers,
-            # A rollout's last call not held here is read from the store (needed only to splice).
+            # A rollout's last call not held here is read from the store: to splice, and with several engines to
+            # send the call to the engine that served it (another replica's call, or one from before a restart).
             continuations=Continuations(
                 settings.continuation_cache_bytes,
-                read=store.rollouts.last_chat_call if splicers is not None else None,
+                read=store.rollouts.last_chat_call if splicers is not None or len(engines) > 1 else None,
                 read_seconds=settings.continuation_read_seconds,
                 counted=metrics.continuation_read,
             ),
             session=session,
             engines=engines,
+            restore=adapters.restore_engine,
             request_timeout=settings.request_timeout,
             registry=registry,
             recorder=recorder,

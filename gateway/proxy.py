@@ -26,7 +26,7 @@ from opentelemetry.trace import Span
 
 from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineState
-from gateway.adapters import AdapterRegistry, Pin, Route
+from gateway.adapters import AdapterRegistry, Pin, Route, adapter_name
 from gateway.asgi import EventStream, HangUp, JSONBody
 from gateway.auth import Caller, RateLimits
 from gateway.continuation import (
@@ -317,6 +317,7 @@ class EngineCalls:
         tracer: CallTracer | None = None,
         splicers: dict[str, Splicer] | None = None,
         continuations: Continuations | None = None,
+        restore: Callable[[Engine], Awaitable[str | None]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): a span per call
@@ -337,6 +338,9 @@ class EngineCalls:
         # own tokens: on any engine, since the tokens are the gateway's.
         self.continuations = Continuations() if continuations is None else continuations  # empty is falsy
         self.splicers = splicers
+        # An engine that answers that it lacks a call's LoRA step (it restarted before its next probe) gets every
+        # served step loaded again (gateway/adapters.py restore_engine), when no other engine can take the call.
+        self.restore = restore
 
     async def answer(
         self,
@@ -413,12 +417,16 @@ class EngineCalls:
     async def _answer(self, call: _Call, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         spec = call.spec
         served: Served | None = None
+        regained = False
         try:
             try:
                 while True:
                     way, served = await self._upstream(call)
                     try:
                         upstream = await self._send(call, way.path, way.body)
+                        if upstream.status == 404 and not regained and await self._regained(call, upstream):
+                            regained = True  # once: an engine that still lacks the step fails the call below
+                            continue
                         break
                     except UNREACHED:
                         # Nothing reached the engine: it leaves rotation, and the call (spliced anew there) goes to
@@ -556,6 +564,32 @@ class EngineCalls:
         log.warning("the engine cut a connection before answering (%s: %s); sending again", type(exc).__name__, exc)
         self.metrics.engine_resent(call.label, type(exc).__name__)
 
+    async def _regained(self, call: _Call, upstream: aiohttp.ClientResponse) -> bool:
+        """The call's engine answered 404 to a call routed to a LoRA step: it does not hold the step (it restarted
+        since its last probe, losing every adapter). Whether the call is sent again (`upstream` released): to
+        another engine in rotation, this one quarantined until its probe has loaded every served step there, or,
+        with no other, to this one once they are loaded again. Else the client gets 503 `adapter_unavailable`."""
+        route = call.spec.route
+        model = self.registry.models.get(route.model) if route.model is not None else None
+        if model is None or not route.step or route.step not in model.loaded_steps:
+            return False  # the base weights, or a step unloaded since the call was routed to it: the engine is right
+        lost = adapter_name(model.name, route.step)
+        engine = call.engine
+        other = self.engines.lost_step(call.rollout, engine, f"it does not hold {lost} (restarted?)")
+        if other is not None:
+            log.warning("engine %s does not hold %s: a call of it goes to %s", engine.url, lost, other.url)
+            call.engine = other
+        elif self.restore is None:
+            return False
+        else:
+            problem = await self.restore(engine)
+            if problem is not None:
+                log.warning("engine %s lacks %s, and could not be given it again: %s", engine.url, lost, problem)
+                return False
+            log.warning("engine %s lacked %s (restarted?): every served step loaded there again", engine.url, lost)
+        upstream.release()
+        return True
+
     def _fail_over(self, call: _Call) -> bool:
         """The call's engine could not be reached: whether the call goes to another engine (`call.engine`)."""
         if len(self.engines) < 2:
@@ -572,13 +606,19 @@ class EngineCalls:
     async def _upstream(self, call: _Call) -> tuple[Upstream, Served | None]:
         """How the call's engine serves it: spliced, for a chat call that continues its rollout on an engine with
         a splicer, else as sent; and how a continuing call is served (None: it does not continue)."""
-        spec, origin, splicer = call.spec, call.origin, call.splicer
-        plain = PlainUpstream(spec.path, spec.body, splicer)
+        spec, origin = call.spec, call.origin
         if spec.path != CHAT_PATH or not origin.explicit:
-            return plain, None
+            return PlainUpstream(spec.path, spec.body, call.splicer), None
         continued, call.rollout_known = await self.continuations.look_up(
             origin.rollout_key, spec.request, spec.route, call.digests
         )
+        if call.rejoin:  # the pool did not know the rollout: the engine of its last call, where one served it
+            call.rejoin = False
+            last = self.continuations.engine_of(origin.rollout_key)
+            if last is not None and call.rollout is not None:
+                call.engine = self.engines.rejoin(call.rollout, call.engine, last)
+        splicer = call.splicer
+        plain = PlainUpstream(spec.path, spec.body, splicer)
         if continued is None:
             return plain, None
         if splicer is None:
@@ -685,7 +725,11 @@ class _Call:
         self.label = spec.route.model or spec.route.upstream_model  # the metrics' model label
         # The engine it goes to, counted in flight there until it is recorded (`finish`).
         self.rollout = origin.rollout_key if origin.explicit else None
-        self.engine: Engine = service.engines.pick(self.rollout).engine
+        picked = service.engines.pick(self.rollout)
+        self.engine: Engine = picked.engine
+        # A rollout new to this pool (another replica's, or from before a restart) goes back to the engine of its
+        # last call once the continuation look-up has found it (EngineCalls._upstream), if it can take it.
+        self.rejoin = not picked.remembered
         # The span starts with the call so that the engine's own spans (vLLM --otlp-traces-endpoint) are its
         # children; with tracing off the client's trace context, if any, goes on to the engine as it came.
         tracer = service.tracer

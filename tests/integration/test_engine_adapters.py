@@ -4,7 +4,8 @@ is routed to it; an engine that does not load it is quarantined (out of rotation
 the engines that hold it serve it, until a retry loads it there; a step no engine loads is published to none; an
 engine that comes back gets every served and pinned step before it takes a call, and a pinned rollout finishes on
 its step on whichever engine it lands; an engine in rotation that lost a step (restarted between two probes) is
-quarantined until it holds it again.
+quarantined until it holds it again, and a call that reaches it before the probe notices is answered all the same
+(on another engine, or on it once it holds every served step again).
 
 Two stand-in engines (tests/stub_engine.py: their LoRA API takes any adapter directory, lists what it holds at
 `/v1/models`, answers 404 for a LoRA it does not hold, as vLLM does, and refuses or delays loads on cue) behind a
@@ -27,7 +28,7 @@ import pytest
 from gateway.settings import Settings
 from tests.conftest import metric, poll, start_stub, stop_group, wait_http
 from tests.inprocess import InProcessGateway, ManualClock, serve_in_process
-from tests.recorded import answered_call
+from tests.recorded import answered_call, rollout
 
 MODEL = "my-agent"
 
@@ -42,9 +43,12 @@ def engines() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
 
 
 @contextmanager
-def serve(tmp_path: Path, urls: list[str]) -> Iterator[InProcessGateway]:
-    """A gateway in front of the engines at `urls`, ready (the engines' adapters loaded)."""
-    settings = Settings(upstream=tuple(urls), data_dir=tmp_path / "data", auth="off", engine_health_interval=0.2)
+def serve(tmp_path: Path, urls: list[str], probe_every: float = 0.2) -> Iterator[InProcessGateway]:
+    """A gateway in front of the engines at `urls`, ready (the engines' adapters loaded), probing them each
+    `probe_every` seconds."""
+    settings = Settings(
+        upstream=tuple(urls), data_dir=tmp_path / "data", auth="off", engine_health_interval=probe_every
+    )
     with serve_in_process(settings, ManualClock()) as gateway:
         wait_http(f"{gateway.url}/readyz", 60)
         yield gateway
@@ -167,3 +171,46 @@ def test_an_engine_that_comes_back_gets_every_served_and_pinned_step_before_a_ca
         poll(lambda: f"{MODEL}@1" in held(second), 30, "the lost step loaded again")
         poll(lambda: metric(gateway.url, "artgw_engine_quarantined", engine=second) == 0, 30, "back in rotation")
         assert call(gateway, "pinned") == (1, second)
+
+
+def restart(engines: list[tuple[str, subprocess.Popen[bytes]]], index: int) -> None:
+    """Stop the stand-in engine `engines[index]` and start it again on its port, holding no adapter (as a vLLM
+    that restarted): its replacement is stopped at the test's end."""
+    url, proc = engines[index]
+    stop_group(proc)
+    engines.append(start_stub(port=int(url.rsplit(":", 1)[1])))
+
+
+def test_a_call_reaching_an_engine_that_restarted_before_its_probe_goes_to_one_that_holds_its_step(
+    tmp_path: Path, engines
+) -> None:
+    (first, _), (second, _) = engines
+    # One probe at the start, then none: the restart below is not noticed before the call reaches the engine.
+    with serve(tmp_path, [first, second], probe_every=3600) as gateway:
+        assert commit(gateway, tmp_path, 1).status_code == 200
+        assert call(gateway, "r") == (1, first)
+        restart(engines, 0)
+        assert held(first) == []
+        # Its rollout's next call reaches the engine that lost the step: answered by the other, which holds it,
+        # and the engine is out of rotation until a probe has loaded every served step there.
+        assert call(gateway, "r") == (1, second)
+        assert metric(gateway.url, "artgw_engine_quarantined", engine=first) == 1
+        assert metric(gateway.url, "artgw_engine_moves_total", reason="quarantined") == 1
+        assert call(gateway, "new") == (1, second)
+        statuses = [c["status"] for c in rollout(gateway, "r")["calls"]]
+        assert statuses == ["ok", "ok"]  # nothing failed, nothing recorded twice
+
+
+def test_a_call_reaching_the_only_engine_after_it_restarted_is_answered_once_its_steps_are_loaded_again(
+    tmp_path: Path, engines
+) -> None:
+    (only, _), _ = engines
+    with serve(tmp_path, [only]) as gateway:  # one engine: no probe (nowhere else to send a call)
+        assert commit(gateway, tmp_path, 1).status_code == 200
+        assert commit(gateway, tmp_path, 2).status_code == 200
+        assert call(gateway, "r") == (2, only)
+        restart(engines, 0)
+        assert held(only) == []
+        assert call(gateway, "r") == (2, only)  # the engine was given every served step, then the call again
+        assert sorted(held(only)) == [f"{MODEL}@1", f"{MODEL}@2"]
+        assert [c["status"] for c in rollout(gateway, "r")["calls"]] == ["ok", "ok"]

@@ -202,6 +202,39 @@ def test_readiness_and_status_say_which_engines_are_in_rotation(tmp_path: Path, 
         gateway.stop()
 
 
+def stored(gateway: Any, rollout_id: str, calls: int) -> None:
+    """Wait until the store holds the rollout's `calls` calls (a replica records its calls a moment after answering)."""
+    sql = "SELECT count(*) FROM calls WHERE rollout_id = ?"
+    poll(lambda: query_store(gateway.db_path, sql, rollout_id) == [(calls,)], 30, f"{rollout_id}'s calls stored")
+
+
+def test_a_rollouts_call_on_another_replica_goes_to_the_engine_of_its_last_call(tmp_path: Path, stubs) -> None:
+    stubs.append(first := start_stub())
+    stubs.append(second := start_stub())
+    upstreams = ("--upstream", f"{first[0]},{second[0]}")
+    one = start_gateway(tmp_path, *upstreams)
+    # A second replica on the same store (SQLite here; PostgreSQL in a deployment: the same reads).
+    two = start_gateway(tmp_path, *upstreams, "--db", f"sqlite+aiosqlite:///{one.db_path}")
+    try:
+        assert chat(two, "elsewhere").status_code == 200  # the second replica has sent a call to the first engine
+        answered = chat(one, "r")  # a new rollout on the first replica: its first engine, both idle
+        assert answered.status_code == 200
+        stored(one, "r", 1)
+        reply = {"role": "assistant", "content": answered.json()["choices"][0]["message"]["content"]}
+        # Its next call through the other replica, which never saw the rollout and would send a new one to the
+        # engine it sent fewer calls: it reads the rollout's last call from the store, and follows its engine.
+        assert chat(two, "r", messages=[*CHAT["messages"], reply, {"role": "user", "content": "go"}]).status_code == 200
+        stored(one, "r", 2)
+        assert engines_of(one, "r") == [first[0]] * 2
+        assert metric(two.url, "artgw_continuation_reads_total", found="found") == 1
+        assert chat(two, "new").status_code == 200  # a new rollout still goes to the least loaded
+        stored(one, "new", 1)
+        assert engines_of(one, "new") == [second[0]]
+    finally:
+        two.stop()
+        one.stop()
+
+
 # ----------------------------------------------------------------------------------- two real vLLM engines
 
 

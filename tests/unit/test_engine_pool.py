@@ -187,3 +187,21 @@ async def test_an_engine_back_is_prepared_before_it_is_in_rotation_and_stays_out
 def test_an_empty_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one engine"):
         EnginePool([], saturation=1)
+
+
+def test_a_rollout_new_to_the_pool_rejoins_the_engine_of_its_last_call_if_it_can_take_it() -> None:
+    pool = EnginePool([A, B, C], saturation=3)
+    a, b, c = pool.engines
+    assert pool.pick(None).engine is a  # a call of no rollout: the first engine has served one
+    pick = pool.pick("r1")  # its last call was on the first engine (another replica's): picked for the second
+    assert (pick.engine, pick.remembered) == (b, False)
+    assert pool.rejoin("r1", b, A) is a  # back where its prefix is, counted there
+    assert (a.in_flight, b.in_flight, a.calls, b.calls) == (2, 0, 2, 1)
+    pick = pool.pick("r1")  # remembered from now on
+    assert (pick.engine, pick.remembered) == (a, True)
+    # Where the last call's engine cannot take it (out of rotation, saturated, or not one of the pool's), the call
+    # stays where it was picked.
+    c.healthy = False
+    assert pool.rejoin("r2", b, C) is b
+    assert pool.rejoin("r3", b, "http://gone") is b
+    assert a.in_flight == pool.saturation and pool.rejoin("r4", b, A) is b
