@@ -239,37 +239,32 @@ def test_a_rollouts_call_on_another_replica_goes_to_the_engine_of_its_last_call(
 
 
 @pytest.fixture
-def two_vllm_engines(tiny_model: Path, tmp_path: Path) -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
-    """Two vLLM servers of the tiny model (with --enable-scale-out, as the supervised engine has it)."""
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: list[str] = []
+def second_vllm_engine(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A vLLM server of the tiny model beside the session's (with --enable-scale-out, as the supervised engine has
+    it), for this test alone: it is killed."""
+    config = EngineConfig(
+        base_model=str(tiny_model),
+        served_name=BASE_NAME,
+        port=free_port(),
+        max_model_len=4096,
+        log_path=tmp_path / "vllm-second.log",
+    )
+    proc = config.start_unsupervised()
     try:
-        for n in range(2):
-            config = EngineConfig(
-                base_model=str(tiny_model),
-                served_name=BASE_NAME,
-                port=free_port(),
-                max_model_len=4096,
-                log_path=tmp_path / f"vllm-{n}.log",
-            )
-            procs.append(config.start_unsupervised())
-            urls.append(config.url)
-        for url, proc in zip(urls, procs, strict=True):
-            wait_http(f"{url}/health", 600, proc)
-        yield list(zip(urls, procs, strict=True))
+        wait_http(f"{config.url}/health", 600, proc)
+        yield config.url, proc
     finally:
-        for proc in procs:
-            stop_group(proc)
+        stop_group(proc)
 
 
 @pytest.mark.engine
 def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequence(
-    tmp_path: Path, tiny_model: Path, two_vllm_engines: list[tuple[str, subprocess.Popen[bytes]]]
+    tmp_path: Path, tiny_model: Path, vllm_url: str, second_vllm_engine: tuple[str, subprocess.Popen[bytes]]
 ) -> None:
     """Its calls reach one engine, spliced there from the model's own tokens; a step committed meanwhile reaches
     both engines (each lists it and serves it) while the rollout stays on its first step; when its engine dies, the
     next call goes to the other and is spliced there: the rollout is still one sequence."""
-    (first, _), (second, second_proc) = two_vllm_engines
+    first, (second, second_proc) = vllm_url, second_vllm_engine  # the session's engine, and one of its own
     gateway = start_gateway(tmp_path, "--upstream", f"{first},{second}")
     try:
         assert chat(gateway, "warm", max_tokens=2).status_code == 200  # another rollout first: the first engine
