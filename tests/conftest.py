@@ -138,20 +138,31 @@ def poll_quietly(check: Callable[[], Any], timeout: float, *, every: float = 0.2
         return None
 
 
-def process_waits(pid: int) -> str:
-    """Each thread of a process, its state, the kernel function it sleeps in and the CPU time it used (/proc), and
-    its native stacks where gdb is installed: where a process that printed nothing is stuck, even before it could
-    dump its Python stacks."""
+def process_waits(pid: int, *, native: bool = True) -> str:
+    """Each thread of a process, its state, the kernel function it sleeps in, the CPU time it used, its blocked and
+    pending signals, its system call and its kernel stack (/proc; the stack needs root), and (`native`) its native
+    stacks where gdb is installed: where a process that printed nothing is stuck, even before it could dump its
+    Python stacks.
+    A thread in state R with wchan 0 is either in user space or looping in the kernel: its kernel stack (and
+    `syscall`, "running" while in user space) says which; a signal it never acts on shows as pending."""
     lines = []
     for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
         with suppress(OSError):
-            state = next(line for line in (task / "status").read_text().splitlines() if line.startswith("State:"))
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+            state, blocked, pending, shared = (status[k].strip() for k in ("State", "SigBlk", "SigPnd", "ShdPnd"))
             utime, stime = (task / "stat").read_text().rsplit(")", 1)[1].split()[11:13]
             wchan = (task / "wchan").read_text() or "-"
-            lines.append(f"{task.name} {state.split(None, 1)[1]} wchan={wchan} utime={utime} stime={stime} ticks")
+            syscall = (task / "syscall").read_text().split(" ", 1)[0].strip()
+            lines.append(
+                f"{task.name} {state} wchan={wchan} utime={utime} stime={stime} ticks "
+                f"syscall={syscall} SigBlk={blocked} SigPnd={pending} ShdPnd={shared}"
+            )
+            with suppress(OSError):  # root only
+                frames = [line.split("] ", 1)[-1] for line in (task / "stack").read_text().splitlines()]
+                lines.append(f"{task.name} kernel stack: {' < '.join(frames) or '-'}")
     with suppress(OSError):
         lines.append("cmdline: " + Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
-    if shutil.which("gdb"):
+    if native and shutil.which("gdb"):
         with suppress(OSError, subprocess.TimeoutExpired):
             gdb = subprocess.run(
                 ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],

@@ -109,8 +109,13 @@ def wait_trained(gateway: GatewayProcess, group_ids: list[str], trainer: subproc
             trainer.send_signal(signal.SIGUSR1)
             log = gateway.data_dir / "trainer.log"
             if not poll_quietly(lambda: "most recent call first" in log.read_text(errors="replace"), 10):
+                # Ended by the signal (-10): it was not yet running Python (the handler comes with the package).
+                # Alive: the signal was never acted on (blocked, or a thread looping in the kernel: see its stack).
+                fate = trainer.poll()
+                after = "alive" if fate is None else f"ended ({fate})"
                 raise AssertionError(
-                    f"{exc}; group states {states}; no stack dump; the trainer's threads: {kernel}"
+                    f"{exc}; group states {states}; no stack dump, the trainer {after} after SIGUSR1; "
+                    f"its threads before it: {kernel}; after: {process_waits(trainer.pid) if fate is None else '-'}"
                 ) from None
             raise AssertionError(f"{exc}; group states {states}; the trainer's threads: {kernel}") from None
         raise AssertionError(f"{exc}; group states {states}") from None
