@@ -322,6 +322,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if made:
         print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
 
+    from recording.journal import fold_stale_workers
+
+    # Before any process starts: the journals of workers an earlier start had and this one has not.
+    moved = fold_stale_workers(settings.data_dir / "journal", settings.workers)
+    if moved:
+        print(f"artgw: {moved} unwritten records of workers that no longer run moved to a running one's journal")
     if settings.workers > 1:
         from artgw.workers import serve_workers
 

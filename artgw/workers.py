@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -31,7 +32,6 @@ import uvicorn
 from engine.supervisor import resolve_engine_port
 from gateway.provide import keep_private
 from gateway.settings import Settings
-from recording.journal import fold_stale_workers
 from store.provide import open_store
 
 log = logging.getLogger("artgw.workers")
@@ -100,26 +100,23 @@ class _FirstWorker(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self._stop_workers()
         # The workers' calls finish and their records are written while the engine still runs.
-        await asyncio.to_thread(self._join, STOP_SECONDS)
-        for watcher in self._watchers:
-            if watcher.is_alive():
-                log.error("a gateway worker did not stop within %.0f s: killed", STOP_SECONDS)
-                self._kill_all()
-                break
+        await asyncio.to_thread(self.stop_workers_and_wait)
         await super().shutdown(sockets)
 
-    def _join(self, timeout: float) -> None:
+    def stop_workers_and_wait(self) -> None:
+        """Stop the workers and wait for them (again: a no-op); SIGKILL any still there after STOP_SECONDS."""
+        self._stop_workers()
+        deadline = time.monotonic() + STOP_SECONDS
         for watcher in self._watchers:
-            watcher.join(timeout)
-
-    def _kill_all(self) -> None:
-        for pid in self.workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            watcher.join(max(0.0, deadline - time.monotonic()))
+        if any(watcher.is_alive() for watcher in self._watchers):
+            log.error("a gateway worker did not stop within %.0f s: killed", STOP_SECONDS)
+            for pid in self.workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _how(status: int) -> str:
@@ -138,10 +135,8 @@ def serve_workers(settings: Settings, serve: ServeOne) -> tuple[int, bool]:
     if settings.base_model is not None:  # chosen once: every worker calls the engine at this port
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
     keep_private(settings.data_dir, settings.sqlite_path)
-    asyncio.run(_migrate(settings.db_url))
-    moved = fold_stale_workers(settings.data_dir / "journal", settings.workers)
-    if moved:
-        log.info("journal: %d records of workers that no longer run moved to the running ones'", moved)
+    if settings.migrate:
+        asyncio.run(_migrate(settings.db_url))
     sockets = listening_sockets(settings.host, settings.port, settings.workers)
     port = sockets[0].getsockname()[1]
     children = worker_settings(settings, port)
@@ -171,4 +166,6 @@ def serve_workers(settings: Settings, serve: ServeOne) -> tuple[int, bool]:
         return holder[0]
 
     code = serve(dataclasses.replace(settings, port=port, migrate=False), 0, sockets[0], first)
+    if holder:  # also when this process's own start failed (uvicorn then runs no shutdown)
+        holder[0].stop_workers_and_wait()
     return code, bool(holder and holder[0].worker_died)

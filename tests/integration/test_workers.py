@@ -36,7 +36,8 @@ def _call(port: int, rollout_id: str, workers: list[psutil.Process]) -> int:
         answer = conn.getresponse()
         assert answer.status == 200, answer.read()
         answer.read()
-        client_port = conn.sock.getsockname()[1]  # type: ignore[union-attr]
+        assert conn.sock is not None  # still open: the answer was read, the connection kept
+        client_port = conn.sock.getsockname()[1]
         holders = [
             w.pid
             for w in workers
