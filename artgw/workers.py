@@ -16,6 +16,7 @@ dies stops them all (exit 1), for the process manager to start again (its journa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -147,8 +148,9 @@ def serve_workers(settings: Settings, serve: ServeOne) -> tuple[int, bool]:
         if pid == 0:
             code = 1
             try:
-                # Never outlive the first process (it supervises the engine these call).
-                ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+                # Never outlive the first process (it supervises the engine these call); Linux with glibc only.
+                with contextlib.suppress(OSError, AttributeError):
+                    ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
                 if os.getppid() == parent:
                     for other in sockets:
                         if other is not sockets[worker]:
