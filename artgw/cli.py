@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -321,12 +322,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if made:
         print(f"artgw: made an admin key; it is in {settings.admin_key_path} (mode 0600)", flush=True)
 
+    from recording.journal import fold_stale_workers
+
+    # Before any process starts: the journals of workers an earlier start had and this one has not.
+    moved = fold_stale_workers(settings.data_dir / "journal", settings.workers)
+    if moved:
+        print(f"artgw: {moved} unwritten records of workers that no longer run moved to a running one's journal")
+    if settings.workers > 1:
+        from artgw.workers import serve_workers
+
+        code, worker_died = serve_workers(settings, _serve_one)
+        return 1 if worker_died else code
+    import uvicorn
+
+    return _serve_one(settings, 0, None, uvicorn.Server)
+
+
+def _serve_one(
+    settings: Settings, worker: int, sock: socket.socket | None, server_factory: Callable[[Any], Any]
+) -> int:
+    """One gateway process: its app and uvicorn server, on `sock` when given (`--workers`), else it binds."""
     import uvicorn
 
     from gateway.app import create_app
     from gateway.server import timed_protocol
 
-    app = create_app(settings)
+    app = create_app(settings, worker=worker)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -343,12 +364,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=30,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = server_factory(config)
     # uvicorn re-raises the stop signal once it has shut down gracefully; with these handlers in place
     # that re-raise is absorbed, so a requested stop exits 0 and only a fatal error exits non-zero.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     state = getattr(app.state, "services", None)
     if state is not None and state.fatal:
         return 1

@@ -382,8 +382,10 @@ class Gateway:
         source: Path | None = None,
         python: str = sys.executable,
         auth: str | None = None,
+        workers: int = 1,
     ) -> None:
         self.children = children
+        self.workers = workers  # `serve --workers`: processes on the gateway's port
         self.artgw = artgw
         self.upstream_port = upstream_port
         self.name = name
@@ -421,6 +423,8 @@ class Gateway:
         ]
         if self.auth is not None:
             args += ["--auth", self.auth]
+        if self.workers > 1:
+            args += ["--workers", str(self.workers)]
         label = f"{self.name + ':':9}"
         kwargs: dict[str, Any] = {}
         if self.source is None:
@@ -433,6 +437,11 @@ class Gateway:
         self.proc = self.children.start(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, **kwargs)
         try:
             wait_http_ok(f"{self.url}/readyz", self.proc, 60, f"the {self.label}")
+            deadline = time.monotonic() + 60
+            while self.log.read_text(errors="replace").count("ART Gateway ready") < self.workers:  # each worker's
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"the {self.label}'s {self.workers} workers did not all get ready")
+                time.sleep(0.2)
         except RuntimeError:
             say(self.log_tail())
             raise
@@ -467,13 +476,22 @@ class Gateway:
         return "\n".join(text.splitlines()[-lines:])
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the gateway process (all its threads)."""
+        """User + system CPU time of the gateway's processes (all their threads; its workers with --workers)."""
         assert self.proc is not None
-        try:
-            rest = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+        pids = [self.proc.pid]
+        if self.workers > 1:
+            with contextlib.suppress(OSError):
+                pids += [
+                    int(p) for p in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+                ]
+        ticks = 0
+        for pid in pids:
+            try:
+                rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks += int(rest[11]) + int(rest[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self, timeout: float = 90.0) -> str:
         """SIGTERM and wait: uvicorn drains, the lifespan closes the recorder, which flushes."""
@@ -837,6 +855,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one per call, never seen before: every call is a rollout's first, as in RL tasks of one call) or none "
         "(no X-ART-Rollout-Id: the gateway makes one up)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="the current tree's gateway as `serve --workers N` (the baseline's and auth off's: one process); its "
+        "CPU%% is all its processes'",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs, configs)")
     parser.add_argument(
         "--pause", type=float, default=1.0, help="seconds of idle between runs (the recorder catches up)"
@@ -1107,6 +1132,7 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         workdir,
         name=cmp.new_name if cmp else "gateway",
         auth="required" if args.auth_compare else None,
+        workers=args.workers,
     )
     baseline: Gateway | None = None
     if baseline_tree is not None:

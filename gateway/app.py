@@ -163,12 +163,12 @@ OPENAPI_CONFIG = OpenAPIConfig(
 )
 
 
-def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> Litestar:
-    """The gateway's ASGI app; its services are built on startup (`clock`: see provide_services)."""
+def create_app(settings: Settings, clock: Clock = SYSTEM_CLOCK, worker: int = 0) -> Litestar:
+    """The gateway's ASGI app; its services are built on startup (`clock`, `worker`: see provide_services)."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with provide_services(settings, clock) as services:
+        async with provide_services(settings, clock, worker) as services:
             app.state.services = services
             yield
 

@@ -46,6 +46,7 @@ from gateway.rollouts import RolloutOwners, RolloutService
 from gateway.services import Services, UpstreamEngine
 from gateway.settings import Settings, served_base_name
 from gateway.tracing import CallTracer
+from recording.journal import worker_journal_dir
 from recording.recorder import Recorder
 from store.calls import SqliteRolloutOwners
 from store.clock import SYSTEM_CLOCK, Clock
@@ -84,9 +85,10 @@ def keep_private(data_dir: Path, database: Path) -> None:
 
 
 @asynccontextmanager
-async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> AsyncIterator[Services]:
+async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK, worker: int = 0) -> AsyncIterator[Services]:
     """Build every service, start the background work, and stop it all on exit. `clock`: the time the rate
-    limits, the key ring's refresh and the canary watcher read (tests move one of their own)."""
+    limits, the key ring's refresh and the canary watcher read (tests move one of their own). `worker`: which
+    of `serve --workers`' processes this is (each has a journal of its own)."""
     if settings.base_model is not None:  # the supervised engine's port: a free one unless given
         settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
     keep_private(settings.data_dir, settings.sqlite_path)
@@ -131,6 +133,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK) -> A
             journal_segment_bytes=settings.journal_segment_bytes,
             journal_fsync=settings.journal_fsync,
             journal_fsync_interval=settings.journal_fsync_interval,
+            journal_dir=worker_journal_dir(settings.data_dir / "journal", worker),
         )
         metrics.watch_recorder(recorder)
         owners = RolloutOwners(

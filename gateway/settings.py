@@ -168,6 +168,14 @@ class ServerSettings:
         default=8000,
         metadata={"help": "port the gateway listens on; `status` and `train` reach it there unless --gateway"},
     )
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "gateway processes serving the port together (SO_REUSEPORT: the kernel spreads connections); "
+            "one engine whatever the count (the first process supervises it, the others call it), one store, a "
+            "journal each; a rollout's calls may land on any of them"
+        },
+    )
     data_dir: Path = field(
         default=Path("data"), metadata={"help": "where the SQLite store, logs, checkpoints and spill files live"}
     )
@@ -232,7 +240,7 @@ class ServerSettings:
             from store.db import check_url  # here: --help reads this module without SQLAlchemy
 
             check_url(self.db)
-        _at_least(1, ("--max-body-bytes", self.max_body_bytes))
+        _at_least(1, ("--max-body-bytes", self.max_body_bytes), ("--workers", self.workers))
         _at_least(1024, ("--max-header-bytes", self.max_header_bytes))
         _seconds(
             ("--store-wait", self.store_wait),

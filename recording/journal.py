@@ -49,6 +49,7 @@ FsyncPolicy = Literal["always", "interval", "never"]
 _HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
 _PREFIX, _SUFFIX = "seg-", ".log"
 DAMAGED_DIR = "damaged"  # under the journal's directory: segments with damage, kept once replayed
+_WORKER = "worker-"  # under the journal's directory: the journal of each `serve --workers` process but the first
 _encode = msgspec.json.Encoder().encode
 _decoder = msgspec.json.Decoder(CallRecord)
 
@@ -349,3 +350,33 @@ class Journal:
             stem = path.name[len(_PREFIX) : -len(_SUFFIX)]
             if stem.isdigit():
                 yield int(stem)
+
+
+def worker_journal_dir(journal_dir: Path, worker: int) -> Path:
+    """The journal of `serve --workers`' process `worker`: the first's is the one a single process has."""
+    return journal_dir if worker == 0 else journal_dir / f"{_WORKER}{worker}"
+
+
+def fold_stale_workers(journal_dir: Path, workers: int) -> int:
+    """Before `workers` processes start: the journals of workers that no longer run (an earlier start with more)
+    appended to a running one's, then removed, so none is left unreplayed. Returns the records moved (a crash
+    in between leaves some twice: the store keeps each call once)."""
+    moved = 0
+    for stale in sorted(journal_dir.glob(f"{_WORKER}*")):
+        number = stale.name[len(_WORKER) :]
+        if not number.isdigit() or int(number) < workers:
+            continue
+        source = Journal(stale)
+        if source.segments:
+            target = Journal(worker_journal_dir(journal_dir, int(number) % workers))
+            entries, _ = source.read(Position(source.segments[0], 0), source.end(), 1 << 62, 1 << 62)
+            for record, _end, _size in entries:
+                if record is not None:  # one that passed its checksum but does not decode: kept below, as damage
+                    target.append(record)
+                    moved += 1
+            target.sync(force=True)
+            target.close()
+        source.close(all_committed=True)  # a damaged segment is moved aside under it, never deleted
+        if not any(stale.iterdir()):
+            stale.rmdir()
+    return moved

@@ -99,6 +99,7 @@ class Recorder:
         journal_segment_bytes: int = 64 << 20,
         journal_fsync: FsyncPolicy = "never",
         journal_fsync_interval: float = 1.0,
+        journal_dir: Path | None = None,  # default DATA_DIR/journal
     ) -> None:
         if data_dir is None:
             if spill_dir is None:
@@ -110,7 +111,9 @@ class Recorder:
         self.data_dir = data_dir
         self.spill_dir = spill_dir or data_dir / "spill"  # only read: spills of earlier versions
         self.rejected_dir = data_dir / "rejected"
-        self.journal = Journal(data_dir / "journal", segment_bytes=journal_segment_bytes, fsync=journal_fsync)
+        self.journal = Journal(
+            journal_dir or data_dir / "journal", segment_bytes=journal_segment_bytes, fsync=journal_fsync
+        )
         self.fsync_interval = journal_fsync_interval
         self.queue_size = queue_size
         self.queue_bytes = queue_bytes

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from recording.journal import Journal, Position
+from recording.journal import Journal, Position, fold_stale_workers, worker_journal_dir
 from recording.recorder import Recorder
 from store import create_engine, migrate
 from store.calls import write_calls
@@ -291,3 +291,20 @@ def test_the_gateways_files_are_its_own(tmp_path: Path) -> None:
     assert modes["."] == 0o700
     assert {"artgw.sqlite", "artgw.sqlite-wal", "admin_key", "journal"} <= set(modes), modes
     assert {p: m for p, m in modes.items() if p != "." and m & 0o077} == {}, modes
+
+
+def test_a_stopped_workers_journal_is_folded_into_a_running_ones(tmp_path: Path) -> None:
+    """`serve --workers 2` after a run with 4: workers 2 and 3 no longer run, so their unwritten records move to
+    workers 0 and 1 (whose own are kept), and nothing of theirs is left to be forgotten."""
+    root = tmp_path / "journal"
+    left: dict[int, list[CallRecord]] = {}
+    for worker in range(4):
+        journal = Journal(worker_journal_dir(root, worker))
+        left[worker] = [record(f"w{worker}") for _ in range(worker + 1)]
+        for r in left[worker]:
+            journal.append(r)
+        journal.close()
+    assert fold_stale_workers(root, 2) == 3 + 4
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["worker-1"]
+    assert read_all(Journal(root)) == left[0] + left[2]
+    assert read_all(Journal(worker_journal_dir(root, 1))) == left[1] + left[3]
