@@ -567,6 +567,7 @@ class DerenderedStream:
         self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
         self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state, once it has one
         self.called: set[int] = set()  # choices that streamed a tool call
+        self.opened: set[tuple[int, int]] = set()  # (choice, call) whose arguments have begun
         self.logprobs_asked = logprobs
         self._arrived: list[_Arrived] = []  # read from the engine, not derendered yet
         self._wake = asyncio.Event()
@@ -700,6 +701,7 @@ class DerenderedStream:
         out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
         shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
         shaped["delta"] = _delta(out.get("delta") or {})
+        _open_arguments(shaped["delta"], index, self.opened)
         if shaped["delta"].get("tool_calls"):
             self.called.add(index)
         if choice.get("finish_reason") is not None:  # the engine's, not derender's (it says tool_calls at length)
@@ -785,6 +787,21 @@ def _delta(derendered: dict[str, Any]) -> dict[str, Any]:
             calls.append(call)
         delta["tool_calls"] = calls
     return delta
+
+
+def _open_arguments(delta: dict[str, Any], index: int, opened: set[tuple[int, int]]) -> None:
+    """A call's first arguments text, in place, from its JSON value on. vLLM 0.32's Mistral parser (tekken) streams
+    a call's arguments once its object opens, from where its delta began: a derendered run that began between
+    `"arguments"` and its `:` (`"arguments"\t:\n{"city"…`) came out as `:\n{"city"…`, which no JSON value starts
+    with. vLLM's own chat stream, a token a delta, begins it at the `{`."""
+    for call in delta.get("tool_calls") or ():
+        arguments = (call.get("function") or {}).get("arguments")
+        if not arguments or (index, call.get("index", 0)) in opened:
+            continue
+        opened.add((index, call.get("index", 0)))
+        stripped = arguments.lstrip()
+        if stripped.startswith(":"):
+            call["function"]["arguments"] = stripped[1:].lstrip()
 
 
 def chat_id() -> str:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from gateway.continuation import (
 )
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
+from tests.conftest import serving
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
@@ -268,23 +266,6 @@ def test_a_derender_request_carries_the_tools_and_options_but_not_the_history() 
     assert msgspec.json.decode(splice.derender_request())["chat_request"] == chat
 
 
-@contextlib.asynccontextmanager
-async def _serving(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]) -> AsyncIterator[str]:
-    """A stand-in engine serving `routes` (POST) on 127.0.0.1: its base URL while the context lasts."""
-    app = web.Application()
-    for path, handler in routes.items():
-        app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        await runner.cleanup()
-
-
 class _StandInEngine:
     """vLLM's generate stream (one token a chunk) and its derender: the stream's first token, then, once its
     derender is asked for, all the others, which the derender waits for before it answers."""
@@ -325,7 +306,7 @@ class _StandInEngine:
 
 async def test_a_stream_derenders_the_tokens_that_arrived_together_in_one_request() -> None:
     engine = _StandInEngine(tokens=50)
-    async with _serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
+    async with serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
         async with aiohttp.ClientSession() as session:
             splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
             splice = Splice([1, 2, 3], {}, _request([USER], logprobs=True), "my-agent@2")
@@ -385,7 +366,7 @@ async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_histor
     sampled = [*engine.tekken.encode('[{"name": "get_weather", "arguments": {"city": "Rome"}}]', False, False), 2]
     sent = {**first, "messages": [USER, reply, {**RESULT, "tool_call_id": "abcdefghi"}]}
     as_sent = engine.ids(sent)
-    async with _serving({"/v1/chat/completions/render": engine.render}) as url:
+    async with serving({"/v1/chat/completions/render": engine.render}) as url:
         async with aiohttp.ClientSession() as session:
             splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
             splicer.available = True
