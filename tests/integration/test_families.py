@@ -70,6 +70,12 @@ class Served:
         """A forced call's token limit: Mistral's call is a JSON array of {name, arguments}, longer than hermes'."""
         return 120 if self.family == "mistral" else 48
 
+    @property
+    def call_id(self) -> str:
+        """A tool call's id as vLLM's chat makes it: the Mistral parser's 9 alphanumeric characters (mistral_common
+        takes no other), vLLM's own otherwise."""
+        return "[A-Za-z0-9]{9}" if self.family == "mistral" else "chatcmpl-tool-[0-9a-f]{16}"
+
     def sampled_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls (name and arguments) in a reply's sampled text, as the family's markers wrap them."""
         if self.family == "mistral":
@@ -268,6 +274,7 @@ def _assert_one_sequence_of_what_the_client_got(
         assert reasoning == ((message.model_extra or {}).get("reasoning") or "").strip("\n"), (text, message)
         if message.tool_calls:  # the sampled ids are the tool call the client parsed
             (tool_call,) = message.tool_calls
+            assert re.fullmatch(served.call_id, tool_call.id), tool_call.id  # spliced or not
             assert served.sampled_calls(content) == [
                 {"name": "get_weather", "arguments": json.loads(tool_call.function.arguments)}
             ], (text, message)
