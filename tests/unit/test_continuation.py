@@ -375,3 +375,28 @@ async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_histor
     after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after its last `</s>`
     assert engine.tekken.decode(as_sent[after_turn:]).startswith('{"content": "sunny"')  # [TOOL_RESULTS] is special
     assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]
+
+
+async def test_a_follow_up_user_message_on_mistral_gets_the_tools_block_mistral_common_puts_before_it() -> None:
+    """mistral_common renders the tools (`[AVAILABLE_TOOLS]`) before the last user message only. The previous
+    prompt had them before its last user message, as the model saw them; the follow-up's splice keeps that prompt
+    and appends the new messages as mistral_common renders them, the tools block before the new last user message:
+    twice in the spliced prompt, once in the request's own render, and no splice error."""
+    engine = _MistralRender()
+    first = {"model": "my-agent", "messages": [USER], "tools": [TOOL]}
+    previous = engine.ids(first)
+    sampled = [*engine.tekken.encode("It is sunny.", False, False), 2]
+    reply = {"role": "assistant", "content": "It is sunny."}
+    sent = {**first, "messages": [USER, reply, {"role": "user", "content": "And tomorrow?"}], "max_tokens": 16}
+    as_sent = engine.ids(sent)
+    async with serving({"/v1/chat/completions/render": engine.render}) as url:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splicer.available = True
+            splice = await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+    assert isinstance(splice, Splice), splice
+    tools = engine.tekken.get_special_token("[AVAILABLE_TOOLS]")
+    after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after the reply's `</s>`
+    assert as_sent[after_turn] == tools and as_sent.count(tools) == 1
+    assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]
+    assert previous.count(tools) == 1 and splice.prompt_ids.count(tools) == 2
