@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +401,29 @@ async def test_a_follow_up_user_message_on_mistral_gets_the_tools_block_mistral_
     assert as_sent[after_turn] == tools and as_sent.count(tools) == 1
     assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]
     assert previous.count(tools) == 1 and splice.prompt_ids.count(tools) == 2
+
+
+async def test_a_spliced_whole_tool_call_is_named_as_vllms_chat_names_it() -> None:
+    """Derender names every tool call with 16 hex digits. vLLM's chat names a Mistral model's calls with 9
+    alphanumeric characters (mistral_common takes no other), any other's `chatcmpl-tool-` and 16 hex digits: the
+    engine that renders with mistral_common says which by refusing a history that ends with an assistant turn."""
+
+    async def derender(request: web.Request) -> web.Response:
+        call = {"id": "0123456789abcdef", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+    async def render(request: web.Request) -> web.Response:  # a Jinja template's: any history renders
+        return web.json_response({"token_ids": [1, 2, 3]})
+
+    ids = {}
+    generated = {"choices": [{"index": 0, "token_ids": [7, 8], "finish_reason": "stop"}]}
+    for name, renders in (("mistral", _MistralRender().render), ("other", render)):
+        async with serving({DERENDER_PATH: derender, "/v1/chat/completions/render": renders}) as url:
+            async with aiohttp.ClientSession() as session:
+                splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+                splice = Splice([1, 2, 3], {}, _request([USER], tool_choice="required"), "my-agent@2")
+                answer = await splicer.derender(generated, splice)
+        ids[name] = answer["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert len(ids["mistral"]) == 9 and ids["mistral"].isalnum(), ids
+    assert re.fullmatch("chatcmpl-tool-[0-9a-f]{16}", ids["other"]), ids
