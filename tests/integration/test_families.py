@@ -341,6 +341,10 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
+    received = [
+        (r.message.content or "") + ((r.message.model_extra or {}).get("reasoning") or "") for r in loop.replies
+    ]
+    assert not "".join(received).isascii(), received  # multi-byte text among what the sampled ids decoded to
 
 
 class _TrainerScores:
