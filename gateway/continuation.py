@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
+import string
 import time
 import uuid
 from array import array
@@ -451,7 +453,13 @@ class Splicer:
         if isinstance(usage, dict):  # derender counts the ids it was given: the stop token counts as sampled
             usage["completion_tokens"] = sum(len(c.get("token_ids") or ()) for c in sampled.values())
             usage["total_tokens"] = (usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
-        for choice in completion.get("choices") or ():
+        choices = completion.get("choices") or ()
+        calls = [call for choice in choices for call in (choice.get("message") or {}).get("tool_calls") or ()]
+        if calls:  # derender names them 16 hex digits, whatever the model: named as vLLM's chat names them
+            mistral = await self._renders_mistral(splice)
+            for call in calls:
+                call["id"] = tool_call_id(mistral=mistral)
+        for choice in choices:
             index = choice.get("index", 0)
             engine = sampled.get(index) or {}
             choice["token_ids"] = engine.get("token_ids") or []
@@ -462,6 +470,15 @@ class Splicer:
             called = bool(message.get("tool_calls"))
             choice["finish_reason"] = _finish_reason(engine.get("finish_reason"), called, request, streamed=False)
         return completion
+
+    async def _renders_mistral(self, splice: Splice) -> bool:
+        """Whether the engine renders the model's prompts with mistral_common, as its refusal to render a history
+        that ends with an assistant turn says (`_tail`, learned once per model); not known: False."""
+        options = {key: splice.chat_request[key] for key in _RENDER_KEYS if key in splice.chat_request}
+        try:
+            return await self._tail(splice.upstream_model, options) is None
+        except (ScaleOutUnavailable, _RenderFailed):
+            return False
 
     async def post_derender(self, body: bytes) -> dict[str, Any]:
         """`/v1/chat/completions/derender`'s answer; DerenderFailed with the engine's error."""
@@ -574,6 +591,7 @@ class DerenderedStream:
         self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
         self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state, once it has one
         self.called: set[int] = set()  # choices that streamed a tool call
+        self.opened: set[tuple[int, int]] = set()  # (choice, call) whose arguments have begun
         self.logprobs_asked = logprobs
         self._arrived: list[_Arrived] = []  # read from the engine, not derendered yet
         self._wake = asyncio.Event()
@@ -707,6 +725,7 @@ class DerenderedStream:
         out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
         shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
         shaped["delta"] = _delta(out.get("delta") or {})
+        _open_arguments(shaped["delta"], index, self.opened)
         if shaped["delta"].get("tool_calls"):
             self.called.add(index)
         if choice.get("finish_reason") is not None:  # the engine's, not derender's (it says tool_calls at length)
@@ -792,6 +811,29 @@ def _delta(derendered: dict[str, Any]) -> dict[str, Any]:
             calls.append(call)
         delta["tool_calls"] = calls
     return delta
+
+
+def _open_arguments(delta: dict[str, Any], index: int, opened: set[tuple[int, int]]) -> None:
+    """A call's first arguments text, in place, from its JSON value on. vLLM 0.32's Mistral parser (tekken) streams
+    a call's arguments once its object opens, from where its delta began: a derendered run that began between
+    `"arguments"` and its `:` (`"arguments"\t:\n{"city"…`) came out as `:\n{"city"…`, which no JSON value starts
+    with. vLLM's own chat stream, a token a delta, begins it at the `{`."""
+    for call in delta.get("tool_calls") or ():
+        arguments = (call.get("function") or {}).get("arguments")
+        if not arguments or (index, call.get("index", 0)) in opened:
+            continue
+        opened.add((index, call.get("index", 0)))
+        stripped = arguments.lstrip()
+        if stripped.startswith(":"):
+            call["function"]["arguments"] = stripped[1:].lstrip()
+
+
+def tool_call_id(*, mistral: bool) -> str:
+    """A tool call's id as vLLM's chat makes it: the Mistral parser's 9 alphanumeric characters (mistral_common
+    takes no other in a later request), else `chatcmpl-tool-` and 16 hex digits."""
+    if mistral:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
 
 
 def chat_id() -> str:

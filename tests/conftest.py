@@ -16,11 +16,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -29,6 +29,9 @@ from engine.supervisor import EngineConfig
 from store.records import CallRecord, CallStatus, ChoiceRecord
 from tests import zygote
 from tests.stand_in_judge import Answer, StandInJudge
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTGW = str(Path(sys.executable).with_name("artgw"))
@@ -229,6 +232,25 @@ def pg_server_url() -> str:
     if proc.returncode != 0 or not proc.stdout.strip():
         pytest.fail(f"scripts/postgres failed ({proc.returncode}):\n{proc.stderr}", pytrace=False)
     return proc.stdout.strip().splitlines()[-1]
+
+
+@asynccontextmanager
+async def serving(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]) -> AsyncIterator[str]:
+    """A stand-in engine serving `routes` (POST) on 127.0.0.1: its base URL while the context lasts."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 @asynccontextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from typing import Any, Literal
 
 import aiohttp
@@ -106,7 +107,10 @@ def _same_answer(plain: dict[str, Any]) -> dict[str, Any]:
             **c,
             "message": {
                 **c["message"],
-                "tool_calls": [{**t, "id": "call"} for t in c["message"].get("tool_calls") or ()],
+                # an id's shape, its random hex digits aside (`chatcmpl-tool-` and 16, as vLLM's chat makes it)
+                "tool_calls": [
+                    {**t, "id": re.sub("[0-9a-f]", "h", t["id"])} for t in c["message"].get("tool_calls") or ()
+                ],
             },
         }
         for c in plain["choices"]

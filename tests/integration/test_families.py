@@ -9,6 +9,7 @@ model's reasoning (gateway/continuation.py).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -17,14 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import openai
 import pytest
 import torch
+from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.continuation import DERENDER_PATH, GENERATE_PATH, DerenderedStream, Splice, Splicer
+from gateway.settings import served_base_name
 from store.trajectories import Trajectory
-from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client
+from tests.conftest import WEATHER_TOOLS, GatewayProcess, metric, poll, run_client, serving
 from tests.recorded import (
     ROME_PARIS_QUESTION,
     ROME_PARIS_TOOLS,
@@ -64,6 +69,12 @@ class Served:
     def forced_tokens(self) -> int:
         """A forced call's token limit: Mistral's call is a JSON array of {name, arguments}, longer than hermes'."""
         return 120 if self.family == "mistral" else 48
+
+    @property
+    def call_id(self) -> str:
+        """A tool call's id as vLLM's chat makes it: the Mistral parser's 9 alphanumeric characters (mistral_common
+        takes no other), vLLM's own otherwise."""
+        return "[A-Za-z0-9]{9}" if self.family == "mistral" else "chatcmpl-tool-[0-9a-f]{16}"
 
     def sampled_calls(self, text: str) -> list[dict[str, Any]]:
         """The tool calls (name and arguments) in a reply's sampled text, as the family's markers wrap them."""
@@ -232,8 +243,16 @@ class _Loop:
         if choice.finish_reason == "length":  # the JSON ran past max_tokens: another seed
             raise ValueError(f"cut at max_tokens after {len(choice.message.tool_calls or [])} call(s)")
         (tool_call,) = choice.message.tool_calls
-        json.loads(tool_call.function.arguments)
+        # sampled to its end under the tool's (strict) schema: never another seed's matter
+        assert _json_or_text(tool_call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"}), tool_call
         self.messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"})
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _received(text: str, thinking: bool) -> tuple[str, str]:
@@ -263,6 +282,7 @@ def _assert_one_sequence_of_what_the_client_got(
         assert reasoning == ((message.model_extra or {}).get("reasoning") or "").strip("\n"), (text, message)
         if message.tool_calls:  # the sampled ids are the tool call the client parsed
             (tool_call,) = message.tool_calls
+            assert re.fullmatch(served.call_id, tool_call.id), tool_call.id  # spliced or not
             assert served.sampled_calls(content) == [
                 {"name": "get_weather", "arguments": json.loads(tool_call.function.arguments)}
             ], (text, message)
@@ -321,6 +341,10 @@ def test_multi_turn_text_loop_on_qwen3_is_one_sequence(qwen3: Served, client: st
         if follow_up:
             loop.messages.append({"role": "user", "content": follow_up})
     _assert_one_sequence_of_what_the_client_got(qwen3, rid, loop, before)
+    received = [
+        (r.message.content or "") + ((r.message.model_extra or {}).get("reasoning") or "") for r in loop.replies
+    ]
+    assert not "".join(received).isascii(), received  # multi-byte text among what the sampled ids decoded to
 
 
 class _TrainerScores:
@@ -522,16 +546,15 @@ def test_multi_turn_text_loop_on_mistral_is_one_sequence(mistral: Served, stream
         assert 0.99 <= float(scores.ratio.mean()) <= 1.01 and scores.max_difference < 0.05
 
 
-def test_openai_sdk_tool_loop_on_mistral_is_one_sequence(mistral: Served) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openai_sdk_tool_loop_on_mistral_is_one_sequence(mistral: Served, stream: bool) -> None:
     """mistral_common, which renders Mistral's prompts (there is no Jinja template), renders no history that ends
     with an assistant turn, nor an assistant message with both text and tool calls: before, the call after a
     tool call was served as sent (`render_failed`) and started a new sequence. The splice now renders the request
     with a text reply in the tool-call reply's place and checks that the request's own render ends with what
-    follows that text, token for token. Whole only: streamed, most seeds' first forced call is cut at the limit, and
-    a spliced streamed forced call can come back with arguments that are not the sampled JSON object (seed 6:
-    they begin with the `:` and whitespace before it, from vLLM's parser derender of a named call; open); the
-    streamed splice on Mistral is the text loop's."""
-    _tool_loop(mistral, new_id("mistral-tools"), "reasoning dropped", stream=False)
+    follows that text, token for token. Streamed, a spliced forced call's arguments could begin with the `:` before
+    their object (seed 6; the test below); its call ids were derender's 16 hex digits whole (Mistral's are 9)."""
+    _tool_loop(mistral, new_id("mistral-tools"), "reasoning dropped", stream)
 
 
 def test_anthropic_messages_tool_loop_on_mistral_is_one_sequence(mistral: Served) -> None:
@@ -540,3 +563,55 @@ def test_anthropic_messages_tool_loop_on_mistral_is_one_sequence(mistral: Served
 
 def test_openai_agents_sdk_run_on_mistral_is_one_sequence(mistral: Served) -> None:
     _agents_sdk_run(mistral)
+
+
+async def test_a_streamed_forced_call_on_mistral_keeps_its_arguments_json_wherever_a_derendered_run_begins(
+    mistral: Served,
+) -> None:
+    """A spliced stream derenders the tokens that arrived together in one request (gateway/continuation.py
+    `DerenderedStream`), so its runs begin wherever a derender round trip ended. vLLM's Mistral parser streams a
+    forced call's arguments from where the run that opens its object began: before, a run that began between
+    `"arguments"` and its `:` gave the client arguments `:\\n{"city": "Paris"}` (the streamed tool loop, seed 6).
+    Here the engine's own derender reads the call in two runs split there (a generate stream that waits for the
+    first run's derender before it sends the second)."""
+    started = re.search(r"starting vLLM: .* --port (\d+)", mistral.gateway.log())
+    assert started is not None, mistral.gateway.log()[-3000:]
+    engine_url = f"http://127.0.0.1:{started.group(1)}"
+    tekken = mistral.tokenizer.tekken
+    runs = [
+        tekken.encode(text, bos=False, eos=False)
+        for text in ('[{"name": "get_weather", "arguments"', ' \t:\n{"city": "Paris"}}]')
+    ]
+    runs[-1].append(tekken.eos_id)
+    first_derendered = asyncio.Event()
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        answer = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await answer.prepare(request)
+        for i, ids in enumerate(runs):
+            choice = {"index": 0, "token_ids": ids, "finish_reason": "stop" if i else None}
+            await answer.write(b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n")
+            await first_derendered.wait()
+        await answer.write(b"data: [DONE]\n\n")
+        return answer
+
+    async def derender(request: web.Request) -> web.Response:  # the engine's own, after the first run
+        async with session.post(
+            engine_url + DERENDER_PATH, data=await request.read(), headers={"content-type": "application/json"}
+        ) as answer:
+            body = await answer.read()
+        first_derendered.set()
+        return web.Response(body=body, status=answer.status, content_type="application/json")
+
+    chat = {"model": served_base_name(str(mistral.model)), "messages": ROME_PARIS_QUESTION, "tools": ROME_PARIS_TOOLS}
+    async with aiohttp.ClientSession() as session, serving({GENERATE_PATH: generate, DERENDER_PATH: derender}) as url:
+        splice = Splice([1], {}, {**chat, "tool_choice": FORCED}, chat["model"])
+        async with session.post(url + GENERATE_PATH, json={}) as answer:
+            stream = DerenderedStream(
+                Splicer(session, url, aiohttp.ClientTimeout(total=60)), answer, splice, logprobs=False
+            )
+            body = b"".join([chunk async for chunk in stream.iter_any()])
+    events = [json.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: {")]
+    calls = [call for event in events for call in event["choices"][0]["delta"].get("tool_calls") or ()]
+    assert calls and calls[0]["function"]["name"] == "get_weather", events
+    assert json.loads("".join(call["function"].get("arguments", "") for call in calls)) == {"city": "Paris"}, events

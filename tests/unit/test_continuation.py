@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from gateway.continuation import (
 )
 from store.records import CallRecord, ChoiceRecord, RolloutKey
 from store.trajectories import tools_key
+from tests.conftest import serving
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}
@@ -268,23 +267,6 @@ def test_a_derender_request_carries_the_tools_and_options_but_not_the_history() 
     assert msgspec.json.decode(splice.derender_request())["chat_request"] == chat
 
 
-@contextlib.asynccontextmanager
-async def _serving(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]) -> AsyncIterator[str]:
-    """A stand-in engine serving `routes` (POST) on 127.0.0.1: its base URL while the context lasts."""
-    app = web.Application()
-    for path, handler in routes.items():
-        app.router.add_post(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        await runner.cleanup()
-
-
 class _StandInEngine:
     """vLLM's generate stream (one token a chunk) and its derender: the stream's first token, then, once its
     derender is asked for, all the others, which the derender waits for before it answers."""
@@ -325,7 +307,7 @@ class _StandInEngine:
 
 async def test_a_stream_derenders_the_tokens_that_arrived_together_in_one_request() -> None:
     engine = _StandInEngine(tokens=50)
-    async with _serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
+    async with serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
         async with aiohttp.ClientSession() as session:
             splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
             splice = Splice([1, 2, 3], {}, _request([USER], logprobs=True), "my-agent@2")
@@ -385,7 +367,7 @@ async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_histor
     sampled = [*engine.tekken.encode('[{"name": "get_weather", "arguments": {"city": "Rome"}}]', False, False), 2]
     sent = {**first, "messages": [USER, reply, {**RESULT, "tool_call_id": "abcdefghi"}]}
     as_sent = engine.ids(sent)
-    async with _serving({"/v1/chat/completions/render": engine.render}) as url:
+    async with serving({"/v1/chat/completions/render": engine.render}) as url:
         async with aiohttp.ClientSession() as session:
             splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
             splicer.available = True
@@ -394,3 +376,54 @@ async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_histor
     after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after its last `</s>`
     assert engine.tekken.decode(as_sent[after_turn:]).startswith('{"content": "sunny"')  # [TOOL_RESULTS] is special
     assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]
+
+
+async def test_a_follow_up_user_message_on_mistral_gets_the_tools_block_mistral_common_puts_before_it() -> None:
+    """mistral_common renders the tools (`[AVAILABLE_TOOLS]`) before the last user message only. The previous
+    prompt had them before its last user message, as the model saw them; the follow-up's splice keeps that prompt
+    and appends the new messages as mistral_common renders them, the tools block before the new last user message:
+    twice in the spliced prompt, once in the request's own render, and no splice error."""
+    engine = _MistralRender()
+    first = {"model": "my-agent", "messages": [USER], "tools": [TOOL]}
+    previous = engine.ids(first)
+    sampled = [*engine.tekken.encode("It is sunny.", False, False), 2]
+    reply = {"role": "assistant", "content": "It is sunny."}
+    sent = {**first, "messages": [USER, reply, {"role": "user", "content": "And tomorrow?"}], "max_tokens": 16}
+    as_sent = engine.ids(sent)
+    async with serving({"/v1/chat/completions/render": engine.render}) as url:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splicer.available = True
+            splice = await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+    assert isinstance(splice, Splice), splice
+    tools = engine.tekken.get_special_token("[AVAILABLE_TOOLS]")
+    after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after the reply's `</s>`
+    assert as_sent[after_turn] == tools and as_sent.count(tools) == 1
+    assert splice.prompt_ids == previous + sampled + as_sent[after_turn:]
+    assert previous.count(tools) == 1 and splice.prompt_ids.count(tools) == 2
+
+
+async def test_a_spliced_whole_tool_call_is_named_as_vllms_chat_names_it() -> None:
+    """Derender names every tool call with 16 hex digits. vLLM's chat names a Mistral model's calls with 9
+    alphanumeric characters (mistral_common takes no other), any other's `chatcmpl-tool-` and 16 hex digits: the
+    engine that renders with mistral_common says which by refusing a history that ends with an assistant turn."""
+
+    async def derender(request: web.Request) -> web.Response:
+        call = {"id": "0123456789abcdef", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        message = {"role": "assistant", "content": "", "tool_calls": [call]}
+        return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+    async def render(request: web.Request) -> web.Response:  # a Jinja template's: any history renders
+        return web.json_response({"token_ids": [1, 2, 3]})
+
+    ids = {}
+    generated = {"choices": [{"index": 0, "token_ids": [7, 8], "finish_reason": "stop"}]}
+    for name, renders in (("mistral", _MistralRender().render), ("other", render)):
+        async with serving({DERENDER_PATH: derender, "/v1/chat/completions/render": renders}) as url:
+            async with aiohttp.ClientSession() as session:
+                splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+                splice = Splice([1, 2, 3], {}, _request([USER], tool_choice="required"), "my-agent@2")
+                answer = await splicer.derender(generated, splice)
+        ids[name] = answer["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert len(ids["mistral"]) == 9 and ids["mistral"].isalnum(), ids
+    assert re.fullmatch("chatcmpl-tool-[0-9a-f]{16}", ids["other"]), ids
