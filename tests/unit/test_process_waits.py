@@ -26,10 +26,18 @@ def test_a_silent_process_is_reported_with_its_kernel_stack_and_the_signal_it_ne
         try:
             assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
             os.kill(proc.pid, signal.SIGUSR1)
+            # once it is in its sleep (between "ready" and the sleep it is still running: a busy machine shows it)
+            asleep = f"{proc.pid} S (sleeping)"
             report = poll(
-                lambda: (r := process_waits(proc.pid, native=False)) and "ShdPnd=0000000000000200" in r and r, 30, ""
+                lambda: (
+                    (r := process_waits(proc.pid, native=False))
+                    and "ShdPnd=0000000000000200" in r
+                    and asleep in r
+                    and r
+                ),
+                30,
+                "the sleeper asleep with SIGUSR1 pending",
             )
-            assert f"{proc.pid} S (sleeping)" in report, report
             assert "SigBlk=0000000000000200" in report, report  # the mask that keeps SIGUSR1 pending
             if os.geteuid() == 0:  # /proc/PID/stack is root's to read
                 assert "nanosleep" in report, report  # the kernel function its one thread sleeps in
