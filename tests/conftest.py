@@ -947,7 +947,7 @@ def run_client(app: str, env: dict[str, str], timeout: float = 300) -> dict[str,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# The units of work the two workers share (`--dist loadgroup`), first the ones that take longest (scripts/test keeps
+# The units of work the workers share (`--dist loadgroup`), first the ones that take longest (scripts/test keeps
 # this order: `--no-loadscope-reorder`), so that the small tests fill whatever is left at the end.
 SESSION_ENGINE_GROUP = "engine"  # every test that uses the session's shared vLLM (`vllm_url`): started once
 FAMILY_ENGINE_GROUP = "families"  # the family engines (`family_gateway`): one family's engine at a time
