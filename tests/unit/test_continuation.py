@@ -355,6 +355,16 @@ class _MistralRender:
         return web.json_response({"token_ids": ids, "sampling_params": {"max_tokens": 16}, "model": body["model"]})
 
 
+async def _splice_on(engine: _MistralRender, sent: dict[str, Any], previous: list[int], sampled: list[int]) -> object:
+    """The splice of `sent` continuing a call whose prompt was `previous` and which sampled `sampled`, against
+    `engine`'s render endpoint."""
+    async with serving({"/v1/chat/completions/render": engine.render}) as url:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splicer.available = True
+            return await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+
+
 async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_history_ending_with_it() -> None:
     """mistral_common renders no history through a reply, nor the reply's tool calls beside a sentinel text:
     before, the call after a tool call was served as sent (`render_failed`). The request is rendered with a text
@@ -367,11 +377,7 @@ async def test_a_tool_call_reply_is_spliced_where_the_template_renders_no_histor
     sampled = [*engine.tekken.encode('[{"name": "get_weather", "arguments": {"city": "Rome"}}]', False, False), 2]
     sent = {**first, "messages": [USER, reply, {**RESULT, "tool_call_id": "abcdefghi"}]}
     as_sent = engine.ids(sent)
-    async with serving({"/v1/chat/completions/render": engine.render}) as url:
-        async with aiohttp.ClientSession() as session:
-            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
-            splicer.available = True
-            splice = await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+    splice = await _splice_on(engine, sent, previous, sampled)
     assert isinstance(splice, Splice), splice
     after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after its last `</s>`
     assert engine.tekken.decode(as_sent[after_turn:]).startswith('{"content": "sunny"')  # [TOOL_RESULTS] is special
@@ -390,11 +396,7 @@ async def test_a_follow_up_user_message_on_mistral_gets_the_tools_block_mistral_
     reply = {"role": "assistant", "content": "It is sunny."}
     sent = {**first, "messages": [USER, reply, {"role": "user", "content": "And tomorrow?"}], "max_tokens": 16}
     as_sent = engine.ids(sent)
-    async with serving({"/v1/chat/completions/render": engine.render}) as url:
-        async with aiohttp.ClientSession() as session:
-            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
-            splicer.available = True
-            splice = await splicer.splice(sent, Continued(previous + sampled, sampled, 2), stream=False)
+    splice = await _splice_on(engine, sent, previous, sampled)
     assert isinstance(splice, Splice), splice
     tools = engine.tekken.get_special_token("[AVAILABLE_TOOLS]")
     after_turn = len(as_sent) - as_sent[::-1].index(2)  # the request's render after the reply's `</s>`
