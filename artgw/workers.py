@@ -1,6 +1,7 @@
 """`artgw serve --workers N`: N gateway processes on one port in front of one engine.
 
-One process's event loop tops out at about 2,000 calls/s; past it, more processes. Each binds the port with
+One process's event loop is its limit (bench/README.md: ~700-900 calls/s at 256 connections on the 2-core
+machine); past it, more processes. Each binds the port with
 SO_REUSEPORT (the kernel spreads new connections over them) and is a whole gateway, as replicas are
 (README: several replicas share one store and one engine): the store is the truth for rollouts, groups and
 keys, and a rollout's last call not held by the process its next call lands on is read from the store
