@@ -8,6 +8,7 @@ Against stand-in engines (tests/stub_engine.py), several at once; the last test 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -233,6 +234,38 @@ def test_a_rollouts_call_on_another_replica_goes_to_the_engine_of_its_last_call(
     finally:
         two.stop()
         one.stop()
+
+
+def test_after_a_gateway_restart_a_rollouts_call_goes_to_the_engine_of_its_last_call(tmp_path: Path, stubs) -> None:
+    stubs.append(first := start_stub())
+    stubs.append(second := start_stub())
+    upstreams = ("--upstream", f"{first[0]},{second[0]}")
+    before = start_gateway(tmp_path, *upstreams)
+    try:
+        assert chat(before, "warm").status_code == 200  # both idle: the first engine
+        answered = chat(before, "r")  # both idle again, the first sent one call more: the second
+        assert answered.status_code == 200
+        stored(before, "r", 1)
+        assert engines_of(before, "r") == [second[0]]
+    finally:
+        before.stop()
+    # The same data dir (store, admin key) on a new port: a process that has sent no call to either engine, so a
+    # rollout it has not seen would go to the first; the rollout's next call reads its last call from the store and
+    # follows its engine.
+    restarted = start_gateway(tmp_path, *upstreams, "--data-dir", str(before.data_dir))
+    after = dataclasses.replace(restarted, data_dir=before.data_dir)
+    try:
+        reply = {"role": "assistant", "content": answered.json()["choices"][0]["message"]["content"]}
+        then = [*CHAT["messages"], reply, {"role": "user", "content": "go"}]
+        assert chat(after, "r", messages=then).status_code == 200
+        stored(after, "r", 2)
+        assert engines_of(after, "r") == [second[0]] * 2
+        assert metric(after.url, "artgw_continuation_reads_total", found="found") == 1
+        assert chat(after, "new").status_code == 200  # and a new rollout goes to the least loaded: the first
+        stored(after, "new", 1)
+        assert engines_of(after, "new") == [first[0]]
+    finally:
+        after.stop()
 
 
 # ----------------------------------------------------------------------------------- two real vLLM engines
