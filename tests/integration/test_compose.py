@@ -1,11 +1,13 @@
 """The deployment for real: `docker compose up` of docker-compose.yml + docker-compose.cpu.yml, our image built from
 deploy/Dockerfile, in containers of a Docker daemon that scripts/compose-up starts on this machine (no registry,
-no bridge: deploy/local/compose.yml rewires the addresses to 127.0.0.1 on the host's network, and nothing else).
+no bridge: deploy/local/compose.yml rewires the addresses to 127.0.0.1 on the host's network, and nothing else),
+with the two-engines profile: vllm and vllm-1 behind the gateway.
 
 What a user's first `docker compose up` would find wrong: a file missing from the image, the checkpoints at a path
 vLLM or the gateway does not see, a healthcheck that never passes, a scrape that never authenticates, a volume
 that loses the store. The tests run in order against one deployment: an OpenAI client through the gateway
-container; a step trained by the trainer container and served; Prometheus's scrapes and every dashboard
+container; a step trained by the trainer container, published to both engines and served, each rollout on one
+engine and both engines serving; Prometheus's scrapes and every dashboard
 expression; `compose down` and `up` again; the gateway's process killed.
 
 scripts/compose-up starts the daemon and makes every image it does not find (about 5 minutes from nothing:
@@ -67,6 +69,16 @@ class Deployment:
     @property
     def prometheus(self) -> str:
         return f"http://127.0.0.1:{self.variables['ARTGW_PROMETHEUS_LISTEN_PORT']}"
+
+    @property
+    def engines(self) -> list[str]:
+        """vLLM and vllm-1 (the two-engines profile) as the gateway's --upstream names them."""
+        ports = (self.variables["ARTGW_VLLM_LISTEN_PORT"], self.variables["ARTGW_VLLM_1_LISTEN_PORT"])
+        return [f"http://127.0.0.1:{port}" for port in ports]
+
+    def engine_models(self) -> list[set[str]]:
+        """The models each engine lists (its base and the LoRA steps loaded)."""
+        return [{m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]} for url in self.engines]
 
     @property
     def admin_key(self) -> str:
@@ -157,6 +169,7 @@ def deployment() -> Iterator[Deployment]:
     up = subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "compose-up")],
         cwd=ROOT,
+        env={**os.environ, "ARTGW_COMPOSE_ENGINES": "2"},  # vllm-1 beside vllm (the two-engines profile)
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -244,13 +257,21 @@ def test_the_trainer_container_trains_a_step_that_the_gateway_container_serves(d
         raise AssertionError(f"{exc}\n--- trainer ---\n{deployment.logs('trainer')}") from None
     step = status.served_step
     assert step in status.loaded_steps, status
-    # one rollout, one sequence: vLLM in its container continues the tokens it sampled (--enable-scale-out)
-    trajectory = deployment.rollout("compose-g0-0")
-    assert [len(trajectory.calls), len(trajectory.sequences)] == [2, 1], trajectory.sequences[-1].split_reason
+    # one rollout, one sequence: vLLM in its container continues the tokens it sampled (--enable-scale-out), on
+    # the engine of its first call; new rollouts went to the least loaded, so both engines served some
+    engines_of: dict[str, str | None] = {}
+    for group in range(GROUPS_PER_STEP):
+        for attempt in range(2):
+            trajectory = deployment.rollout(f"compose-g{group}-{attempt}")
+            assert [len(trajectory.calls), len(trajectory.sequences)] == [2, 1], trajectory.sequences[-1].split_reason
+            (engines_of[trajectory.rollout_id],) = {call.engine for call in trajectory.calls}
+    assert set(engines_of.values()) == set(deployment.engines), engines_of
+    # the step published to both engines before the gateway served it
+    assert all(f"{MODEL}@{step}" in models for models in deployment.engine_models()), deployment.engine_models()
 
     # the checkpoint the trainer wrote, at the path the gateway handed vLLM, in all three containers
     checkpoint = f"/checkpoints/{MODEL}/{step}/adapter_config.json"
-    for service in ("trainer", "gateway", "vllm"):
+    for service in ("trainer", "gateway", "vllm", "vllm-1"):
         deployment.compose("exec", "-T", service, "test", "-s", checkpoint)
 
     answer = deployment.chat("compose-after-step")
@@ -267,13 +288,13 @@ def test_prometheus_scrapes_both_services_and_answers_every_dashboard_expression
         assert answer["status"] == "success", (expr, answer)
         return answer["data"]["result"]
 
-    def targets_up() -> dict[str, str] | None:
+    def targets_up() -> list[tuple[str, str]] | None:
         active = httpx.get(f"{prometheus}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
-        health = {t["scrapePool"]: t["health"] for t in active}
-        return health if health == {"artgw-gateway": "up", "vllm": "up"} else None
+        health = sorted((t["scrapePool"], t["health"]) for t in active)
+        return health if health == [("artgw-gateway", "up"), ("vllm", "up"), ("vllm", "up")] else None
 
-    # the gateway's target is up only with the metrics key compose hands Prometheus as a secret file
-    poll(targets_up, 120, "both scrape targets up", every=2)
+    # the gateway's target is up only with the metrics key compose hands Prometheus as a secret file; both engines
+    poll(targets_up, 120, "the gateway's and both engines' scrape targets up", every=2)
     # two scrapes since the step (the trainer's metrics are the step's): what a rate or an increase needs
     served = deployment.status().served_step
     assert served >= 1
@@ -320,6 +341,8 @@ def test_compose_down_and_up_keep_the_store_and_the_checkpoints(deployment: Depl
     # the store (pgdata): the client key, the rollouts, the model's steps; the checkpoints: the step serves again
     status = deployment.status()
     assert status.served_step == step and step in status.loaded_steps, status
+    # both engines started anew: the gateway loaded the served step onto each before it took a call
+    assert all(f"{MODEL}@{step}" in models for models in deployment.engine_models()), deployment.engine_models()
     assert [call.step for call in deployment.rollout("compose-after-step").calls] == [step]
     deployment.chat("compose-after-restart")
     assert [call.step for call in deployment.rollout("compose-after-restart").calls] == [step]

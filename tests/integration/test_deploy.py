@@ -535,16 +535,24 @@ LOCAL_ADDRESSES = {
     "ARTGW_POSTGRES_LISTEN_PORT": "41003",
     "ARTGW_PROMETHEUS_LISTEN_PORT": "41004",
     "ARTGW_PROMETHEUS_CONFIG": "/var/tmp/artgw-compose-x/prometheus.yml",
+    "ARTGW_VLLM_1_LISTEN_PORT": "41005",  # with ARTGW_COMPOSE_ENGINES=2
 }
 
 
-def test_the_local_override_only_rewires_addresses() -> None:
+@pytest.mark.parametrize("profiles", ["", "two-engines"])
+def test_the_local_override_only_rewires_addresses(profiles: str) -> None:
     """deploy/local/compose.yml (this machine: no bridge, scripts/compose-up) changes where services listen and
     how they reach each other, and probes health every 2 s (Docker 20.10 here has no `start_interval`), nothing
     else: with every address and port masked, each service's command, entrypoint, environment, healthcheck (its
-    interval aside), volumes and restart policy are the CPU deployment's."""
-    real = resolved(["docker-compose.yml", "docker-compose.cpu.yml"])
-    local = resolved(["docker-compose.yml", "docker-compose.cpu.yml", "deploy/local/compose.yml"], **LOCAL_ADDRESSES)
+    interval aside), volumes and restart policy are the CPU deployment's. The second engine's entry point appends
+    its own port (one host network), and nothing else."""
+    real = resolved(["docker-compose.yml", "docker-compose.cpu.yml"], COMPOSE_PROFILES=profiles)
+    local = resolved(
+        ["docker-compose.yml", "docker-compose.cpu.yml", "deploy/local/compose.yml"],
+        **LOCAL_ADDRESSES,
+        COMPOSE_PROFILES=profiles,
+    )
+    assert ("vllm-1" in local) == (profiles == "two-engines")
     assert set(local) == set(real) - {"grafana"}, "Grafana only with --profile grafana (no image here)"
     names = "|".join(["0\\.0\\.0\\.0", "127\\.0\\.0\\.1", *real])
     ports = "|".join(["8000", "9090", "5432", *(v for k, v in LOCAL_ADDRESSES.items() if k.endswith("_PORT"))])
@@ -568,6 +576,10 @@ def test_the_local_override_only_rewires_addresses() -> None:
                 **original,
                 "healthcheck": {k: v for k, v in original["healthcheck"].items() if k != "interval"},
             }
+        if name == "vllm-1":
+            *head, script, argv0 = service["entrypoint"]
+            assert script.endswith(f" --port {LOCAL_ADDRESSES['ARTGW_VLLM_1_LISTEN_PORT']}"), script
+            service = {**service, "entrypoint": [*head, script.rsplit(" --port ", 1)[0], argv0]}
         for key in ("entrypoint", "environment", "healthcheck", "volumes", "restart", "image", "secrets"):
             assert masked(service.get(key)) == masked(original.get(key)), (name, key)
     # the generated Prometheus config, the same jobs with static 127.0.0.1 targets, is the only file that differs
