@@ -1,4 +1,4 @@
-"""`artgw serve --workers N`: N gateway processes on one port in front of one engine.
+"""`artgw serve --workers N`: N gateway processes on one port in front of its engines.
 
 One process's event loop is its limit (bench/README.md: ~700-900 calls/s at 256 connections on the 2-core
 machine); past it, more processes. Each binds the port with
@@ -6,8 +6,9 @@ SO_REUSEPORT (the kernel spreads new connections over them) and is a whole gatew
 (README: several replicas share one store and one engine): the store is the truth for rollouts, groups and
 keys, and a rollout's last call not held by the process its next call lands on is read from the store
 (gateway/continuation.py). Only two things are per process and made so here: the journal (each process its
-own, `recording.journal.worker_journal_dir`) and the engine, which stays one: the first process (this one)
-supervises it as a single gateway does, the others are given its URL as `--upstream` is.
+own, `recording.journal.worker_journal_dir`) and the engines (one, or `--engines N`), which are not multiplied:
+the first process (this one) supervises them as a single gateway does, the others are given their URLs as
+`--upstream` URLs are (each process then keeps its own pool of them: engine/pool.py).
 
 Stopping: a signal to this process is passed on to the workers, which finish their calls and write their
 records while the engine still runs; only then does this process stop, and the engine with it. A worker that
@@ -31,8 +32,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.supervisor import resolve_engine_port
-from gateway.provide import keep_private
+from gateway.provide import keep_private, with_engine_ports
 from gateway.settings import Settings
 from store.provide import open_store
 
@@ -57,11 +57,11 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def worker_settings(settings: Settings, port: int) -> Settings:
-    """A worker's settings: the bound port, and the first process's engine as its upstream."""
+    """A worker's settings: the bound port, and the first process's engines (--engines) as its upstreams."""
     settings = dataclasses.replace(settings, port=port, migrate=False)
     if settings.base_model is None:
         return settings
-    return dataclasses.replace(settings, base_model=None, upstream=settings.engine_urls)
+    return dataclasses.replace(settings, base_model=None, upstream=settings.engine_urls, engines=1, engine_ports=())
 
 
 async def _migrate(url: str) -> None:
@@ -134,8 +134,7 @@ ServeOne = Callable[[Settings, int, socket.socket, ServerFactory], int]
 def serve_workers(settings: Settings, serve: ServeOne) -> tuple[int, bool]:
     """Start `settings.workers` processes; `serve(settings, worker, sock, server_factory)` runs one (its app
     and uvicorn server, on `sock`). Returns the first process's exit code and whether a worker died."""
-    if settings.base_model is not None:  # chosen once: every worker calls the engine at this port
-        settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
+    settings = with_engine_ports(settings)  # chosen once: every worker calls the engines at these ports
     keep_private(settings.data_dir, settings.sqlite_path)
     if settings.migrate:
         asyncio.run(_migrate(settings.db_url))

@@ -26,6 +26,7 @@ silent accept that would serve, and record against, another gateway's model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -224,11 +225,16 @@ class EngineConflict(EngineFailed):
 
 def resolve_engine_port(requested: int, host: str = "127.0.0.1") -> int:
     """The port the supervised engine will listen on: `requested`, or a free one when it is 0."""
-    if requested:
-        return requested
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return requested or free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """`count` distinct ports free now (all bound at once while chosen, so none is chosen twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return tuple(int(s.getsockname()[1]) for s in sockets)
 
 
 def port_in_use_message(host: str, port: int) -> str:
@@ -748,3 +754,66 @@ class EngineSupervisor:
         causes = [line for line in lines if _EXCEPTION_LINE.match(line)]
         cause = (causes or [line for line in lines if line] or ["(an empty log)"])[-1]
         return f"{cause[:500]} (the engine's log: {self.config.log_path})"
+
+
+class EngineSupervisors:
+    """Several supervised engines (`artgw serve --engines N`), one EngineSupervisor each: its own port, log and
+    restarts (--engine-max-restarts counts each's own), started at once and stopped together. The gateway's pool
+    (engine/pool.py) sends calls to them as to --upstream engines: one that dies leaves rotation at its failed call
+    or probe, and is back once it answers and holds every served step.
+
+    `on_ready` runs once, after every engine has started (the adapters that should be serving are loaded on all);
+    `on_restart(i)` after engine `i` is back from a restart (what it lost is loaded there again at once, before
+    the pool's next probe would find it missing)."""
+
+    def __init__(
+        self,
+        configs: Sequence[EngineConfig],
+        on_fatal: Callable[[str], None],
+        on_ready: Callable[[], Awaitable[None]],
+        on_restart: Callable[[int], Awaitable[object]],
+    ) -> None:
+        self.supervisors = [
+            EngineSupervisor(config, on_fatal, functools.partial(self._came_up, i)) for i, config in enumerate(configs)
+        ]
+        self.on_ready = on_ready
+        self.on_restart = on_restart
+        self.ready_seconds: float | None = None
+        self._started = False
+
+    async def _came_up(self, index: int) -> None:
+        if not self._started:  # a first start: on_ready follows them all
+            return
+        try:
+            await self.on_restart(index)
+        except Exception as exc:  # its supervisor must go on watching it; the pool's probe loads what is missing
+            url = self.supervisors[index].config.url
+            log.error("the engine at %s restarted, and reloading its adapters failed: %r", url, exc)
+
+    @property
+    def state(self) -> EngineState:
+        """Ready while any engine is (the pool sends calls to those in rotation); else what the others are doing."""
+        states = {s.state for s in self.supervisors}
+        if "failed" in states:
+            return "failed"
+        if self._started and "ready" in states:
+            return "ready"
+        for state in ("restarting", "starting"):
+            if state in states:
+                return state
+        return "stopped"
+
+    async def start(self) -> None:
+        """Start every engine and wait until all are ready (raises the first one's EngineFailed, naming it)."""
+        outcomes = await asyncio.gather(*(s.start() for s in self.supervisors), return_exceptions=True)
+        for supervisor, outcome in zip(self.supervisors, outcomes, strict=True):
+            if isinstance(outcome, EngineFailed):
+                raise type(outcome)(f"the engine at {supervisor.config.url}: {outcome}")
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self.ready_seconds = max(s.ready_seconds or 0.0 for s in self.supervisors)
+        await self.on_ready()
+        self._started = True
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.supervisors))

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,12 +20,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from engine.placement import engine_environments, visible_gpus
 from engine.pool import EnginePool
-from engine.supervisor import (
-    EngineConfig,
-    EngineSupervisor,
-    resolve_engine_port,
-)
+from engine.supervisor import EngineConfig, EngineSupervisor, EngineSupervisors, free_ports
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis.chat.service import ChatService
 from gateway.apis.completions.service import CompletionsService
@@ -51,7 +49,7 @@ from recording.recorder import Recorder
 from store.calls import SqliteRolloutOwners
 from store.clock import SYSTEM_CLOCK, Clock
 from store.db import create_sync_sqlite_engine
-from store.families import choose_parsers
+from store.families import EngineParsers, choose_parsers
 from store.models import active_models, add_models
 from store.provide import open_store
 from store.responses import ResponseStore
@@ -84,13 +82,49 @@ def keep_private(data_dir: Path, database: Path) -> None:
             path.chmod(0o600)
 
 
+def with_engine_ports(settings: Settings) -> Settings:
+    """The settings with the supervised engines' ports chosen (free ones unless --engine-port names the first); as
+    they are with --upstream, or once chosen."""
+    if settings.base_model is None or settings.engine_ports:
+        return settings
+    ports = settings.supervised_ports if settings.engine_port else free_ports(settings.engines)
+    return dataclasses.replace(settings, engine_port=ports[0], engine_ports=ports)
+
+
+def engine_configs(settings: Settings, served_name: str, parsers: EngineParsers, models: int) -> list[EngineConfig]:
+    """The supervised engines' configurations (--engines), each on its port with its share of the devices."""
+    places = engine_environments(settings.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+    assert settings.base_model is not None
+    return [
+        EngineConfig(
+            base_model=settings.base_model,
+            served_name=served_name,
+            port=port,
+            max_lora_rank=settings.max_lora_rank,
+            # Slots for every model's newest steps; an adapter not in a slot is loaded on demand.
+            max_loras=settings.max_loras or max(4, 2 * models),
+            max_cpu_loras=max(settings.max_loras, 4, 3 * models),
+            max_model_len=settings.max_model_len,
+            tool_call_parser=parsers.tool_call_parser,
+            reasoning_parser=parsers.reasoning_parser,
+            tokenizer_mode=parsers.tokenizer_mode,
+            extra_args=settings.engine_args,
+            log_path=settings.data_dir / ("engine.log" if i == 0 else f"engine-{i}.log"),
+            startup_timeout=settings.engine_startup_timeout,
+            max_restarts=settings.engine_max_restarts,
+            restart_window=settings.engine_restart_window,
+            env={**place, **settings.extra_env},
+        )
+        for i, (port, place) in enumerate(zip(with_engine_ports(settings).supervised_ports, places, strict=True))
+    ]
+
+
 @asynccontextmanager
 async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK, worker: int = 0) -> AsyncIterator[Services]:
     """Build every service, start the background work, and stop it all on exit. `clock`: the time the rate
     limits, the key ring's refresh and the canary watcher read (tests move one of their own). `worker`: which
     of `serve --workers`' processes this is (each has a journal of its own)."""
-    if settings.base_model is not None:  # the supervised engine's port: a free one unless given
-        settings = dataclasses.replace(settings, engine_port=resolve_engine_port(settings.engine_port))
+    settings = with_engine_ports(settings)
     keep_private(settings.data_dir, settings.sqlite_path)
     async with (
         open_store(settings.db_url, migrate_schema=settings.migrate, wait_seconds=settings.store_wait) as store,
@@ -168,7 +202,7 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK, work
             else None
         )
         splicer = splicers[settings.upstream_url] if splicers is not None else None
-        engine: EngineSupervisor | UpstreamEngine
+        engine: EngineSupervisor | EngineSupervisors | UpstreamEngine
         if settings.base_model is not None:
             assert base_name is not None
             parsers = choose_parsers(
@@ -184,29 +218,18 @@ async def provide_services(settings: Settings, clock: Clock = SYSTEM_CLOCK, work
                 parsers.why,
                 f"; tokenizer mode {parsers.tokenizer_mode}" if parsers.tokenizer_mode else "",
             )
-            engine = EngineSupervisor(
-                EngineConfig(
-                    base_model=settings.base_model,
-                    served_name=base_name,
-                    port=settings.engine_port,
-                    max_lora_rank=settings.max_lora_rank,
-                    # Slots for every model's newest steps; an adapter not in a slot is loaded on demand.
-                    max_loras=settings.max_loras or max(4, 2 * len(trainable)),
-                    max_cpu_loras=max(settings.max_loras, 4, 3 * len(trainable)),
-                    max_model_len=settings.max_model_len,
-                    tool_call_parser=parsers.tool_call_parser,
-                    reasoning_parser=parsers.reasoning_parser,
-                    tokenizer_mode=parsers.tokenizer_mode,
-                    extra_args=settings.engine_args,
-                    log_path=settings.data_dir / "engine.log",
-                    startup_timeout=settings.engine_startup_timeout,
-                    max_restarts=settings.engine_max_restarts,
-                    restart_window=settings.engine_restart_window,
-                    env=settings.extra_env,
-                ),
-                on_fatal=lambda reason: services.fail(reason),
-                on_ready=adapters.sync_engine,
-            )
+            configs = engine_configs(settings, base_name, parsers, len(trainable))
+            if len(configs) == 1:
+                engine = EngineSupervisor(
+                    configs[0], on_fatal=lambda reason: services.fail(reason), on_ready=adapters.sync_engine
+                )
+            else:  # each engine restarted gets what it lost loaded again (the pool keeps it out until it holds it)
+                engine = EngineSupervisors(
+                    configs,
+                    on_fatal=lambda reason: services.fail(reason),
+                    on_ready=adapters.sync_engine,
+                    on_restart=lambda i: adapters.restore_engine(engines.engines[i]),
+                )
         else:
             engine = UpstreamEngine(settings.upstream_url, settings.engine_startup_timeout, client, adapters, splicer)
         calls = EngineCalls(

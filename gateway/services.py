@@ -16,7 +16,7 @@ from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
 from engine.pool import Engine, EnginePool
-from engine.supervisor import EngineFailed, EngineState, EngineSupervisor, wait_until_ready
+from engine.supervisor import EngineFailed, EngineState, EngineSupervisor, EngineSupervisors, wait_until_ready
 from gateway.adapters import AdapterRegistry, AdapterService
 from gateway.apis.chat.service import ChatService
 from gateway.apis.completions.service import CompletionsService
@@ -111,7 +111,7 @@ class Services:
         judge_reports: JudgeReportService,
         promotions: PromotionService,
         metrics: GatewayMetrics,
-        engine: EngineSupervisor | UpstreamEngine,
+        engine: EngineSupervisor | EngineSupervisors | UpstreamEngine,
         engines: EnginePool,
         client: httpx.AsyncClient,
     ) -> None:

@@ -8,6 +8,7 @@ artgw/options.py derives the flag (`--field-name`) and the variable (`ARTGW_FIEL
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,8 +173,8 @@ class ServerSettings:
         default=1,
         metadata={
             "help": "gateway processes serving the port together (SO_REUSEPORT: the kernel spreads connections); "
-            "one engine whatever the count (the first process supervises it, the others call it), one store, a "
-            "journal each; a rollout's calls may land on any of them"
+            "the engines are not multiplied (the first process supervises --engines of them, the others call them "
+            "as --upstream URLs), one store, a journal each; a rollout's calls may land on any of them"
         },
     )
     data_dir: Path = field(
@@ -259,6 +260,19 @@ class EngineSettings:
     engine_port: int = field(
         default=0, metadata={"help": "port of the supervised vLLM server (0: a free port chosen at start)"}
     )
+    engines: int = field(
+        default=1,
+        metadata={
+            "help": "supervised vLLM engines of --base-model, each on a port of its own (--engine-port and the ones "
+            "after it, or free ones), supervised and restarted each as one is (--engine-max-restarts counts each's "
+            "own; logs DATA_DIR/engine.log, engine-1.log, ...), calls spread over them as over --upstream URLs; "
+            "with GPUs each gets one (CUDA_VISIBLE_DEVICES; more engines than GPUs visible is refused), on CPU each "
+            "a slice of the cores (OMP_NUM_THREADS, and VLLM_CPU_OMP_THREADS_BIND for vLLM's multiprocess executor), "
+            "one core kept for the gateway when there are more cores than engines"
+        },
+    )
+    # Set by code once the supervised engines' ports are chosen (free ones with --engine-port 0), never by a user.
+    engine_ports: tuple[int, ...] = field(default=(), metadata={"option": False})
     engine_args: tuple[str, ...] = field(
         default=(), metadata={"help": "extra arguments for the supervised vLLM, one shell-quoted string"}
     )
@@ -317,6 +331,12 @@ class EngineSettings:
     def check_engine(self) -> None:
         if not 0 <= self.engine_port <= 65535:
             raise ValueError(f"--engine-port must be a port number (0-65535), got {self.engine_port}")
+        _at_least(1, ("--engines", self.engines))
+        if self.engine_port and self.engine_port + self.engines - 1 > 65535:
+            raise ValueError(
+                f"--engine-port {self.engine_port} with --engines {self.engines}: the engines' ports "
+                f"{self.engine_port}-{self.engine_port + self.engines - 1} go past 65535"
+            )
         _at_least(
             1,
             ("--max-lora-rank", self.max_lora_rank),
@@ -547,10 +567,24 @@ class Settings(
         self.check_recording()
         self.check_promotion()
         self.check_judges()
+        self.check_engines()
         if self.auth == "off" and self.host not in LOOPBACK_HOSTS:
             raise ValueError(
                 f"--auth off is for a gateway on loopback only; it listens on {self.host!r} (use --auth required)"
             )
+
+    def check_engines(self) -> None:
+        """--engines starts supervised engines: with --base-model only, and no more than the machine has GPUs."""
+        if self.engines == 1:
+            return
+        if self.upstream:
+            raise ValueError(
+                f"--engines {self.engines} starts supervised engines of --base-model; with --upstream, give each "
+                "running engine's URL instead"
+            )
+        from engine.placement import engine_environments, visible_gpus  # here: --help reads this module bare
+
+        engine_environments(self.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
 
     @property
     def auth_required(self) -> bool:
@@ -575,9 +609,14 @@ class Settings(
         return self.db or f"sqlite+aiosqlite:///{self.sqlite_path.resolve()}"
 
     @property
+    def supervised_ports(self) -> tuple[int, ...]:
+        """The supervised engines' ports: as chosen at start, else --engine-port and the ones after it."""
+        return self.engine_ports or tuple(self.engine_port + i for i in range(self.engines))
+
+    @property
     def engine_urls(self) -> tuple[str, ...]:
-        """The base URL of each engine the gateway sends calls to: the supervised one, or each --upstream."""
-        return self.upstream_urls or (f"http://127.0.0.1:{self.engine_port}",)
+        """The base URL of each engine the gateway sends calls to: the supervised ones, or each --upstream."""
+        return self.upstream_urls or tuple(f"http://127.0.0.1:{port}" for port in self.supervised_ports)
 
     @property
     def upstream_url(self) -> str:
