@@ -38,7 +38,7 @@ def engine_environments(count: int, *, gpus: Sequence[str], cpus: Sequence[int])
     if gpus:
         if count > len(gpus):
             raise ValueError(
-                f"--engines {count} needs a GPU per engine, and {len(gpus)} are visible ({','.join(gpus)}): "
+                f"--engines {count} needs a GPU per engine; {len(gpus)} visible ({','.join(gpus)}): "
                 f"give --engines {len(gpus)} or fewer"
             )
         return [{"CUDA_VISIBLE_DEVICES": gpus[i]} for i in range(count)]

@@ -804,13 +804,21 @@ class EngineSupervisors:
         return "stopped"
 
     async def start(self) -> None:
-        """Start every engine and wait until all are ready (raises the first one's EngineFailed, naming it)."""
-        outcomes = await asyncio.gather(*(s.start() for s in self.supervisors), return_exceptions=True)
-        for supervisor, outcome in zip(self.supervisors, outcomes, strict=True):
-            if isinstance(outcome, EngineFailed):
-                raise type(outcome)(f"the engine at {supervisor.config.url}: {outcome}")
-            if isinstance(outcome, BaseException):
-                raise outcome
+        """Start every engine and wait until all are ready. The first that fails is raised (its EngineFailed names
+        it) without waiting for the others, whose starts are cancelled (`stop` ends what they spawned)."""
+        starts = [asyncio.create_task(s.start(), name=f"engine-start-{s.config.port}") for s in self.supervisors]
+        try:
+            await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+        for supervisor, start in zip(self.supervisors, starts, strict=True):
+            failure = None if start.cancelled() else start.exception()
+            if isinstance(failure, EngineFailed):
+                raise type(failure)(f"the engine at {supervisor.config.url}: {failure}")
+            if failure is not None:
+                raise failure
         self.ready_seconds = max(s.ready_seconds or 0.0 for s in self.supervisors)
         await self.on_ready()
         self._started = True

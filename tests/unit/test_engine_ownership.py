@@ -25,6 +25,8 @@ from engine.supervisor import (
     EngineConflict,
     EngineFailed,
     EngineSupervisor,
+    EngineSupervisors,
+    free_ports,
     port_in_use,
     port_owners,
     shared_memory_of,
@@ -380,3 +382,69 @@ def test_a_cpu_engine_never_prefills_a_prompt_in_chunks(monkeypatch: pytest.Monk
     assert command[command.index("--max-num-batched-tokens") + 1] == "2000"
     own = dataclasses.replace(config, extra_args=("--enable-chunked-prefill", "--max-num-batched-tokens=512"))
     assert not {"--no-enable-chunked-prefill", "--max-num-batched-tokens"} & set(own.command())
+
+
+def stand_ins(tmp_path: Path, *argvs: tuple[str, ...], ports: tuple[int, ...]) -> list[EngineConfig]:
+    """One stand-in engine's config per port (its program, else the stand-in engine on that port)."""
+    return [
+        FakeEngine(
+            base_model="unused",
+            served_name="stub",
+            port=port,
+            log_path=tmp_path / f"engine-{i}.log",
+            startup_timeout=30,
+            argv=argv or (sys.executable, STUB, str(port)),
+        )
+        for i, (port, argv) in enumerate(zip(ports, argvs, strict=True))
+    ]
+
+
+async def test_several_engines_start_together_and_one_killed_is_restarted_alone(tmp_path: Path) -> None:
+    """`serve --engines 2`'s supervisors (EngineSupervisors) with stand-in engines: the adapters are loaded once
+    both are up; one killed is restarted by its own supervisor and its adapters loaded again there (on_restart
+    with its index), the other untouched, and the gateway's engine state stays ready meanwhile."""
+    events: list[str] = []
+
+    async def on_ready() -> None:
+        events.append("all ready")
+
+    async def on_restart(index: int) -> None:
+        events.append(f"{index} restarted")
+
+    group = EngineSupervisors(
+        stand_ins(tmp_path, (), (), ports=free_ports(2)), pytest.fail, on_ready=on_ready, on_restart=on_restart
+    )
+    await group.start()
+    try:
+        assert (events, group.state) == (["all ready"], "ready")
+        first, second = (s.process for s in group.supervisors)
+        assert first is not None and second is not None
+        os.kill(second.pid, signal.SIGKILL)
+        await apoll(lambda: events[1:] == ["1 restarted"], 30, "the killed engine to be restarted")
+        assert group.state == "ready"
+        assert [s.state for s in group.supervisors] == ["ready", "ready"]
+        assert group.supervisors[0].process is first and first.returncode is None  # the other one untouched
+        assert group.supervisors[1].process is not second
+    finally:
+        await group.stop()
+    assert group.state == "stopped"
+    assert not any(port_in_use("127.0.0.1", s.config.port) for s in group.supervisors)
+
+
+async def test_several_engines_fail_at_the_first_that_cannot_start(tmp_path: Path) -> None:
+    """One engine that dies at start fails the start at once, naming it, without waiting for the others."""
+    ports = free_ports(2)
+    group = EngineSupervisors(
+        stand_ins(tmp_path, ("sleep", "60"), ("false",), ports=ports),
+        pytest.fail,
+        on_ready=pytest.fail,
+        on_restart=pytest.fail,
+    )
+    try:
+        with pytest.raises(EngineFailed, match=rf"^the engine at http://127.0.0.1:{ports[1]}: the engine process exited during start-up"):
+            await group.start()
+        loading = group.supervisors[0].process
+        assert loading is not None and loading.returncode is None  # not waited for: still "loading"
+    finally:
+        await group.stop()
+    assert loading.returncode is not None

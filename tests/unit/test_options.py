@@ -19,6 +19,8 @@ import pytest
 
 from artgw import cli, options
 from artgw.demo import DemoConfig
+from artgw.workers import worker_settings
+from gateway.provide import with_engine_ports
 from gateway.settings import Settings
 from trainer.config import TrainConfig
 
@@ -56,7 +58,8 @@ def test_every_field_is_an_option_with_help_and_variable(cls: type) -> None:
     declared = {o.name: o for o in options.options_of(cls)}
     not_options = {f.name for f in dataclasses.fields(cls) if f.metadata.get("option", True) is False}
     assert set(declared) | not_options == {f.name for f in dataclasses.fields(cls)}
-    assert not_options <= {"extra_env", "extra", "db"}, "only code-set fields may stay off the command line"
+    code_set = {"extra_env", "extra", "db", "engine_ports"}
+    assert not_options <= code_set, "only code-set fields may stay off the command line"
     for name, option in declared.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         assert option.flag == field.metadata.get("flag", "--" + name.replace("_", "-"))
@@ -193,6 +196,33 @@ def test_several_engines_repeated_or_as_a_comma_list() -> None:
     assert settings("--base-model", "b", "--engine-port", "9000").engine_urls == ("http://127.0.0.1:9000",)
 
 
+def test_engines_are_supervised_on_ports_of_their_own_and_workers_call_them_as_upstreams() -> None:
+    """--engines N: N supervised engines, on --engine-port and the ports after it, or on free ones chosen at start;
+    --workers' other processes are given them as --upstream URLs."""
+    given = settings("--base-model", "b", "--engines", "2", "--engine-port", "9000")
+    assert given.engine_urls == ("http://127.0.0.1:9000", "http://127.0.0.1:9001")
+    assert settings("--base-model", "b", "--engine-port", "9000", env={"ARTGW_ENGINES": "3"}).engine_urls[2:] == (
+        "http://127.0.0.1:9002",
+    )
+    free = with_engine_ports(settings("--base-model", "b", "--engines", "2"))
+    assert len(set(free.engine_urls)) == 2 and free.engine_port == free.engine_ports[0] != 0
+    assert with_engine_ports(free) == free  # chosen once
+    worker = worker_settings(free, 8001)
+    assert (worker.base_model, worker.upstream_urls, worker.engines, worker.port) == (None, free.engine_urls, 1, 8001)
+
+
+def test_more_engines_than_gpus_is_one_line_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert cli.main(["serve", "--base-model", "b", "--engines", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "artgw serve: --engines 2 needs a GPU per engine; 1 visible (0): give --engines 1 or fewer\n"
+    )
+
+
 def test_defaults_are_the_dataclass_defaults() -> None:
     s = settings("--upstream", "http://x")
     assert dataclasses.replace(s, upstream=(), base_model="b") == Settings(base_model="b")
@@ -322,6 +352,9 @@ def test_main_prints_one_line_and_exits_2_for_a_bad_value(
         (("--upstream", "http://a:8000,http://a:8000/"), "--upstream names an engine twice"),
         (("--engine-saturation", "0"), "--engine-saturation must be >= 1"),
         (("--engine-health-interval", "0"), "--engine-health-interval must be a number of seconds > 0"),
+        (("--engines", "0"), "--engines must be >= 1, got 0"),
+        (("--engines", "2"), "--engines 2 starts supervised engines of --base-model; with --upstream, give each"),
+        (("--engine-port", "65535", "--engines", "2"), "the engines' ports 65535-65536 go past 65535"),
     ],
 )
 def test_bad_gateway_values_are_rejected(argv: tuple[str, ...], says: str) -> None:
