@@ -441,7 +441,8 @@ async def test_several_engines_fail_at_the_first_that_cannot_start(tmp_path: Pat
         on_restart=pytest.fail,
     )
     try:
-        with pytest.raises(EngineFailed, match=rf"^the engine at http://127.0.0.1:{ports[1]}: the engine process exited during start-up"):
+        said = rf"^the engine at http://127.0.0.1:{ports[1]}: the engine process exited during start-up"
+        with pytest.raises(EngineFailed, match=said):
             await group.start()
         loading = group.supervisors[0].process
         assert loading is not None and loading.returncode is None  # not waited for: still "loading"
