@@ -258,7 +258,11 @@ class EngineSettings:
     call may take."""
 
     engine_port: int = field(
-        default=0, metadata={"help": "port of the supervised vLLM server (0: a free port chosen at start)"}
+        default=0,
+        metadata={
+            "help": "port of the supervised vLLM server, the first's of --engines (the others on the ports after "
+            "it; 0: free ports chosen at start)"
+        },
     )
     engines: int = field(
         default=1,
