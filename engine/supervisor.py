@@ -5,7 +5,8 @@ Supervised mode starts `python -m vllm.entrypoints.openai.api_server` (the
 on, waits until it answers, restarts it if it dies or its engine core dies
 (a bounded number of times, deaths a request caused aside, then fails loudly),
 and stops it with the gateway. The child gets SIGTERM from the kernel if the
-gateway itself dies without cleaning up.
+gateway itself dies without cleaning up. Several engines (`serve --engines N`) are
+one such supervisor each (`EngineSupervisors`), each its own port, log and restarts.
 
 vLLM is a tree of processes: the API server (our child) spawns its engine core
 (`VLLM::EngineCore`), which may spawn workers and helpers. When the API server

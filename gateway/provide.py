@@ -93,8 +93,8 @@ def with_engine_ports(settings: Settings) -> Settings:
 
 def engine_configs(settings: Settings, served_name: str, parsers: EngineParsers, models: int) -> list[EngineConfig]:
     """The supervised engines' configurations (--engines), each on its port with its share of the devices."""
-    places = engine_environments(settings.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
     assert settings.base_model is not None
+    places = engine_environments(settings.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
     return [
         EngineConfig(
             base_model=settings.base_model,
