@@ -6,6 +6,7 @@ given of the machine, are tests/unit (test_engine_ownership.py, test_engine_plac
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from engine.placement import engine_environments, visible_gpus
 from tests.conftest import GatewayProcess, is_vllm_server, make_adapter, poll, start_gateway, wait_http
 
 pytestmark = pytest.mark.engine
@@ -44,6 +46,12 @@ def api_server(engine_url: str) -> psutil.Process | None:
     return None
 
 
+def environment(engine_url: str) -> dict[str, str]:
+    server = api_server(engine_url)
+    assert server is not None, f"no vLLM listens at {engine_url}"
+    return server.environ()
+
+
 def test_two_supervised_engines_share_the_rollouts_and_one_killed_comes_back_with_the_served_step(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -72,6 +80,12 @@ def test_two_supervised_engines_share_the_rollouts_and_one_killed_comes_back_wit
             timeout=300,
         )
         assert committed.status_code == 200 and committed.json()["served_step"] == 1, committed.text
+
+        # Each its share of the machine (here the cores, one each), and a log of its own.
+        shares = engine_environments(2, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+        given = [{k: environment(url).get(k) for k in shares[0]} for url in (first, second)]
+        assert sorted(map(str, given)) == sorted(map(str, shares))
+        assert (gateway.data_dir / "engine.log").is_file() and (gateway.data_dir / "engine-1.log").is_file()
 
         killed = api_server(second)
         assert killed is not None, f"no vLLM listens at {second}"
