@@ -3,7 +3,9 @@ call, new rollouts go to the engine with the fewest calls in flight, an engine t
 once and its rollouts go on on another with no answered call lost, and it is back in rotation when it answers
 again. Every call's record names its engine.
 
-Against stand-in engines (tests/stub_engine.py), several at once; the last test runs two real vLLM engines.
+Against stand-in engines (tests/stub_engine.py), several at once; two real vLLM engines (a rollout one sequence on
+one, a step published to both, a rollout whose engine died spliced on the other) are
+tests/integration/test_supervised_engines.py's, started by the gateway (`--engines 2`).
 """
 
 from __future__ import annotations
@@ -20,20 +22,15 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.supervisor import EngineConfig
 from tests.conftest import (
     ARTGW,
-    BASE_NAME,
-    free_port,
     hold_stub,
-    make_adapter,
     metric,
     poll,
     query_store,
     start_gateway,
     start_stub,
     stop_group,
-    wait_http,
 )
 
 CHAT: dict[str, Any] = {"model": "my-agent", "messages": [{"role": "user", "content": "hi"}]}
@@ -266,71 +263,3 @@ def test_after_a_gateway_restart_a_rollouts_call_goes_to_the_engine_of_its_last_
         assert engines_of(after, "new") == [first[0]]
     finally:
         after.stop()
-
-
-# ----------------------------------------------------------------------------------- two real vLLM engines
-
-
-@pytest.fixture
-def second_vllm_engine(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A vLLM server of the tiny model beside the session's (with --enable-scale-out, as the supervised engine has
-    it), for this test alone: it is killed."""
-    config = EngineConfig(
-        base_model=str(tiny_model),
-        served_name=BASE_NAME,
-        port=free_port(),
-        max_model_len=4096,
-        log_path=tmp_path / "vllm-second.log",
-    )
-    proc = config.start_unsupervised()
-    try:
-        wait_http(f"{config.url}/health", 600, proc)
-        yield config.url, proc
-    finally:
-        stop_group(proc)
-
-
-@pytest.mark.engine
-def test_a_multi_call_rollout_on_two_real_engines_reaches_one_and_is_one_sequence(
-    tmp_path: Path, tiny_model: Path, vllm_url: str, second_vllm_engine: tuple[str, subprocess.Popen[bytes]]
-) -> None:
-    """Its calls reach one engine, spliced there from the model's own tokens; a step committed meanwhile reaches
-    both engines (each lists it and serves it) while the rollout stays on its first step; when its engine dies, the
-    next call goes to the other and is spliced there: the rollout is still one sequence."""
-    first, (second, second_proc) = vllm_url, second_vllm_engine  # the session's engine, and one of its own
-    gateway = start_gateway(tmp_path, "--upstream", f"{first},{second}")
-    try:
-        assert chat(gateway, "warm", max_tokens=2).status_code == 200  # another rollout first: the first engine
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Count with me: one"}]
-
-        def turn(then: str) -> None:
-            answer = chat(gateway, "counting", messages=messages, max_tokens=4, temperature=0)
-            assert answer.status_code == 200, answer.text
-            messages.extend([answer.json()["choices"][0]["message"], {"role": "user", "content": then}])
-
-        for then in ("two", "three", "four"):
-            turn(then)
-        assert engines_of(gateway, "warm") == [first]
-        assert engines_of(gateway, "counting") == [second] * 3
-        adapter = make_adapter(tiny_model, tmp_path / "step-1", seed=1)
-        committed = httpx.post(
-            f"{gateway.base_url}/art/models/my-agent/adapters",
-            json={"step": 1, "path": str(adapter)},
-            headers=gateway.admin,
-            timeout=300,
-        )
-        assert committed.status_code == 200 and committed.json()["served_step"] == 1, committed.text
-        for url in (first, second):  # published to both: each lists it and serves it
-            assert "my-agent@1" in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
-            body = {"model": "my-agent@1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-            assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200, url
-        os.killpg(second_proc.pid, signal.SIGKILL)  # its engine dies: the next call goes to the other
-        second_proc.wait()
-        turn("five")
-        assert engines_of(gateway, "counting") == [second] * 3 + [first]
-        rollout = httpx.get(f"{gateway.base_url}/art/rollouts/counting", headers=gateway.admin, timeout=60).json()
-        assert [s["split_cause"] for s in rollout["sequences"]] == [None], rollout["sequences"]
-        assert len(rollout["sequences"][0]["call_ids"]) == 4
-        assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 3
-    finally:
-        gateway.stop()
