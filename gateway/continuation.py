@@ -491,10 +491,10 @@ class Splicer:
         derendered: dict[str, Any] = _decode(reply)
         return derendered
 
-    def learn(self, answer: dict[str, Any]) -> None:
+    def learn(self, fingerprint: str | None) -> None:
         """The engine's `system_fingerprint`, from one of its own chat answers (derender has none)."""
-        if self.fingerprint is None and answer.get("system_fingerprint"):
-            self.fingerprint = answer["system_fingerprint"]
+        if self.fingerprint is None and fingerprint:
+            self.fingerprint = fingerprint
 
     async def _tail(self, model: str, options: dict[str, Any]) -> list[int] | None:
         """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model and

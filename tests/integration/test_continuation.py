@@ -80,7 +80,7 @@ async def _both_paths(url: str, request: dict[str, Any], logprobs: bool | None =
         generate.update(stream=stream, stream_options=request.get("stream_options") if stream else None)
         splice = Splice(rendered["token_ids"], generate, request, BASE_NAME)
         if not stream:
-            splicer.learn(json.loads(plain))
+            splicer.learn(json.loads(plain)["system_fingerprint"])
         async with session.post(url + GENERATE_PATH, json=generate) as answer:
             assert answer.status == 200, await answer.text()
             if not stream:
