@@ -17,6 +17,8 @@ __all__ = [
     "Answer",
     "AnswerChoice",
     "Delta",
+    "DerenderedChoice",
+    "DerenderedChunk",
     "EngineAnswerError",
     "ErrorBody",
     "ErrorDetail",
@@ -24,6 +26,8 @@ __all__ = [
     "Logprobs",
     "ModelCard",
     "ModelList",
+    "RenderAnswer",
+    "StreamDerender",
     "TokenLogprob",
     "ToolCallDelta",
     "read",
@@ -101,6 +105,31 @@ class ErrorBody(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     error: ErrorDetail
 
 
+class RenderAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """`/v1/chat/completions/render`'s answer (--enable-scale-out): the prompt's ids, and the sampling params
+    that go on to `/inference/v1/generate` as rendered."""
+
+    token_ids: list[int]
+
+
+class DerenderedChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    delta: dict[str, Any] | None = None  # shaped into the client's delta (gateway/continuation.py `_delta`)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class DerenderedChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    choices: list[DerenderedChoice] = []  # none: the parser holds the text back (a tool call)
+
+
+class StreamDerender(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """`/v1/chat/completions/derender`'s answer to one chunk of a generate stream: chat's chunk, and the state
+    the next chunk's derender goes on from (the engine's own, sent back as it came)."""
+
+    chunk: DerenderedChunk
+    stream_state: Any = None
+
+
 class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """An entry of `/v1/models`: the base model (no parent) or a LoRA adapter loaded on it."""
 
@@ -125,10 +154,10 @@ T = TypeVar("T")
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
 
-def read(answer: bytes | dict[str, Any], kind: type[T]) -> T:
+def read(answer: bytes | object, kind: type[T]) -> T:
     """An engine answer (its body, or the body already decoded for forwarding) read as `kind`."""
     try:
-        if isinstance(answer, dict):
+        if not isinstance(answer, bytes):
             return msgspec.convert(answer, kind)
         decoder = _decoders.get(kind)
         if decoder is None:

@@ -899,6 +899,15 @@ class _Call:
             if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
                 yield stream.wire.broken(OpenAIError(502, "The engine ended the stream early.", code="upstream_error"))
+        except (DerenderFailed, EngineAnswerError) as exc:  # a spliced stream's derender refused, or unreadable
+            if isinstance(exc, DerenderFailed):
+                error = upstream_error(exc.status, exc.body)
+                stream.error = f"derender: {error.message}"
+            else:
+                error = _unreadable("an event the gateway cannot read", exc)
+                stream.error = f"unreadable engine event: {_why(exc)}"
+            stream.status = "upstream_error"
+            yield stream.wire.broken(error)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if isinstance(exc, aiohttp.ClientError):  # the engine went away mid-answer: out of rotation
                 self.service.engines.failed(self.engine)

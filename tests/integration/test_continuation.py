@@ -74,7 +74,7 @@ async def _both_paths(url: str, request: dict[str, Any], logprobs: bool | None =
         async with session.post(url + "/v1/chat/completions", json=request) as answer:
             assert answer.status == 200, await answer.text()
             plain = await answer.read()
-        rendered = await splicer._render(request)
+        _, rendered = await splicer._render(request)
         generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
         stream = bool(request.get("stream"))
         generate.update(stream=stream, stream_options=request.get("stream_options") if stream else None)
