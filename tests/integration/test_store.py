@@ -363,12 +363,11 @@ async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine
     }
 
 
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # SQLite's query plan
 async def test_a_write_batch_finds_its_rollouts_by_key_not_by_a_scan(engine: AsyncEngine) -> None:
     """The recorder's batch reads its rollouts' rows (a rollout is its model's) through the primary key: a row-value
     IN made SQLite scan the whole rollouts table for every batch, a cost that grew with the store. Every query
     the batch (and the rollout look-up) makes is checked with SQLite's own plan."""
-    if engine.dialect.name != "sqlite":
-        pytest.skip("SQLite's query plan")
     reads: list[tuple[str, Any]] = []
 
     def seen(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
