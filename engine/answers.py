@@ -29,6 +29,7 @@ __all__ = [
     "RenderAnswer",
     "StreamDerender",
     "TokenLogprob",
+    "TokenizeAnswer",
     "ToolCallDelta",
     "read",
 ]
@@ -128,6 +129,12 @@ class StreamDerender(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     chunk: DerenderedChunk
     stream_state: Any = None
+
+
+class TokenizeAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """`/tokenize`'s answer: how many tokens the prompt is."""
+
+    count: int
 
 
 class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import anyio
@@ -57,6 +57,7 @@ log = logging.getLogger("artgw.gateway")
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,9 +645,9 @@ class EngineCalls:
             return SplicedUpstream(splicer, splice, spec.request), "spliced"
         return plain, splice
 
-    async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the
-        client sees (the engine's own for its 4xx)."""
+    async def engine_json(self, path: str, body: dict[str, Any], kind: type[T]) -> T:
+        """A request to the engine that records nothing (vLLM's `/tokenize`): its answer read as `kind`, or the
+        error the client sees (the engine's own for its 4xx; a 502 saying what is wrong with an unreadable one)."""
         engine = self.engines.least_loaded() or self.engines.engines[0]
         try:
             async with self.session.post(engine.url + path, json=body, timeout=self.timeout) as upstream:
@@ -660,12 +661,9 @@ class EngineCalls:
         if status != 200:
             raise upstream_error(status, payload)
         try:
-            answer = _decode(payload)
-        except msgspec.DecodeError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error")
-        return answer
+            return read(payload, kind)
+        except EngineAnswerError as exc:
+            raise _unreadable("an unreadable answer", exc) from None
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send to the engine; None when the engine is not at fault."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.answers import Answer, EngineAnswerError, ErrorBody, ModelList, read
+from engine.answers import Answer, EngineAnswerError, ErrorBody, ModelList, TokenizeAnswer, read
 from gateway.proxy import choice_record, sampled_logprobs, upstream_error
 from tests.stub_engine import COMPLETION
 
@@ -67,6 +67,12 @@ def test_the_model_list_needs_each_entry_id() -> None:
     assert [(card.id, card.root, card.parent) for card in models.data] == [("m", "/p", None)]
     with pytest.raises(EngineAnswerError, match=r"missing required field `id` - at `\$.data\[0\]`"):
         read(b'{"data": [{"root": "m"}]}', ModelList)
+
+
+def test_the_tokenize_count_is_an_int() -> None:
+    assert read(b'{"count": 7, "max_model_len": 2048, "tokens": [1, 2]}', TokenizeAnswer).count == 7
+    with pytest.raises(EngineAnswerError, match=r"Expected `int`, got `str` - at `\$.count`"):
+        read(b'{"count": "7"}', TokenizeAnswer)
 
 
 def test_the_engines_error_body_is_reshaped_and_an_unreadable_one_named_by_its_status() -> None:
