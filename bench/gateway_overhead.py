@@ -635,10 +635,17 @@ class WrkResult:
     p90_ms: float = 0.0
     p999_ms: float = 0.0
     loop_lag_ms: float | None = None  # the gateway's longest event-loop lag in the run's last 10 s (its /metrics)
+    cpu_seconds: float | None = None  # the gateway's CPU time over the run (user + system, all its processes)
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_ms_per_call(self) -> float | None:
+        """The gateway's CPU per call answered: what a busy machine leaves alone, unlike req/s (the CPU it spent
+        on calls wrk's stop cut is counted, over the answered ones: a few in thousands)."""
+        return 1000 * self.cpu_seconds / self.requests if self.cpu_seconds is not None and self.requests else None
 
     @property
     def error_counts(self) -> tuple[int, int, int, int]:
@@ -650,6 +657,7 @@ def _pooled(runs: list[WrkResult]) -> WrkResult:
     if len(runs) == 1:
         return runs[0]
     cpus = [r.cpu_pct for r in runs if r.cpu_pct is not None]
+    cpu_seconds = [r.cpu_seconds for r in runs if r.cpu_seconds is not None]
     return WrkResult(
         target=runs[0].target,
         connections=runs[0].connections,
@@ -666,11 +674,12 @@ def _pooled(runs: list[WrkResult]) -> WrkResult:
         p90_ms=statistics.median(r.p90_ms for r in runs),
         p999_ms=statistics.median(r.p999_ms for r in runs),
         loop_lag_ms=max((r.loop_lag_ms for r in runs if r.loop_lag_ms is not None), default=None),
+        cpu_seconds=sum(cpu_seconds) if cpu_seconds else None,
     )
 
 
 def progress(r: WrkResult) -> None:
-    cpu = f"  (gateway CPU {r.cpu_pct:.0f}%)" if r.cpu_pct is not None else ""
+    cpu = f"  (gateway CPU {r.cpu_pct:.0f}%, {_ms(r.cpu_ms_per_call)} ms a call)" if r.cpu_pct is not None else ""
     say(f"  c={r.connections:<4} {r.target:8} {r.rps:>9,.0f} req/s  p50 {r.p50_ms:.3f} ms  p99 {r.p99_ms:.3f} ms{cpu}")
 
 
@@ -960,7 +969,8 @@ def _through(
     cpu0 = gateway.cpu_seconds()
     rollout = f"bench-{target}-c{connections}"
     result = run_wrk(children, gateway.url, connections, seconds, rollout, target, gateway.api_key, rollouts)
-    result.cpu_pct = 100 * (gateway.cpu_seconds() - cpu0) / result.seconds
+    result.cpu_seconds = gateway.cpu_seconds() - cpu0
+    result.cpu_pct = 100 * result.cpu_seconds / result.seconds
     result.loop_lag_ms = loop_lag_ms(gateway.url)
     return result
 
@@ -1057,7 +1067,7 @@ def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comp
     old, new = cmp.old, cmp.new
     headers = ["conc", f"{old} req/s", f"{new} req/s", f"{new}/{old} req/s", f"{old} p50 ms", f"{new} p50 ms"]
     headers += [f"{new}/{old} p50", f"{old} added p50 ms", f"{new} added p50 ms", f"{old} added p99 ms"]
-    headers += [f"{new} added p99 ms", f"CPU {old} / {new}"]
+    headers += [f"{new} added p99 ms", f"CPU {old} / {new}", f"CPU ms a call {old} / {new}"]
     rows = [
         [
             str(d.connections),
@@ -1072,10 +1082,15 @@ def _compare_table(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comp
             f"{b.p99_ms - d.p99_ms:+.3f}",
             f"{g.p99_ms - d.p99_ms:+.3f}",
             f"{b.cpu_pct:.0f}% / {g.cpu_pct:.0f}%",
+            f"{_ms(b.cpu_ms_per_call)} / {_ms(g.cpu_ms_per_call)}",
         ]
         for d, b, g in runs
     ]
     return table(headers, rows)
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"
 
 
 def _compare_verdict(runs: list[tuple[WrkResult, WrkResult, WrkResult]], cmp: Comparison) -> tuple[bool, list[str]]:
@@ -1217,7 +1232,7 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
         say(f"gateway = the {gateway.label} (--auth required, one client key); auth off is compared below")
         say()
     headers = ["conc", "direct req/s", "gateway req/s", "ratio", "direct p50/p99 ms"]
-    headers += ["gateway p50/p99 ms", "added p50 ms", "gateway CPU"]
+    headers += ["gateway p50/p99 ms", "added p50 ms", "gateway CPU", "CPU ms a call"]
     rows = [
         [
             str(d.connections),
@@ -1228,6 +1243,7 @@ def _bench(args: argparse.Namespace, children: Children, workdir: Path, use_ngin
             f"{g.p50_ms:.3f} / {g.p99_ms:.3f}",
             f"{g.p50_ms - d.p50_ms:+.3f}",
             f"{g.cpu_pct:.0f}%",
+            _ms(g.cpu_ms_per_call),
         ]
         for d, g in results
     ]

@@ -50,6 +50,8 @@ from typing import Literal
 import httpx
 import psutil
 
+from engine.answers import EngineAnswerError, ModelList, read
+
 log = logging.getLogger("artgw.engine")
 
 
@@ -344,8 +346,8 @@ async def _served_models(client: httpx.AsyncClient, url: str) -> list[str] | Non
     """The model ids an OpenAI-compatible server at `url` lists, or None when it gives no usable list."""
     try:
         answer = await client.get(f"{url}/v1/models")
-        return [str(entry["id"]) for entry in answer.json()["data"]] if answer.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return [card.id for card in read(answer.content, ModelList).data] if answer.status_code == 200 else None
+    except (httpx.HTTPError, EngineAnswerError):
         return None
 
 

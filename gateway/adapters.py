@@ -26,6 +26,7 @@ import httpx
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from engine.answers import EngineAnswerError, ModelList, read
 from engine.pool import Engine, EnginePool
 from gateway.auth import ADMIN, Caller
 from gateway.errors import OpenAIError, invalid_request, model_not_found
@@ -291,12 +292,11 @@ class AdapterService:
         answer: what it holds, whatever its load API said."""
         try:
             answer = await self.client.get(f"{engine.url}/v1/models", timeout=wait)
-            entries = answer.json()["data"] if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            if answer.status_code != 200:
+                return None
+            return {card.id for card in read(answer.content, ModelList).data if card.parent}
+        except (httpx.HTTPError, EngineAnswerError):
             return None
-        if not isinstance(entries, list):
-            return None
-        return {str(e.get("id")) for e in entries if isinstance(e, dict) and e.get("parent")}
 
     async def _load_on(self, engine: Engine, name: str, path: str) -> str | None:
         """Load adapter `name` on one engine and check that it lists it: None when it holds it, else why not."""

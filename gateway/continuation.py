@@ -40,6 +40,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from engine.answers import Answer, DerenderedChoice, EngineAnswerError, RenderAnswer, StreamDerender, read
 from gateway.adapters import Route
 from gateway.splicing import CallsReply, CallsReplyAsText, Mismatch, Renders, TextReply, splice_ids, turn_tail
 from store.records import CallRecord, RolloutKey
@@ -407,7 +408,7 @@ class Splicer:
             return "no_scale_out"
         except _RenderFailed:
             return "render_failed"
-        ids: list[list[int]] = [r["token_ids"] for r in rendered]
+        ids = [answer.token_ids for answer, _ in rendered]
         renders: Renders
         if not calls:
             renders = TextReply(request_a=ids[0], request_z=ids[1])
@@ -416,7 +417,7 @@ class Splicer:
         else:
             renders = CallsReplyAsText(request=ids[0], text_a=ids[1], text_z=ids[2])
         # The first render serves for the sampling params: they do not depend on the history's text.
-        generate = {k: v for k, v in rendered[0].items() if k not in ("token_offsets", "request_id")}
+        generate = {k: v for k, v in rendered[0][1].items() if k not in ("token_offsets", "request_id")}
         params = generate.setdefault("sampling_params", {})
         # The render leaves out a param at its default (max_tokens 16), and generate takes one left out as unasked:
         # it would sample to the end of the context.
@@ -439,13 +440,15 @@ class Splicer:
         """`/inference/v1/generate`'s whole answer -> the chat completion the engine would have answered, with
         the prompt ids it was sampled from and each choice's sampled ids (what the recorder keeps)."""
         request = splice.chat_request
+        read(generated, Answer)  # what vLLM's generate sends: the reads below hold
         sampled = {c.get("index", 0): c for c in generated.get("choices") or ()}
         shown = {index: _shown_ids(c, request) for index, c in sampled.items()}
         # an answer of its stop token only is sent whole (derender refuses no ids) and its text dropped below
         to_derender = [{**c, "token_ids": shown[index] or c.get("token_ids")} for index, c in sampled.items()]
-        completion = await self.post_derender(
-            splice.derender_request(generate_response={**generated, "choices": to_derender})
-        )
+        asked = splice.derender_request(generate_response={**generated, "choices": to_derender})
+        reply = await self.post_derender(asked)
+        completion: dict[str, Any] = _decode(reply)  # the client's answer, fields the gateway does not know included
+        read(completion, Answer)  # what vLLM's derender sends: the reads below (and the recorder's) hold
         completion["id"] = chat_id()
         completion["system_fingerprint"] = self.fingerprint
         completion["prompt_token_ids"] = splice.prompt_ids
@@ -480,21 +483,20 @@ class Splicer:
         except (ScaleOutUnavailable, _RenderFailed):
             return False
 
-    async def post_derender(self, body: bytes) -> dict[str, Any]:
-        """`/v1/chat/completions/derender`'s answer; DerenderFailed with the engine's error."""
+    async def post_derender(self, body: bytes) -> bytes:
+        """`/v1/chat/completions/derender`'s answer (its body); DerenderFailed with the engine's error."""
         async with self.session.post(
             self.upstream_url + DERENDER_PATH, data=body, headers=_JSON, timeout=self.timeout
         ) as answer:
             reply = await answer.read()
             if answer.status != 200:
                 raise DerenderFailed(answer.status, reply)
-        derendered: dict[str, Any] = _decode(reply)
-        return derendered
+        return reply
 
-    def learn(self, answer: dict[str, Any]) -> None:
+    def learn(self, fingerprint: str | None) -> None:
         """The engine's `system_fingerprint`, from one of its own chat answers (derender has none)."""
-        if self.fingerprint is None and answer.get("system_fingerprint"):
-            self.fingerprint = answer["system_fingerprint"]
+        if self.fingerprint is None and fingerprint:
+            self.fingerprint = fingerprint
 
     async def _tail(self, model: str, options: dict[str, Any]) -> list[int] | None:
         """The ids the template puts after an assistant turn's text (`<|im_end|>\\n`), learned once per model and
@@ -508,14 +510,15 @@ class Splicer:
                 for sentinel in _SENTINELS
             ]
             try:
-                a, b = (rendered["token_ids"] for rendered in await asyncio.gather(*map(self._render, turns)))
+                a, b = (answer.token_ids for answer, _ in await asyncio.gather(*map(self._render, turns)))
             except _RenderRefused:
                 self._tails[key] = None
             else:
                 self._tails[key] = turn_tail(a, b)
         return self._tails[key]
 
-    async def _render(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def _render(self, request: dict[str, Any]) -> tuple[RenderAnswer, dict[str, Any]]:
+        """The render of `request`: read, and as the engine sent it (what goes on to generate)."""
         try:
             async with self.session.post(
                 self.upstream_url + RENDER_PATH, data=_encode(request), headers=_JSON, timeout=self.timeout
@@ -530,10 +533,13 @@ class Splicer:
             raise _RenderRefused(f"HTTP {status}: {body[:500]!r}")
         if status != 200:
             raise _RenderFailed(f"HTTP {status}")
-        rendered = _decode(body)
-        if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
-            raise _RenderFailed("unreadable render answer")
-        return rendered
+        try:
+            rendered = _decode(body)
+            if not isinstance(rendered, dict):
+                raise EngineAnswerError(f"Expected `object`, got `{type(rendered).__name__}`")
+            return read(rendered, RenderAnswer), rendered
+        except (msgspec.DecodeError, EngineAnswerError) as exc:
+            raise _RenderFailed(f"unreadable render answer: {exc}") from None
 
 
 # Two texts for the reply's place in a render, ending differently: what their renders share at the end is what
@@ -589,7 +595,7 @@ class DerenderedStream:
         self.content = self
         self.id = chat_id()
         self.created = int(time.time())  # one for the whole stream, as vLLM's chat has it
-        self.states: dict[int, dict[str, Any] | None] = {}  # each choice's derender state, once it has one
+        self.states: dict[int, Any] = {}  # each choice's derender state (the engine's own), once it has one
         self.called: set[int] = set()  # choices that streamed a tool call
         self.opened: set[tuple[int, int]] = set()  # (choice, call) whose arguments have begun
         self.logprobs_asked = logprobs
@@ -641,7 +647,11 @@ class DerenderedStream:
                         continue
                     chunk = _decode(payload)
                     # the engine's error event goes on as it came, read by the relay as from chat
-                    self._arrived.append(line if "error" in chunk and "choices" not in chunk else chunk)
+                    if "error" in chunk and "choices" not in chunk:
+                        self._arrived.append(line)
+                    else:
+                        read(chunk, Answer)  # what vLLM's generate sends (EngineAnswerError: the relay's to say)
+                        self._arrived.append(chunk)
                 self._wake.set()
             self._arrived.append(_ENDED)
         except Exception as exc:  # the relay's to handle, after what came before it
@@ -716,15 +726,16 @@ class DerenderedStream:
         index = choice.get("index", 0)
         one = {**chunk, "choices": [{**choice, "token_ids": _shown_ids(choice, self.splice.chat_request)}]}
         if self.logprobs_asked and choice.get("logprobs"):
-            (derendered, state), logprobs = await asyncio.gather(
+            derendered, logprobs = await asyncio.gather(
                 self._derender(one, self.states.get(index)), self._chat_logprobs(choice)
             )
         else:
-            (derendered, state), logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
-        self.states[index] = state
-        out = (derendered.get("choices") or [{}])[0]  # none: the parser holds the text back (a tool call)
-        shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.get("finish_reason")}
-        shaped["delta"] = _delta(out.get("delta") or {})
+            derendered, logprobs = await self._derender(one, self.states.get(index)), _bare(choice)
+        self.states[index] = derendered.stream_state
+        # none: the parser holds the text back (a tool call)
+        out = derendered.chunk.choices[0] if derendered.chunk.choices else DerenderedChoice()
+        shaped: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        shaped["delta"] = _delta(out.delta or {})
         _open_arguments(shaped["delta"], index, self.opened)
         if shaped["delta"].get("tool_calls"):
             self.called.add(index)
@@ -732,20 +743,20 @@ class DerenderedStream:
             shaped["finish_reason"] = _finish_reason(
                 choice["finish_reason"], index in self.called, self.splice.chat_request, streamed=True
             )
-            shaped["stop_reason"] = out.get("stop_reason")
+            shaped["stop_reason"] = out.stop_reason
         shaped["token_ids"] = choice.get("token_ids") or []
         return {**head, "choices": [shaped]}
 
-    async def _derender(self, chunk: dict[str, Any], state: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
+    async def _derender(self, chunk: dict[str, Any], state: Any) -> StreamDerender:
         body = self.splice.derender_request(stream=True, generate_chunk=chunk, stream_state=state)
-        derendered = await self.splicer.post_derender(body)
-        return derendered["chunk"], derendered["stream_state"]
+        return read(await self.splicer.post_derender(body), StreamDerender)
 
     async def _chat_logprobs(self, choice: dict[str, Any]) -> dict[str, Any] | None:
         """Chat's logprobs of a chunk's tokens (the streaming derender leaves them out when a tool parser is on):
         the whole-answer derender of just these tokens resolves them."""
         part = {"choices": [{**choice, "index": 0, "finish_reason": None}], "request_id": "logprobs"}
-        derendered = await self.splicer.post_derender(self.splice.derender_request(generate_response=part))
+        derendered = _decode(await self.splicer.post_derender(self.splice.derender_request(generate_response=part)))
+        read(derendered, Answer)  # the chat logprobs go on as the engine sent them
         choices = derendered.get("choices") or [{}]
         return _without_unasked_tops(choices[0].get("logprobs"), self.splice.chat_request)
 

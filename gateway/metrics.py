@@ -231,9 +231,31 @@ class _EngineCollector(Collector):
         yield from (calls, in_flight, healthy, quarantined, moves)
 
 
+class _ModelSeries:
+    """One model's series of the calls' metrics, looked up once: `labels()` takes a lock and builds a key on every
+    call, several times a call on the hot path."""
+
+    __slots__ = ("completion_tokens", "duration", "in_flight", "prompt_tokens", "requests", "ttft")
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self.in_flight = metrics.in_flight.labels(model)
+        self.duration = metrics.duration.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.completion_tokens = metrics.completion_tokens.labels(model)
+        self.requests: dict[str, Counter] = {}  # by the call's status
+
+    def ended(self, metrics: GatewayMetrics, model: str, status: str) -> Counter:
+        counter = self.requests.get(status)
+        if counter is None:
+            counter = self.requests[status] = metrics.requests.labels(model, status)
+        return counter
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._series: dict[str, _ModelSeries] = {}  # each model's series of the calls' metrics (call_started)
         r = self.registry
         self.requests = Counter(
             "artgw_requests", "Inference calls (every API) by model and outcome.", ["model", "status"], registry=r
@@ -350,20 +372,27 @@ class GatewayMetrics:
 
     # -- live updates
 
+    def _of(self, model: str) -> _ModelSeries:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _ModelSeries(self, model)
+        return series
+
     def call_started(self, model: str) -> None:
-        self.in_flight.labels(model).inc()
+        self._of(model).in_flight.inc()
 
     def call_ended(self, model: str, record: CallRecord) -> None:
-        self.in_flight.labels(model).dec()
-        self.requests.labels(model, record.status).inc()
-        self.duration.labels(model).observe(record.ended_at - record.started_at)
+        series = self._of(model)
+        series.in_flight.dec()
+        series.ended(self, model, record.status).inc()
+        series.duration.observe(record.ended_at - record.started_at)
         if record.first_token_at is not None and record.status == "ok":
-            self.ttft.labels(model).observe(record.first_token_at - record.started_at)
-        self.prompt_tokens.labels(model).inc(len(record.prompt_token_ids))
-        self.completion_tokens.labels(model).inc(sum(len(c.token_ids) for c in record.choices))
+            series.ttft.observe(record.first_token_at - record.started_at)
+        series.prompt_tokens.inc(len(record.prompt_token_ids))
+        series.completion_tokens.inc(sum(len(c.token_ids) for c in record.choices))
 
     def call_withdrawn(self, model: str) -> None:
-        self.in_flight.labels(model).dec()
+        self._of(model).in_flight.dec()
 
     def engine_resent(self, model: str, error: str) -> None:
         self.engine_resends.labels(model, error).inc()

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import anyio
@@ -24,6 +24,7 @@ import msgspec
 import tenacity
 from opentelemetry.trace import Span
 
+from engine.answers import Answer, AnswerChoice, EngineAnswerError, ErrorBody, read
 from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineState
 from gateway.adapters import AdapterRegistry, Pin, Route, adapter_name
@@ -56,6 +57,7 @@ log = logging.getLogger("artgw.gateway")
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,25 +145,32 @@ class Wire(Protocol):
         ...
 
 
-def sampled_logprobs(choice: dict[str, Any]) -> list[float]:
+def sampled_logprobs(choice: AnswerChoice) -> list[float]:
     """The sampling logprob of each sampled token of a choice (chat's or completions' logprobs)."""
-    logprobs = choice.get("logprobs") or {}
-    if "content" in logprobs:
-        return [entry["logprob"] for entry in logprobs["content"] or ()]
+    logprobs = choice.logprobs
+    if logprobs is None:
+        return []
+    if logprobs.content is not None:
+        return [entry.logprob for entry in logprobs.content]
     # Completions: with `echo`, the prompt's tokens come first (the very first has no logprob).
-    values = logprobs.get("token_logprobs") or []
-    sampled = len(choice.get("token_ids") or ())
-    return [float(v) for v in values[len(values) - sampled :]] if sampled else []
+    values = logprobs.token_logprobs or []
+    sampled = len(choice.token_ids or ())
+    if not sampled:
+        return []
+    mine = values[len(values) - sampled :]
+    if None in mine:
+        raise EngineAnswerError("a sampled token without its logprob at `$.choices[*].logprobs.token_logprobs`")
+    return mine  # type: ignore[return-value]  # no None in it
 
 
 def upstream_error(status: int, body: bytes) -> OpenAIError:
     """vLLM's error body, re-shaped as OpenAI's (vLLM puts an int in `code`)."""
     message, param = f"The engine answered {status}.", None
     try:
-        err = _decode(body).get("error") or {}
-        message = err.get("message") or message
-        param = err.get("param")
-    except Exception:
+        err = read(body, ErrorBody).error
+        message = err.message or message
+        param = err.param
+    except EngineAnswerError:
         pass
     if status >= 500:
         return OpenAIError(502, f"Upstream engine error: {message}", code="upstream_error")
@@ -184,35 +193,35 @@ class StreamedChoice:
     logprobs: list[float] = field(default_factory=list)
     prompt_ids: list[int] | None = None  # completions: each choice carries its prompt's ids
 
-    def add(self, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta")
+    def add(self, choice: AnswerChoice) -> None:
+        delta = choice.delta
         if delta is None:  # completions
-            if choice.get("text"):
-                self.content.append(choice["text"])
-            if choice.get("prompt_token_ids"):
-                self.prompt_ids = choice["prompt_token_ids"]
-            delta = {}
-        if delta.get("content"):
-            self.content.append(delta["content"])
-        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-        if reasoning:
-            self.reasoning.append(reasoning)
-        for call in delta.get("tool_calls") or ():
-            slot = self.tool_calls.setdefault(
-                call.get("index", 0),
-                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-            )
-            if call.get("id"):
-                slot["id"] = call["id"]
-            function = call.get("function") or {}
-            if function.get("name"):
-                slot["function"]["name"] += function["name"]
-            if function.get("arguments"):
-                slot["function"]["arguments"] += function["arguments"]
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
-        if choice.get("token_ids"):
-            self.token_ids.extend(choice["token_ids"])
+            if choice.text:
+                self.content.append(choice.text)
+            if choice.prompt_token_ids:
+                self.prompt_ids = choice.prompt_token_ids
+        else:
+            if delta.content:
+                self.content.append(delta.content)
+            reasoning = delta.reasoning or delta.reasoning_content
+            if reasoning:
+                self.reasoning.append(reasoning)
+            for call in delta.tool_calls or ():
+                slot = self.tool_calls.setdefault(
+                    call.index,
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
+                if call.id:
+                    slot["id"] = call.id
+                function = call.function
+                if function is not None and function.name:
+                    slot["function"]["name"] += function.name
+                if function is not None and function.arguments:
+                    slot["function"]["arguments"] += function.arguments
+        if choice.finish_reason:
+            self.finish_reason = choice.finish_reason
+        if choice.token_ids:
+            self.token_ids.extend(choice.token_ids)
         self.logprobs.extend(sampled_logprobs(choice))
 
     def record(self, index: int) -> ChoiceRecord:
@@ -224,17 +233,17 @@ class StreamedChoice:
         return ChoiceRecord(index, message, self.finish_reason, self.token_ids, self.logprobs)
 
 
-def choice_record(choice: dict[str, Any]) -> ChoiceRecord:
+def choice_record(choice: AnswerChoice) -> ChoiceRecord:
     """One choice of a whole answer, as recorded (chat's message, or completions' text)."""
-    if "message" in choice:
-        message = {k: v for k, v in (choice.get("message") or {}).items() if v is not None}
+    if choice.message is not None:
+        message = {k: v for k, v in choice.message.items() if v is not None}
     else:
-        message = {"role": "assistant", "content": choice.get("text") or ""}
+        message = {"role": "assistant", "content": choice.text or ""}
     return ChoiceRecord(
-        choice.get("index", 0),
+        choice.index,
         message,
-        choice.get("finish_reason"),
-        list(choice.get("token_ids") or ()),
+        choice.finish_reason,
+        choice.token_ids or [],
         sampled_logprobs(choice),
     )
 
@@ -269,8 +278,6 @@ class PlainUpstream:
         return upstream
 
     async def answer(self, payload: dict[str, Any]) -> dict[str, Any]:
-        if self.splicer is not None:
-            self.splicer.learn(payload)
         return payload
 
 
@@ -478,29 +485,34 @@ class EngineCalls:
             # The relay yields at least one event (the engine's first, or an error event).
             return EventStream(await anext(relay), relay, headers)
         try:
+            # Decoded for the client's answer (the wire forwards what the engine sent, fields the gateway does not
+            # know included), and read, typed, for the record.
             payload = await way.answer(_decode(await upstream.read()))
             if hang_up is not None:
                 # From here on no hang-up can cut in (asyncio delivers it only where the task waits): the answer
                 # is whole and the call is recorded as answered.
                 hang_up.task = None
-            choices = [choice_record(c) for c in payload.get("choices") or ()]
-            prompts = _prompt_ids(payload)
+            answer = read(payload, Answer)
+            if isinstance(way, PlainUpstream) and way.splicer is not None:
+                way.splicer.learn(answer.system_fingerprint)
+            choices = [choice_record(c) for c in answer.choices]
+            prompts = _prompt_ids(answer)
         except asyncio.CancelledError:
             upstream.close()  # dropping the connection is how vLLM learns to abort the request
             raise
         except ENGINE_DATA_ERRORS as exc:  # the engine's answer, not the gateway's code: a 502
-            await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
-            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {_why(exc)}")
+            raise _unreadable("an unreadable answer", exc) from None
         except DerenderFailed as exc:
             error = upstream_error(exc.status, exc.body)
             await call.finish("upstream_error", error.status, f"derender: {error.message}")
             raise error from None
-        usage = payload.get("usage")
+        usage = answer.usage
         try:
             body = await spec.wire.answer(payload)
         except ENGINE_DATA_ERRORS as exc:
-            await call.finish("upstream_error", 502, f"unreadable engine answer: {type(exc).__name__}: {exc}")
-            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error") from None
+            await call.finish("upstream_error", 502, f"unreadable engine answer: {_why(exc)}")
+            raise _unreadable("an unreadable answer", exc) from None
         except BaseException as exc:
             await call.finish("internal_error", 500, f"gateway error: {type(exc).__name__}")
             raise
@@ -633,9 +645,9 @@ class EngineCalls:
             return SplicedUpstream(splicer, splice, spec.request), "spliced"
         return plain, splice
 
-    async def engine_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A request to the engine that records nothing (vLLM's `/tokenize`): its JSON answer, or the error the
-        client sees (the engine's own for its 4xx)."""
+    async def engine_json(self, path: str, body: dict[str, Any], kind: type[T]) -> T:
+        """A request to the engine that records nothing (vLLM's `/tokenize`): its answer read as `kind`, or the
+        error the client sees (the engine's own for its 4xx; a 502 saying what is wrong with an unreadable one)."""
         engine = self.engines.least_loaded() or self.engines.engines[0]
         try:
             async with self.session.post(engine.url + path, json=body, timeout=self.timeout) as upstream:
@@ -649,12 +661,9 @@ class EngineCalls:
         if status != 200:
             raise upstream_error(status, payload)
         try:
-            answer = _decode(payload)
-        except msgspec.DecodeError:
-            answer = None
-        if not isinstance(answer, dict):
-            raise OpenAIError(502, "The engine sent an unreadable answer.", code="upstream_error")
-        return answer
+            return read(payload, kind)
+        except EngineAnswerError as exc:
+            raise _unreadable("an unreadable answer", exc) from None
 
     def _send_error(self, exc: BaseException) -> OpenAIError | None:
         """The client-facing error for a failed send to the engine; None when the engine is not at fault."""
@@ -689,11 +698,25 @@ def unrecorded(exc: RecordingUnavailable) -> OpenAIError:
     return error
 
 
-def _prompt_ids(payload: dict[str, Any]) -> list[list[int]]:
+def _prompt_ids(answer: Answer) -> list[list[int]]:
     """The prompt token ids of a whole answer: chat's one, or each completions choice's own."""
-    if payload.get("prompt_token_ids"):
-        return [payload["prompt_token_ids"]]
-    return [c.get("prompt_token_ids") or [] for c in payload.get("choices") or ()]
+    if answer.prompt_token_ids:
+        return [answer.prompt_token_ids]
+    return [c.prompt_token_ids or [] for c in answer.choices]
+
+
+def _why(exc: BaseException) -> str:
+    """What was wrong with an engine answer, for the client's error and the record."""
+    if isinstance(exc, EngineAnswerError):
+        return exc.reason
+    if isinstance(exc, msgspec.DecodeError):  # not JSON at all
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _unreadable(what: str, exc: BaseException) -> OpenAIError:
+    """The client's 502 for an engine answer that is not what vLLM sends, saying what was wrong with it."""
+    return OpenAIError(502, f"The engine sent {what}: {_why(exc)}", code="upstream_error")
 
 
 class _Rerouted(Exception):
@@ -874,6 +897,15 @@ class _Call:
             if stream.status == "cancelled":  # the engine closed the stream without its [DONE]
                 stream.status, stream.error = "upstream_error", "the engine ended the stream early"
                 yield stream.wire.broken(OpenAIError(502, "The engine ended the stream early.", code="upstream_error"))
+        except (DerenderFailed, EngineAnswerError) as exc:  # a spliced stream's derender refused, or unreadable
+            if isinstance(exc, DerenderFailed):
+                error = upstream_error(exc.status, exc.body)
+                stream.error = f"derender: {error.message}"
+            else:
+                error = _unreadable("an event the gateway cannot read", exc)
+                stream.error = f"unreadable engine event: {_why(exc)}"
+            stream.status = "upstream_error"
+            yield stream.wire.broken(error)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if isinstance(exc, aiohttp.ClientError):  # the engine went away mid-answer: out of rotation
                 self.service.engines.failed(self.engine)
@@ -935,10 +967,8 @@ class _Stream:
             return self._take(line, call)
         except ENGINE_DATA_ERRORS as exc:
             self.broken = True
-            self.status, self.error = "upstream_error", f"unreadable engine event: {type(exc).__name__}: {exc}"
-            return self.wire.broken(
-                OpenAIError(502, "The engine sent an event the gateway cannot read.", code="upstream_error")
-            )
+            self.status, self.error = "upstream_error", f"unreadable engine event: {_why(exc)}"
+            return self.wire.broken(_unreadable("an event the gateway cannot read", exc))
 
     def _take(self, line: bytes, call: _Call) -> bytes:
         if not line.startswith(b"data: "):
@@ -949,21 +979,26 @@ class _Stream:
             if self.status == "cancelled":  # vLLM sends [DONE] after an error event too: the error stands
                 self.status = "ok"
             return b""  # the wire's closing events go out after the record (relay)
-        event = _decode(data)
+        event = _decode(data)  # what the wire forwards; read, typed, below
         if "error" in event and "choices" not in event:
-            self.status, self.error = "upstream_error", str((event.get("error") or {}).get("message"))
+            try:
+                error = read(event, ErrorBody).error
+            except EngineAnswerError:
+                error = None
+            self.status, self.error = "upstream_error", str(error.message if error is not None else None)
             # vLLM's error event (e.g. its engine core died) has its HTTP status as an int `code`: re-shaped
             # as the gateway's own errors are, code `upstream_error` for a 5xx.
-            code = event["error"].get("code") if isinstance(event["error"], dict) else None
+            code = error.code if error is not None else None
             return self.wire.broken(upstream_error(code if isinstance(code, int) and code >= 400 else 500, data))
+        answer = read(event, Answer)
         if call.first_token_at is None:
             call.first_token_at = time.time()
-        if event.get("prompt_token_ids"):
-            self.prompt_ids = event["prompt_token_ids"]
-        if event.get("usage"):
-            self.usage = event["usage"]
+        if answer.prompt_token_ids:
+            self.prompt_ids = answer.prompt_token_ids
+        if answer.usage:
+            self.usage = answer.usage
             if call.splicer is not None:
-                call.splicer.learn(event)
-        for choice in event.get("choices") or ():
-            self.choices.setdefault(choice.get("index", 0), StreamedChoice()).add(choice)
+                call.splicer.learn(answer.system_fingerprint)
+        for choice in answer.choices:
+            self.choices.setdefault(choice.index, StreamedChoice()).add(choice)
         return self.wire.event(event)

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from litestar.datastructures import State
 from sqlalchemy.exc import SQLAlchemyError
 
+from engine.answers import ModelList, read
 from engine.pool import Engine, EnginePool
 from engine.supervisor import EngineFailed, EngineState, EngineSupervisor, EngineSupervisors, wait_until_ready
 from gateway.adapters import AdapterRegistry, AdapterService
@@ -78,9 +79,9 @@ class UpstreamEngine:
         """The model entry that is not a LoRA adapter: (its served name, the path or hub id it was loaded from)."""
         answer = await self.client.get("/v1/models", timeout=10.0)
         answer.raise_for_status()
-        for entry in answer.json()["data"]:
-            if not entry.get("parent"):
-                return str(entry["id"]), str(entry.get("root") or entry["id"])
+        for card in read(answer.content, ModelList).data:
+            if not card.parent:
+                return card.id, card.root or card.id
         raise EngineFailed("the upstream engine serves no base model")
 
     async def stop(self) -> None:

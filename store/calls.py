@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -83,14 +83,21 @@ _FIRST_STEP = (
 )
 
 
+def _rollouts_in(keys: Iterable[RolloutKey]) -> sa.ColumnElement[bool]:
+    """`rollouts` rows of these keys, as each owner's ids: SQLite searches its primary key for that, where a
+    row-value IN, `(owner, id) IN (VALUES ...)`, scans the whole table (a write batch's cost grew with the store)."""
+    by_owner: dict[str, list[str]] = {}
+    for key in sorted(set(keys)):
+        by_owner.setdefault(key.owner, []).append(key.id)
+    if not by_owner:
+        return sa.false()
+    return sa.or_(*(sa.and_(rollouts.c.owner == owner, rollouts.c.id.in_(ids)) for owner, ids in by_owner.items()))
+
+
 async def rollout_owners(conn: AsyncConnection, keys: Sequence[RolloutKey]) -> dict[RolloutKey, RolloutOwner]:
     """What each of these rollouts that is recorded is on (one query for all: a fresh rollout, the usual one, is
     in none; the first step is read for those with a trainable model only)."""
-    found = await conn.execute(
-        sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(
-            sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(sorted(set(keys)))
-        )
-    )
+    found = await conn.execute(sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(_rollouts_in(keys)))
     owners: dict[RolloutKey, RolloutOwner] = {}
     for row in found.all():
         key = RolloutKey(row.owner, row.id)
@@ -137,11 +144,7 @@ def _keep_apart(conn: Connection, records: Sequence[CallRecord]) -> list[CallRec
     a record of another trainable model never joins it (its calls would be read, grouped and trained as the
     other model's) but is kept, under `stray_rollout_id`. (Another key's calls are another owner's rollout.)"""
     keys = {r.rollout_key for r in records}
-    found = conn.execute(
-        sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(
-            sa.tuple_(rollouts.c.owner, rollouts.c.id).in_(sorted(keys))
-        )
-    )
+    found = conn.execute(sa.select(rollouts.c.owner, rollouts.c.id, rollouts.c.model).where(_rollouts_in(keys)))
     models: dict[RolloutKey, str | None] = {RolloutKey(row.owner, row.id): row.model for row in found}
     kept = []
     for record in records:

@@ -12,7 +12,7 @@ tracing parents its spans on it) and, once one came, how many plain inference `r
 A plain stream (role, three tokens, usage, [DONE]) serves load tests. Everything else is tested against the
 real vLLM.
 Run: python tests/stub_engine.py PORT [--delay SECONDS] [--status CODE] [--die-mid-stream] [--endless-stream]
-[--end-stream-early] [--garbled bad-line|no-logprob] [--answers JSON].
+[--end-stream-early] [--garbled bad-line|no-logprob|text-ids] [--answers JSON].
 --answers scripts the content of a plain answer per requested model (a LoRA step is `NAME@K`; "*": any other), so
 that what an eval grades, and what a gate decides, is known in advance."""
 
@@ -143,9 +143,13 @@ def _lora(
 
 
 async def _garbled(send, kind: str, stream: bool) -> None:  # type: ignore[no-untyped-def]
-    """--garbled bad-line: a line that is not JSON; --garbled no-logprob: a logprobs entry without `logprob`."""
+    """--garbled bad-line: a line that is not JSON; --garbled no-logprob: a logprobs entry without `logprob`;
+    --garbled text-ids: token ids that are text, not ints."""
     if not stream:
-        choice = {**COMPLETION["choices"][0], "logprobs": {"content": [{"token": "ok"}]}}  # type: ignore[dict-item]
+        if kind == "text-ids":
+            choice = {**COMPLETION["choices"][0], "token_ids": ["ok"]}  # type: ignore[dict-item]
+        else:
+            choice = {**COMPLETION["choices"][0], "logprobs": {"content": [{"token": "ok"}]}}  # type: ignore[dict-item]
         body = b"{not json" if kind == "bad-line" else json.dumps({**COMPLETION, "choices": [choice]}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
@@ -154,6 +158,8 @@ async def _garbled(send, kind: str, stream: bool) -> None:  # type: ignore[no-un
     await send({"type": "http.response.body", "body": _chunk(prompt_token_ids=[1, 2, 3]), "more_body": True})
     if kind == "bad-line":
         bad = b"data: {not json\n\n"
+    elif kind == "text-ids":
+        bad = _chunk().replace(b'"token_ids": [7]', b'"token_ids": ["o"]')
     else:
         bad = _chunk().replace(b'"logprobs": null', b'"logprobs": {"content": [{"token": "o"}]}')
     await send({"type": "http.response.body", "body": bad, "more_body": True})
@@ -305,7 +311,7 @@ if __name__ == "__main__":
     parser.add_argument("--die-mid-stream", action="store_true")
     parser.add_argument("--endless-stream", action="store_true")
     parser.add_argument("--end-stream-early", action="store_true", help="one event, then the end: no [DONE]")
-    parser.add_argument("--garbled", choices=("bad-line", "no-logprob"), help="an answer vLLM never sends")
+    parser.add_argument("--garbled", choices=("bad-line", "no-logprob", "text-ids"), help="an answer vLLM never sends")
     parser.add_argument("--answers", type=json.loads, help='{"MODEL": "content", "*": "content"}: plain answers')
     a = parser.parse_args()
     app = make_app(a.delay, a.status, a.die_mid_stream, a.endless_stream, a.end_stream_early, a.garbled, a.answers)

@@ -74,13 +74,13 @@ async def _both_paths(url: str, request: dict[str, Any], logprobs: bool | None =
         async with session.post(url + "/v1/chat/completions", json=request) as answer:
             assert answer.status == 200, await answer.text()
             plain = await answer.read()
-        rendered = await splicer._render(request)
+        _, rendered = await splicer._render(request)
         generate = {k: v for k, v in rendered.items() if k not in ("token_offsets", "request_id")}
         stream = bool(request.get("stream"))
         generate.update(stream=stream, stream_options=request.get("stream_options") if stream else None)
         splice = Splice(rendered["token_ids"], generate, request, BASE_NAME)
         if not stream:
-            splicer.learn(json.loads(plain))
+            splicer.learn(json.loads(plain)["system_fingerprint"])
         async with session.post(url + GENERATE_PATH, json=generate) as answer:
             assert answer.status == 200, await answer.text()
             if not stream:

@@ -325,11 +325,22 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(gateway_fac
         stop_group(proc)
 
 
-@pytest.mark.parametrize("garbled", ["bad-line", "no-logprob"])
+# What the gateway says of each garbled answer (engine/answers.py): where the answer is not what vLLM sends.
+GARBLED = {
+    "bad-line": "JSON is malformed: object keys must be strings (byte 1)",
+    "no-logprob": "Object missing required field `logprob` - at `$.choices[0].logprobs.content[0]`",
+    # Not an error before the answers were read typed: the text was recorded as the sampled token ids.
+    "text-ids": "Expected `int`, got `str` - at `$.choices[0].token_ids[0]`",
+}
+
+
+@pytest.mark.parametrize("garbled", GARBLED)
 def test_an_engine_answer_the_gateway_cannot_read_is_an_upstream_error(gateway_factory, garbled: str) -> None:
-    """A line that is not JSON, or a logprobs entry without `logprob`: streamed, the stream ends there with an
-    error event (no [DONE], nothing after it relayed); not streamed, a 502. Both recorded `upstream_error`."""
+    """A line that is not JSON, a logprobs entry without `logprob`, token ids that are not ints: streamed, the
+    stream ends there with an error event saying what was wrong (no [DONE], nothing after it relayed); not
+    streamed, a 502 saying it. Both recorded `upstream_error`, with the same reason."""
     url, proc = start_stub("--garbled", garbled)
+    why = GARBLED[garbled]
     try:
         gateway = gateway_factory("--upstream", url)
         headers = {"X-ART-Rollout-Id": f"garbled-{garbled}"}
@@ -340,7 +351,7 @@ def test_an_engine_answer_the_gateway_cannot_read_is_an_upstream_error(gateway_f
         assert len(events) == 2 and '"content":"o"' in events[0]
         assert json.loads(events[1][6:]) == {
             "error": {
-                "message": "The engine sent an event the gateway cannot read.",
+                "message": f"The engine sent an event the gateway cannot read: {why}",
                 "type": "server_error",
                 "param": None,
                 "code": "upstream_error",
@@ -349,17 +360,17 @@ def test_an_engine_answer_the_gateway_cannot_read_is_an_upstream_error(gateway_f
         r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT, headers={"X-ART-Rollout-Id": "plain"})
         assert r.status_code == 502
         assert error(r) == {
-            "message": "The engine sent an unreadable answer.",
+            "message": f"The engine sent an unreadable answer: {why}",
             "type": "server_error",
             "param": None,
             "code": "upstream_error",
         }
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
         gateway.stop()  # flushes the recorder
-        for rollout_id, http_status in ((f"garbled-{garbled}", 200), ("plain", 502)):
+        for rollout_id, http_status, what in ((f"garbled-{garbled}", 200, "event"), ("plain", 502, "answer")):
             (call,) = recorded_calls(gateway.db_path, rollout_id) or []
             assert (call.status, call.http_status) == ("upstream_error", http_status)
-            assert call.error is not None and "unreadable engine" in call.error
+            assert call.error == f"unreadable engine {what}: {why}"
     finally:
         stop_group(proc)
 

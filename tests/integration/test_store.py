@@ -363,6 +363,35 @@ async def test_a_call_of_another_model_never_joins_a_rollout(engine: AsyncEngine
     }
 
 
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # SQLite's query plan
+async def test_a_write_batch_finds_its_rollouts_by_key_not_by_a_scan(engine: AsyncEngine) -> None:
+    """The recorder's batch reads its rollouts' rows (a rollout is its model's) through the primary key: a row-value
+    IN made SQLite scan the whole rollouts table for every batch, a cost that grew with the store. Every query
+    the batch (and the rollout look-up) makes is checked with SQLite's own plan."""
+    reads: list[tuple[str, Any]] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            reads.append((statement, parameters))
+
+    sa.event.listen(engine.sync_engine, "before_cursor_execute", seen)
+    try:
+        await write(engine, [call("s0", "earlier", 1.0)])
+        of_key = msgspec.structs.replace(call("s2", "task", 3.0), key_id="key_a")
+        await write(engine, [call("s1", "earlier", 2.0), of_key, call("s3", "fresh", 4.0)])
+        async with engine.connect() as conn:
+            found = await rollout_owners(conn, [RolloutKey("", "earlier"), RolloutKey("key_a", "task")])
+    finally:
+        sa.event.remove(engine.sync_engine, "before_cursor_execute", seen)
+    assert set(found) == {RolloutKey("", "earlier"), RolloutKey("key_a", "task")}
+    on_rollouts = [(sql, args) for sql, args in reads if "FROM rollouts" in sql]
+    assert len(on_rollouts) == 3  # each batch's and the look-up's
+    async with engine.connect() as conn:
+        for sql, args in on_rollouts:
+            plan = (await conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, args)).all()
+            assert not [step for step in plan if step[-1].startswith("SCAN rollouts")], (sql, plan)
+
+
 async def test_each_owner_has_rollout_ids_of_its_own(engine: AsyncEngine) -> None:
     """Rollout ids are a namespace per owner (#40): the calls of two keys of the same model, and the admin's (no
     key), naming rollout `task` are three rollouts, each with its own calls, model and pin; a key's id is not

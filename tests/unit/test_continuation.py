@@ -9,8 +9,10 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 from aiohttp import web
 
+from engine.answers import EngineAnswerError
 from gateway.adapters import Route
 from gateway.continuation import (
     DERENDER_PATH,
@@ -429,3 +431,25 @@ async def test_a_spliced_whole_tool_call_is_named_as_vllms_chat_names_it() -> No
         ids[name] = answer["choices"][0]["message"]["tool_calls"][0]["id"]
     assert len(ids["mistral"]) == 9 and ids["mistral"].isalnum(), ids
     assert re.fullmatch("chatcmpl-tool-[0-9a-f]{16}", ids["other"]), ids
+
+
+class _GarbledDerender(_StandInEngine):
+    """The stand-in's generate stream, derendered by an engine that answers without chat's chunk."""
+
+    async def derender(self, request: web.Request) -> web.Response:
+        self.asked.set()
+        return web.json_response({"stream_state": None})
+
+
+async def test_a_derender_answer_vllm_never_sends_ends_the_stream_with_an_error_naming_it() -> None:
+    """Read typed (engine/answers.py): the relay (gateway/proxy.py) ends the client's stream with a 502 event
+    saying what was wrong, where a KeyError used to cut it."""
+    engine = _GarbledDerender(tokens=2)
+    async with serving({GENERATE_PATH: engine.generate, DERENDER_PATH: engine.derender}) as url:
+        async with aiohttp.ClientSession() as session:
+            splicer = Splicer(session, url, aiohttp.ClientTimeout(total=30))
+            splice = Splice([1, 2, 3], {}, _request([USER]), "my-agent@2")
+            async with session.post(url + GENERATE_PATH, json={}) as answer:
+                stream = DerenderedStream(splicer, answer, splice, logprobs=False)
+                with pytest.raises(EngineAnswerError, match=r"missing required field `chunk`"):
+                    [chunk async for chunk in stream.iter_any()]

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from engine.answers import TokenizeAnswer
 from gateway.adapters import Route
 from gateway.apis.chat.translate import strict_forced_calls, upstream_request
 from gateway.apis.messages.schema import (
@@ -157,8 +158,8 @@ class MessagesService:
         tokenize = {k: v for k, v in chat.items() if k in ("messages", "tools", "add_generation_prompt")}
         tokenize.update(model=route.upstream_model, continue_final_message=chat.get("continue_final_message", False))
         tokenize.setdefault("add_generation_prompt", True)
-        payload = await self.calls.engine_json("/tokenize", tokenize)
-        return MessageTokensCount(int(payload["count"]))
+        tokenized = await self.calls.engine_json("/tokenize", tokenize, TokenizeAnswer)
+        return MessageTokensCount(tokenized.count)
 
     async def create(self, body: bytes, origin: CallOrigin, hang_up: HangUp | None = None) -> JSONBody | EventStream:
         """Raises AnthropicError for a request it refuses, OpenAIError for the rest (the route re-shapes it)."""
