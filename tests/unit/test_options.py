@@ -25,6 +25,12 @@ from gateway.settings import Settings
 from trainer.config import TrainConfig
 
 
+def no_artgw_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shell's ARTGW_* variables out of this test's way: only what it sets counts."""
+    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
+        monkeypatch.delenv(name)
+
+
 def parse(*argv: str, env: dict[str, str] | None = None) -> argparse.Namespace:
     args = cli.build_parser().parse_args(argv)
     options.resolve(args, env or {})
@@ -214,8 +220,7 @@ def test_engines_are_supervised_on_ports_of_their_own_and_workers_call_them_as_u
 def test_more_engines_than_gpus_is_one_line_at_start(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
-        monkeypatch.delenv(name)
+    no_artgw_environment(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert cli.main(["serve", "--base-model", "b", "--engines", "2"]) == 2
     assert capsys.readouterr().err == (
@@ -322,8 +327,7 @@ def test_min_groups_above_groups_per_step_is_rejected_not_clamped() -> None:
 def test_main_prints_one_line_and_exits_2_for_a_bad_value(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
-        monkeypatch.delenv(name)
+    no_artgw_environment(monkeypatch)
     monkeypatch.setenv("ARTGW_MIN_GROUPS_PER_STEP", "9")
     assert cli.main(["train", "--base-model", "b"]) == 2
     err = capsys.readouterr().err
@@ -563,8 +567,7 @@ def test_train_without_base_model_asks_the_gateway_with_the_admin_key(fake_gatew
 def test_train_without_base_model_or_gateway_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    for name in [k for k in os.environ if k.startswith("ARTGW_")]:
-        monkeypatch.delenv(name)
+    no_artgw_environment(monkeypatch)
     port = str(_closed_port())
     assert cli.main(["train", "--data-dir", str(tmp_path), "--port", port]) == 1
     err = capsys.readouterr().err
