@@ -31,6 +31,7 @@ import torch
 from opentelemetry.trace import Tracer
 from rich.table import Table
 
+from artgw import startwatch
 from client import ArtClient
 from store.api import AdapterLoad
 from store.tracing import traced
@@ -92,6 +93,7 @@ def train(
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
     faulthandler.cancel_dump_traceback_later()  # started: `artgw train`'s start-up stack dump is not needed
+    startwatch.disarm()  # and neither is its watch for a start stalled on memory
 
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).
