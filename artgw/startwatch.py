@@ -15,6 +15,9 @@ The watcher runs as `python -I -S startwatch.py PID SECONDS PROG` and imports on
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 import select
 import signal
@@ -56,6 +59,34 @@ class Sample(NamedTuple):
     parked: bool  # its memory cgroup at its limit with the OOM killer off
 
 
+class Files:
+    """What the watcher reads, opened once, while memory is still there: the watcher is in the process's memory
+    cgroup, where opening a file (its kernel buffer) fails once the group is at its limit; reading an open one
+    again from its start needs no new buffer."""
+
+    def __init__(self, pid: int) -> None:
+        self.stat = self._open(f"/proc/{pid}/stat")
+        v1, v2 = memory_cgroup(pid)
+        self.pressure = self._open(v2 / "memory.pressure" if v2 else "") or self._open("/proc/pressure/memory")
+        self.oom = self._open(v1 / "memory.oom_control" if v1 else "")
+        self.limit = self._open(v1 / "memory.limit_in_bytes" if v1 else v2 / "memory.max" if v2 else "")
+        self.meminfo = self._open("/proc/meminfo")
+
+    @staticmethod
+    def _open(path: Path | str) -> int | None:
+        try:
+            return os.open(path, os.O_RDONLY) if path else None
+        except OSError:
+            return None
+
+    @staticmethod
+    def read(fd: int | None) -> str:
+        try:
+            return os.pread(fd, 1 << 16, 0).decode() if fd is not None else ""
+        except OSError:  # ESRCH: the process is gone; ENOMEM: no memory for this read, try again next time
+            return ""
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -63,7 +94,7 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _memory_cgroup(pid: int) -> tuple[Path | None, Path | None]:
+def memory_cgroup(pid: int) -> tuple[Path | None, Path | None]:
     """The process's memory cgroup directory: (cgroup v1's, cgroup v2's); None where it has none."""
     v1 = v2 = None
     for line in _read(Path(f"/proc/{pid}/cgroup")).splitlines():
@@ -76,18 +107,15 @@ def _memory_cgroup(pid: int) -> tuple[Path | None, Path | None]:
     return v1, v2
 
 
-def sample(pid: int) -> Sample | None:
-    stat = _read(Path(f"/proc/{pid}/stat"))
+def sample(files: Files) -> Sample | None:
+    """None: nothing read this time (no memory for the read, or the process is gone)."""
+    stat = files.read(files.stat)
     if not stat:
-        return None  # exited
+        return None
     fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-    v1, v2 = _memory_cgroup(pid)
-    pressure = _read(v2 / "memory.pressure") if v2 is not None else ""
-    pressure = pressure or _read(Path("/proc/pressure/memory"))
-    some = next((line for line in pressure.splitlines() if line.startswith("some ")), "")
-    total = int(some.rpartition("total=")[2] or 0)
-    parked = v1 is not None and "under_oom 1" in _read(v1 / "memory.oom_control")
-    return Sample(time.monotonic(), int(fields[11]), int(fields[9]), total, parked)
+    some = next((line for line in files.read(files.pressure).splitlines() if line.startswith("some ")), "")
+    parked = "under_oom 1" in files.read(files.oom)
+    return Sample(time.monotonic(), int(fields[11]), int(fields[9]), int(some.rpartition("total=")[2] or 0), parked)
 
 
 def stalled_on_memory(before: Sample, now: Sample) -> bool:
@@ -98,40 +126,53 @@ def stalled_on_memory(before: Sample, now: Sample) -> bool:
     return thrashing or now.parked
 
 
-def memory_left(pid: int) -> str:
+def memory_left(files: Files) -> str:
     """What memory there is: the machine's available, and the process's cgroup's limit where it has one."""
-    meminfo = dict(line.split(":", 1) for line in _read(Path("/proc/meminfo")).splitlines() if ":" in line)
+    meminfo = dict(line.split(":", 1) for line in files.read(files.meminfo).splitlines() if ":" in line)
     available = int(meminfo.get("MemAvailable", "0 kB").split()[0]) >> 10
-    v1, v2 = _memory_cgroup(pid)
-    limit = _read(v1 / "memory.limit_in_bytes") if v1 is not None else ""
-    limit = limit or (_read(v2 / "memory.max") if v2 is not None else "")
-    capped = limit.strip().isdigit() and int(limit) < 1 << 60
     swap = "" if int(meminfo.get("SwapTotal", "0 kB").split()[0]) else ", no swap"
+    limit = files.read(files.limit).strip()
+    capped = limit.isdigit() and int(limit) < 1 << 60
     cgroup = f", its memory cgroup's limit {int(limit) >> 20} MiB" if capped else ""
     return f"{available} MiB available{swap}{cgroup}"
 
 
+def steady(files: Files) -> None:
+    """Everything the loop needs, in memory and kept there, before the memory runs out: the watcher shares the
+    process's memory cgroup, and a page it faulted in then (its own, or code evicted by the process's thrashing)
+    would park it or thrash it beside the process it watches."""
+    gc.disable()  # nothing cyclic is made here
+    first = sample(files)
+    if first is not None:
+        stalled_on_memory(first, first)
+    memory_left(files)
+    with contextlib.suppress(OSError, AttributeError):  # not root: RLIMIT_MEMLOCK is most often too small
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mlockall(1)  # MCL_CURRENT: every page mapped now stays in memory
+
+
 def watch(pid: int, seconds: float, prog: str) -> int:
-    before = sample(pid)
+    files = Files(pid)
+    steady(files)
+    before = sample(files)
     since: float | None = None  # when the run of stalled periods began
-    while before is not None:
-        if select.select([sys.stdin], [], [], PERIOD)[0]:
-            return 0  # stdin closed: disarmed, or the process exited
-        now = sample(pid)
+    while True:
+        if select.select([sys.stdin], [], [], PERIOD)[0] or os.getppid() != pid:
+            return 0  # stdin closed: disarmed, or the process exited (this watcher is its child)
+        now = sample(files)
         if now is None:
-            return 0
-        since = (since or before.at) if stalled_on_memory(before, now) else None
+            continue  # no memory to read with (or gone, and stdin says so next)
+        if before is not None:
+            since = (since or before.at) if stalled_on_memory(before, now) else None
         if since is not None and now.at - since >= seconds:
-            print(
-                f"{prog}: stalled {now.at - since:.0f} s at start waiting for memory ({memory_left(pid)}): "
-                "stopped rather than left hanging; free memory or give it more",
-                file=sys.stderr,
-                flush=True,
+            line = (
+                f"{prog}: stalled {now.at - since:.0f} s at start waiting for memory ({memory_left(files)}): "
+                "stopped rather than left hanging; free memory or give it more\n"
             )
+            os.write(2, line.encode())  # stderr's file descriptor: no buffer to allocate on the way
             os.kill(pid, signal.SIGKILL)
             return 1
         before = now
-    return 0
 
 
 if __name__ == "__main__":
