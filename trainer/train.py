@@ -93,11 +93,11 @@ def train(
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
     faulthandler.cancel_dump_traceback_later()  # started: `artgw train`'s start-up stack dump is not needed
-    startwatch.disarm()  # and neither is its watch for a start stalled on memory
 
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).
     lineages = resume_lineages(config, store, device)
+    startwatch.disarm()  # started, its models loaded (the start's memory peak): no more watch for a stall
     pad_id = pad_token_id(config)
     # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
     grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None
