@@ -1100,8 +1100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1:
             # A trainer silent at start says where it is: every thread's stack into its log if its first line
             # (trainer/train.py, which disarms it) has not come in time; one whose start (up to its models
-            # loaded) stalls on memory stops with one line. Armed before the config: building it imports torch. (Several processes: each is a fresh
-            # interpreter the launcher starts.)
+            # loaded) stalls on memory stops with one line. Armed before the config: building it imports torch.
+            # (Several processes: each is a fresh interpreter the launcher starts.)
             if args.startup_dump_seconds > 0:
                 with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor
                     faulthandler.dump_traceback_later(float(args.startup_dump_seconds))

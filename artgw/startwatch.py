@@ -4,9 +4,9 @@ Out of memory with no swap (this project's machines have none), the kernel does 
 code pages a starting process runs (python's, torch's shared objects) and the process faults them back in, over
 and over, in the kernel: one thread in state R or D, wchan 0, no user time, no output, for as long as the
 pressure lasts; a memory cgroup whose OOM killer is off just parks it. Nothing in the process can report that
-(its one thread is the stuck one, and holds the GIL), so a second interpreter watches it from outside:
-`arm` starts it; `disarm` (the trainer: once its models are loaded) or the process's exit ends it. A second of the process's is
-"stalled on memory" when it made (almost) no user time while memory stalls grew: its major faults and the
+(its one thread is the stuck one, and holds the GIL), so a second interpreter watches it from outside: `arm`
+starts it; `disarm` (the trainer: once its models are loaded) or the process's exit ends it. A second of the
+process's is "stalled on memory" when it made (almost) no user time while memory stalls grew: its major faults and the
 memory pressure (PSI) both rose, or its memory cgroup is parked at its limit. After `seconds` of them in a row,
 one line on stderr and SIGKILL: its exit status says it failed.
 
