@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
-from artgw import options
+from artgw import options, startwatch
 from artgw.demo import DemoConfig
 from artgw.tiny_model import TinyModelSpec
 from gateway.settings import ADMIN_KEY_FILE, Settings
@@ -1097,12 +1097,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE
     try:
         options.resolve(args)
-        if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1 and args.startup_dump_seconds > 0:
+        if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1:
             # A trainer silent at start says where it is: every thread's stack into its log if its first line
-            # (trainer/train.py, which disarms this) has not come in time. Armed before the config: building it
-            # imports torch. (Several processes: each is a fresh interpreter the launcher starts.)
-            with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor
-                faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
+            # (trainer/train.py, which disarms it) has not come in time; one whose start (up to its models
+            # loaded) stalls on memory stops with one line. Armed before the config: building it imports torch.
+            # (Several processes: each is a fresh interpreter the launcher starts.)
+            if args.startup_dump_seconds > 0:
+                with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor
+                    faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
+            startwatch.arm(prog, float(args.start_memory_stall_seconds))
         logging.basicConfig(
             level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",

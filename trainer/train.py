@@ -31,6 +31,7 @@ import torch
 from opentelemetry.trace import Tracer
 from rich.table import Table
 
+from artgw import startwatch
 from client import ArtClient
 from store.api import AdapterLoad
 from store.tracing import traced
@@ -96,6 +97,7 @@ def train(
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).
     lineages = resume_lineages(config, store, device)
+    startwatch.disarm()  # started, its models loaded (the start's memory peak): no more watch for a stall
     pad_id = pad_token_id(config)
     # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
     grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None
