@@ -203,7 +203,7 @@ class TrainConfig:
             "this many seconds: where a silent start waits (0: never; one process only)"
         },
     )
-    # Out of memory with no swap, a start can thrash for as long as the pressure lasts (artgw/startwatch.py).
+    # Out of memory with no swap, a start can thrash for as long as the pressure lasts (trainer/startwatch.py).
     start_memory_stall_seconds: float = field(
         default=60.0,
         metadata={

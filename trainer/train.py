@@ -17,7 +17,6 @@ a thread of its own.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import shutil
 import signal
@@ -31,12 +30,11 @@ import torch
 from opentelemetry.trace import Tracer
 from rich.table import Table
 
-from artgw import startwatch
 from client import ArtClient
 from store.api import AdapterLoad
 from store.tracing import traced
 from store.types import StepMetrics
-from trainer import distributed
+from trainer import distributed, startwatch
 from trainer.checkpoints import restore, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.console import console
@@ -92,7 +90,7 @@ def train(
     device = pick_device(config)
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
-    faulthandler.cancel_dump_traceback_later()  # started: `artgw train`'s start-up stack dump is not needed
+    startwatch.started()  # its first line: `artgw train`'s start-up stack dump is not needed
 
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).

@@ -10,7 +10,14 @@ process's is "stalled on memory" when it made (almost) no user time while memory
 memory pressure (PSI) both rose, or its memory cgroup is parked at its limit. After `seconds` of them in a row,
 one line on stderr and SIGKILL: its exit status says it failed.
 
-The watcher runs as `python -I -S startwatch.py PID SECONDS PROG` and imports only the standard library.
+It also says where a slow start is: if the process has not printed its first line (`started`) within
+`dump_seconds`, the watcher sends it SIGUSR1, whose handler (faulthandler's, registered when the `artgw` package is
+imported) prints every thread's stack, once. From a signal handler on the process's own thread: faulthandler's
+`dump_traceback_later`, a thread of the process reading the frames of a thread that runs on, can crash the
+process it watches (SIGSEGV, seen in this project's tests).
+
+The watcher runs as `python -I -S startwatch.py PID SECONDS DUMP_SECONDS PROG` and imports only the standard
+library. Its stdin: a byte `started`; closed, the start is over (or the process exited).
 """
 
 from __future__ import annotations
@@ -29,17 +36,31 @@ from typing import NamedTuple
 
 PERIOD = 1.0  # seconds between looks at the process
 USER_SHARE = 0.05  # below this share of a period in user time, the process made no progress
+READY_WAIT = 10.0  # seconds a start waits for its watcher to be on (then goes on without waiting)
 _armed: list[subprocess.Popen[bytes]] = []
 
 
-def arm(prog: str, seconds: float) -> None:
-    """Watch this process until `disarm` or its exit; `seconds` 0: not at all."""
-    if seconds <= 0 or not Path(f"/proc/{os.getpid()}/stat").exists():  # no procfs: nothing to read
+def arm(prog: str, seconds: float, dump_seconds: float) -> None:
+    """Watch this process until `disarm` or its exit: for a stall on memory of `seconds`, and for no first line
+    (`started`) within `dump_seconds`; 0: not for that one."""
+    if (seconds <= 0 and dump_seconds <= 0) or not Path(f"/proc/{os.getpid()}/stat").exists():  # no procfs
         return
-    watcher = subprocess.Popen(
-        [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(seconds), prog], stdin=subprocess.PIPE
-    )
+    command = [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(seconds), str(dump_seconds), prog]
+    watcher = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     _armed.append(watcher)
+    # On once its pages are in memory and locked, before this process's start takes the memory: a watcher still
+    # starting when the memory runs out would be parked or thrash with it (the same memory cgroup), and say nothing.
+    if watcher.stdout is not None and select.select([watcher.stdout], [], [], READY_WAIT)[0]:
+        os.read(watcher.stdout.fileno(), 1)
+
+
+def started() -> None:
+    """The process printed its first line: no stack dump for a slow start."""
+    for watcher in _armed:
+        if watcher.stdin is not None:
+            with contextlib.suppress(OSError):  # the watcher is gone (it acted, or was killed)
+                watcher.stdin.write(b"s")
+                watcher.stdin.flush()
 
 
 def disarm() -> None:
@@ -151,14 +172,27 @@ def steady(files: Files) -> None:
         libc.mlockall(1)  # MCL_CURRENT: every page mapped now stays in memory
 
 
-def watch(pid: int, seconds: float, prog: str) -> int:
+def watch(pid: int, seconds: float, dump_seconds: float, prog: str) -> int:
     files = Files(pid)
     steady(files)
+    os.write(1, b"r")  # on: the process's start goes on
     before = sample(files)
     since: float | None = None  # when the run of stalled periods began
+    dump_at = time.monotonic() + dump_seconds if dump_seconds > 0 else None
     while True:
-        if select.select([sys.stdin], [], [], PERIOD)[0] or os.getppid() != pid:
-            return 0  # stdin closed: disarmed, or the process exited (this watcher is its child)
+        wait = PERIOD if dump_at is None else max(0.0, min(PERIOD, dump_at - time.monotonic()))
+        if select.select([sys.stdin], [], [], wait)[0]:
+            if not os.read(sys.stdin.fileno(), 1):
+                return 0  # stdin closed: disarmed, or the process exited (this watcher is its child)
+            dump_at = None  # its first line
+        if os.getppid() != pid:
+            return 0
+        if dump_at is not None and time.monotonic() >= dump_at:
+            dump_at = None
+            os.write(2, f"{prog}: no first line after {dump_seconds:g} s; every thread's stack:\n".encode())
+            os.kill(pid, signal.SIGUSR1)
+        if seconds <= 0:
+            continue
         now = sample(files)
         if now is None:
             continue  # no memory to read with (or gone, and stdin says so next)
@@ -176,4 +210,4 @@ def watch(pid: int, seconds: float, prog: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(watch(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]))
+    sys.exit(watch(int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
