@@ -46,6 +46,11 @@ def engine_environments(count: int, *, gpus: Sequence[str], cpus: Sequence[int])
     return [{"OMP_NUM_THREADS": str(len(s)), "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(s)} for s in shares]
 
 
+def this_machines_environments(count: int) -> list[dict[str, str]]:
+    """`engine_environments` for this machine: the GPUs visible to this process, else the cores it may run on."""
+    return engine_environments(count, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+
+
 def cpu_shares(count: int, cpus: Sequence[int]) -> list[list[int]]:
     """`cpus` split into `count` contiguous slices as even as can be, one core kept back (for the gateway, as one
     engine leaves it) when there are more cores than engines; with fewer cores than engines, a core each in turn."""

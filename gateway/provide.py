@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from engine.placement import engine_environments, visible_gpus
+from engine.placement import this_machines_environments
 from engine.pool import EnginePool
 from engine.supervisor import EngineConfig, EngineSupervisor, EngineSupervisors, free_ports
 from gateway.adapters import AdapterRegistry, AdapterService
@@ -94,7 +93,7 @@ def with_engine_ports(settings: Settings) -> Settings:
 def engine_configs(settings: Settings, served_name: str, parsers: EngineParsers, models: int) -> list[EngineConfig]:
     """The supervised engines' configurations (--engines), each on its port with its share of the devices."""
     assert settings.base_model is not None
-    places = engine_environments(settings.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+    places = this_machines_environments(settings.engines)
     return [
         EngineConfig(
             base_model=settings.base_model,

@@ -8,7 +8,6 @@ artgw/options.py derives the flag (`--field-name`) and the variable (`ARTGW_FIEL
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,9 +585,9 @@ class Settings(
                 f"--engines {self.engines} starts supervised engines of --base-model; with --upstream, give each "
                 "running engine's URL instead"
             )
-        from engine.placement import engine_environments, visible_gpus  # here: --help reads this module bare
+        from engine.placement import this_machines_environments  # here: --help reads this module bare
 
-        engine_environments(self.engines, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+        this_machines_environments(self.engines)
 
     @property
     def auth_required(self) -> bool:

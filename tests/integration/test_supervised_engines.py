@@ -7,7 +7,6 @@ given of the machine, are tests/unit (test_engine_ownership.py, test_engine_plac
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from engine.placement import engine_environments, visible_gpus
+from engine.placement import this_machines_environments
 from tests.conftest import GatewayProcess, is_vllm_server, make_adapter, metric, poll, start_gateway, wait_http
 
 pytestmark = pytest.mark.engine
@@ -101,7 +100,7 @@ def test_two_supervised_engines_keep_a_rollout_one_sequence_and_one_killed_comes
         assert len(engines_of(gateway, "counting")) == 3
 
         # Each its share of the machine (here the cores, one each), and a log of its own.
-        shares = engine_environments(2, gpus=visible_gpus(), cpus=sorted(os.sched_getaffinity(0)))
+        shares = this_machines_environments(2)
         given = [{k: environment(url).get(k) for k in shares[0]} for url in (first, second)]
         assert sorted(map(str, given)) == sorted(map(str, shares))
         assert (gateway.data_dir / "engine.log").is_file() and (gateway.data_dir / "engine-1.log").is_file()
