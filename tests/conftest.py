@@ -966,14 +966,28 @@ def engine_group(item: pytest.Item) -> str | None:
         return FAMILY_ENGINE_GROUP
     if item.get_closest_marker("engine") is not None:  # starts engines of its own, maybe in module fixtures
         return f"engine:{item.path.name}"
+    if uses_a_module_fixture(item):  # made once per worker that runs a test of the file: one worker, made once
+        return f"module:{item.nodeid.split('::')[0]}"
     return None
 
 
+def uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test needs a fixture made once per module (a gateway, a pair of gloo processes, a browser...):
+    tests of the file spread over three workers made it three times (test_train_step.py's pair: ~15 s of CPU
+    each)."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope == "module" for defs in definitions for d in defs)
+
+
 def queue_rank(group: str | None) -> int:
-    """Where a test's unit stands in the queue: the named groups in QUEUE_ORDER, a file's own engines, the rest."""
+    """Where a test's unit stands in the queue: the named groups in QUEUE_ORDER, a file's own engines, a file's
+    module fixtures, the rest."""
     if group in QUEUE_ORDER:
         return QUEUE_ORDER.index(group)
-    return len(QUEUE_ORDER) if group is not None else len(QUEUE_ORDER) + 1
+    if group is None:
+        return len(QUEUE_ORDER) + 2
+    return len(QUEUE_ORDER) + (1 if group.startswith("module:") else 0)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -981,8 +995,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests that share an engine run on one worker, one after another (`--dist loadgroup`): the session's vLLM
     (`vllm_url`) is started once, each family's engine once, a file's own engines (module fixtures) once. The
     groups are queued longest first: the session engine's tests (~8 minutes), the deployment's (~3.5), the family
-    engines' (~3), then each file that starts engines of its own, then every other test on its own; a worker that
-    runs out takes the next.
+    engines' (~3), then each file that starts engines of its own, then each file whose tests share a module
+    fixture, then every other test on its own; a worker that runs out takes the next.
 
     Until session 28 every engine test ran on one worker, so that two engines never shared the two cores: that
     worker took ~21 minutes while the other idled for its last 2.5. Tests must hold on a busy machine anyway

@@ -8,7 +8,7 @@ vLLM or the gateway does not see, a healthcheck that never passes, a scrape that
 that loses the store. The tests run in order against one deployment: an OpenAI client through the gateway
 container; a step trained by the trainer container, published to both engines and served, each rollout on one
 engine and both engines serving; Prometheus's scrapes and every dashboard
-expression; `compose down` and `up` again; the gateway's process killed.
+expression; `compose down` and `up` again (with one engine); the gateway's process killed.
 
 scripts/compose-up starts the daemon and makes every image it does not find (about 5 minutes from nothing:
 README "Deployment"); its failure, the container engine's above all, fails the test with what it said. At the end
@@ -61,6 +61,7 @@ class Deployment:
     variables: dict[str, str]
     client_key: str = ""
     answered: dict[str, int] = field(default_factory=dict)  # rollout id -> the step that answered it
+    overrides: dict[str, str] = field(default_factory=dict)  # compose's variables over its env file's, as a shell's
 
     @property
     def gateway(self) -> str:
@@ -73,8 +74,8 @@ class Deployment:
     @property
     def engines(self) -> list[str]:
         """vLLM and vllm-1 (the two-engines profile) as the gateway's --upstream names them."""
-        ports = (self.variables["ARTGW_VLLM_LISTEN_PORT"], self.variables["ARTGW_VLLM_1_LISTEN_PORT"])
-        return [f"http://127.0.0.1:{port}" for port in ports]
+        urls = self.overrides.get("VLLM_URLS") or self.variables["VLLM_URLS"]
+        return urls.split(",")
 
     def engine_models(self) -> list[set[str]]:
         """The models each engine lists (its base and the LoRA steps loaded)."""
@@ -90,6 +91,7 @@ class Deployment:
             "DOCKER_HOST": f"unix://{self.state / 'docker.sock'}",
             "DOCKER_CONFIG": str(self.state / "docker-config"),
             "COMPOSE_PROJECT_NAME": "art-gateway",
+            **self.overrides,
         }
         done = subprocess.run(
             ["docker", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -332,17 +334,24 @@ def test_prometheus_scrapes_both_services_and_answers_every_dashboard_expression
 
 
 def test_compose_down_and_up_keep_the_store_and_the_checkpoints(deployment: Deployment) -> None:
+    """Down, then up again with one engine (the profile off, the gateway on `vllm` alone), as a user scaling down
+    does: the store and the checkpoints are the deployment's volumes, whatever its engines. (Up again with both
+    would start two engines for what one shows; a restarted engine of several getting the served step is
+    test_supervised_engines.py's.)"""
     assert deployment.answered, "needs the step of the tests before"
     step = deployment.status().served_step
     deployment.compose("down", "--timeout", "30", timeout=300)
     assert not deployment.compose("ps", "-aq").split()
+    deployment.overrides.update(COMPOSE_PROFILES="", VLLM_URLS=deployment.engines[0])
     deployment.compose("up", "-d", "--wait", "--wait-timeout", "600", "--no-build", "--pull", "never", timeout=900)
+    services = deployment.compose("ps", "--format", "{{.Service}}").split()
+    assert "vllm" in services and "vllm-1" not in services, services
 
     # the store (pgdata): the client key, the rollouts, the model's steps; the checkpoints: the step serves again
     status = deployment.status()
     assert status.served_step == step and step in status.loaded_steps, status
-    # both engines started anew: the gateway loaded the served step onto each before it took a call
-    assert all(f"{MODEL}@{step}" in models for models in deployment.engine_models()), deployment.engine_models()
+    # the engine started anew: the gateway loaded the served step onto it before it took a call
+    assert [f"{MODEL}@{step}" in models for models in deployment.engine_models()] == [True], deployment.engine_models()
     assert [call.step for call in deployment.rollout("compose-after-step").calls] == [step]
     deployment.chat("compose-after-restart")
     assert [call.step for call in deployment.rollout("compose-after-restart").calls] == [step]
