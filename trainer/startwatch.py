@@ -6,9 +6,10 @@ and over, in the kernel: one thread in state R or D, wchan 0, no user time, no o
 pressure lasts; a memory cgroup whose OOM killer is off just parks it. Nothing in the process can report that
 (its one thread is the stuck one, and holds the GIL), so a second interpreter watches it from outside: `arm`
 starts it; `disarm` (the trainer: once its models are loaded) or the process's exit ends it. A second of the
-process's is "stalled on memory" when it made (almost) no user time while memory stalls grew: its major faults and the
-memory pressure (PSI) both rose, or its memory cgroup is parked at its limit. After `seconds` of them in a row,
-one line on stderr and SIGKILL: its exit status says it failed.
+process's start is "stalled on memory" when, over the last `seconds` (`stalled_on_memory`, judged on the whole
+window: a thrash has bursts of user time, a second-by-second judgement reset on each), it made under 5 % user time and
+in most of its seconds it was parked (its memory cgroup at its limit, the OOM killer off) or faulting pages back
+in while memory pressure (PSI) grew. Then one line on stderr and SIGKILL: its exit status says it failed.
 
 It also says where a slow start is: if the process has not printed its first line (`started`) within
 `dump_seconds`, the watcher sends it SIGUSR1, whose handler (faulthandler's, registered when the `artgw` package is
@@ -25,17 +26,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import itertools
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 PERIOD = 1.0  # seconds between looks at the process
-USER_SHARE = 0.05  # below this share of a period in user time, the process made no progress
+USER_SHARE = 0.05  # below this share of the window in user time, the process made no progress
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's clock ticks a second
 READY_WAIT = 10.0  # seconds a start waits for its watcher to be on (then goes on without waiting)
 _armed: list[subprocess.Popen[bytes]] = []
 
@@ -139,12 +144,21 @@ def sample(files: Files) -> Sample | None:
     return Sample(time.monotonic(), int(fields[11]), int(fields[9]), int(some.rpartition("total=")[2] or 0), parked)
 
 
-def stalled_on_memory(before: Sample, now: Sample) -> bool:
-    user = (now.user_ticks - before.user_ticks) / os.sysconf("SC_CLK_TCK")
-    if user >= USER_SHARE * (now.at - before.at):
+def stalled_on_memory(window: Sequence[Sample], seconds: float) -> bool:
+    """The samples (oldest first) cover `seconds`, the process made under USER_SHARE of them in user time, and in
+    most of their periods it was parked, or faulting while the memory pressure grew. On the window as a whole: a
+    thrashing process gets bursts of user time between its faults, and a healthy start that waits (for the disk,
+    the network, a busy machine) makes little user time but neither parks nor faults under pressure."""
+    if len(window) < 2 or window[-1].at - window[0].at < seconds:
         return False
-    thrashing = now.major_faults > before.major_faults and now.pressure_us > before.pressure_us
-    return thrashing or now.parked
+    first, last = window[0], window[-1]
+    if (last.user_ticks - first.user_ticks) / TICKS >= USER_SHARE * (last.at - first.at):
+        return False
+    periods = list(itertools.pairwise(window))
+    thrashing = sum(now.major_faults > before.major_faults for before, now in periods)
+    pressure = last.pressure_us > first.pressure_us
+    parked = sum(now.parked for _, now in periods)
+    return (last.parked and 2 * parked >= len(periods)) or (pressure and 2 * thrashing >= len(periods))
 
 
 def memory_left(files: Files) -> str:
@@ -165,7 +179,7 @@ def steady(files: Files) -> None:
     gc.disable()  # nothing cyclic is made here
     first = sample(files)
     if first is not None:
-        stalled_on_memory(first, first)
+        stalled_on_memory([first, first._replace(at=first.at + 1)], 1.0)  # every line of it run once
     memory_left(files)
     with contextlib.suppress(OSError, AttributeError):  # not root: RLIMIT_MEMLOCK is most often too small
         libc = ctypes.CDLL(None, use_errno=True)
@@ -176,8 +190,7 @@ def watch(pid: int, seconds: float, dump_seconds: float, prog: str) -> int:
     files = Files(pid)
     steady(files)
     os.write(1, b"r")  # on: the process's start goes on
-    before = sample(files)
-    since: float | None = None  # when the run of stalled periods began
+    window: deque[Sample] = deque()  # the samples of the last `seconds`, and the one before them
     dump_at = time.monotonic() + dump_seconds if dump_seconds > 0 else None
     while True:
         wait = PERIOD if dump_at is None else max(0.0, min(PERIOD, dump_at - time.monotonic()))
@@ -196,17 +209,17 @@ def watch(pid: int, seconds: float, dump_seconds: float, prog: str) -> int:
         now = sample(files)
         if now is None:
             continue  # no memory to read with (or gone, and stdin says so next)
-        if before is not None:
-            since = (since or before.at) if stalled_on_memory(before, now) else None
-        if since is not None and now.at - since >= seconds:
+        window.append(now)
+        while len(window) > 2 and window[1].at <= now.at - seconds:
+            window.popleft()
+        if stalled_on_memory(window, seconds):
             line = (
-                f"{prog}: stalled {now.at - since:.0f} s at start waiting for memory ({memory_left(files)}): "
+                f"{prog}: stalled {now.at - window[0].at:.0f} s at start waiting for memory ({memory_left(files)}): "
                 "stopped rather than left hanging; free memory or give it more\n"
             )
             os.write(2, line.encode())  # stderr's file descriptor: no buffer to allocate on the way
             os.kill(pid, signal.SIGKILL)
             return 1
-        before = now
 
 
 if __name__ == "__main__":
