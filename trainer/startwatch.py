@@ -17,7 +17,7 @@ imported) prints every thread's stack, once. From a signal handler on the proces
 `dump_traceback_later`, a thread of the process reading the frames of a thread that runs on, can crash the
 process it watches (SIGSEGV, seen in this project's tests).
 
-The watcher runs as `python -I -S startwatch.py PID SECONDS DUMP_SECONDS PROG` and imports only the standard
+The watcher runs as `python -P -s -S startwatch.py PID SECONDS DUMP_SECONDS PROG` and imports only the standard
 library. Its stdin: a byte `started`; closed, the start is over (or the process exited).
 """
 
@@ -41,6 +41,8 @@ from typing import NamedTuple
 PERIOD = 1.0  # seconds between looks at the process
 USER_SHARE = 0.05  # below this share of the window in user time, the process made no progress
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's clock ticks a second
+HEAP = 16 << 20  # bytes of heap the watcher has before the start goes on: many times what its loop allocates
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 READY_WAIT = 10.0  # seconds a start waits for its watcher to be on (then goes on without waiting)
 _armed: list[subprocess.Popen[bytes]] = []
 
@@ -50,8 +52,11 @@ def arm(prog: str, seconds: float, dump_seconds: float) -> None:
     (`started`) within `dump_seconds`; 0: not for that one."""
     if (seconds <= 0 and dump_seconds <= 0) or not Path(f"/proc/{os.getpid()}/stat").exists():  # no procfs
         return
-    command = [sys.executable, "-I", "-S", __file__, str(os.getpid()), str(seconds), str(dump_seconds), prog]
-    watcher = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # Isolated as -I is (no script directory, site, user site, nor PYTHON* variable) but for one: every allocation
+    # through malloc, whose heap `steady` makes large enough beforehand (pymalloc maps fresh arenas as it goes).
+    command = [sys.executable, "-P", "-s", "-S", __file__, str(os.getpid()), str(seconds), str(dump_seconds), prog]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"PYTHONMALLOC": "malloc"}
+    watcher = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment)
     _armed.append(watcher)
     # On once its pages are in memory and locked, before this process's start takes the memory: a watcher still
     # starting when the memory runs out would be parked or thrash with it (the same memory cgroup), and say nothing.
@@ -183,6 +188,12 @@ def steady(files: Files) -> None:
     memory_left(files)
     with contextlib.suppress(OSError, AttributeError):  # not root: RLIMIT_MEMLOCK is most often too small
         libc = ctypes.CDLL(None, use_errno=True)
+        # A page the loop's allocations touch for the first time once the group is at its limit would park the
+        # watcher (seen: a test whose trainer sat parked, its watcher with it): every allocation from one heap
+        # (no mmap), never given back (no trim), grown beforehand by HEAP bytes written.
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+        ctypes.memset(ctypes.create_string_buffer(HEAP), 1, HEAP)
         libc.mlockall(1)  # MCL_CURRENT: every page mapped now stays in memory
 
 

@@ -83,7 +83,8 @@ def watcher_on(pid: int) -> bool:
 @pytest.fixture
 def memory_cgroup() -> Iterator[Path]:
     """A memory cgroup (v1) whose OOM killer is off: at its limit its processes are parked, never killed (a start
-    that has run out of memory, as on a machine without swap, without starving the machine)."""
+    that has run out of memory, as on a machine without swap, without starving the machine). Gone afterwards
+    whatever happened: its processes killed (unparked first: no limit), moved out, the group removed."""
     if not os.access(MEMORY_CGROUPS / "cgroup.procs", os.W_OK):
         pytest.skip("needs cgroup v1's memory controller, writable (root; CI here runs as root)")
     group = MEMORY_CGROUPS / f"artgw-test-{uuid.uuid4().hex[:8]}"
@@ -92,16 +93,56 @@ def memory_cgroup() -> Iterator[Path]:
         (group / "memory.oom_control").write_text("1")  # the OOM killer off: parked
         yield group
     finally:
+        (group / "memory.limit_in_bytes").write_text("-1")
         for pid in (group / "cgroup.procs").read_text().split():
-            os.kill(int(pid), signal.SIGKILL)
-        poll(lambda: not (group / "cgroup.procs").read_text().strip(), 60, "the cgroup's processes to end")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for pid in (group / "cgroup.procs").read_text().split():  # one still exiting: out, so the group can go
+            with contextlib.suppress(OSError):
+                (MEMORY_CGROUPS / "cgroup.procs").write_text(pid)
         group.rmdir()
+
+
+def states(group: Path) -> str:
+    """Where the group's processes are (for a test that failed): state, kernel stack, locked memory."""
+    out = [(group / "memory.oom_control").read_text()]
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            proc = Path("/proc") / pid
+            status = [line for line in (proc / "status").read_text().splitlines() if line.startswith(("State", "Vm"))]
+            out += [f"{pid} {(proc / 'cmdline').read_bytes()[:200]!r}", *status, (proc / "stack").read_text()]
+    return "\n".join(out)
+
+
+# Loaded by the trainer's interpreter (on its PYTHONPATH; the watcher's, `-I -S`, loads none): at its first import of
+# torch, once the watcher is on, the test has set the limit and says go, it takes anonymous memory without end. With
+# no swap, anonymous pages cannot be reclaimed: the group reaches its limit for sure and parks the trainer there,
+# whatever the page cache holds (a start importing torch under a limit could thrash on its code pages instead).
+MEMORY_HOG = """
+import os, sys, time
+
+class Hog:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            while not os.path.exists(os.environ["ARTGW_TEST_GO"]):
+                time.sleep(0.01)
+            held = []
+            while True:
+                held.append(b"x" * (1 << 20))  # written: every page of it charged to the group
+
+sys.meta_path.insert(0, Hog())
+"""
 
 
 def test_a_start_stalled_on_memory_stops_with_one_line(memory_cgroup: Path, tmp_path: Path) -> None:
     # In the cgroup from its first page on, with no limit until its watcher is on (what the interpreter and the
-    # CLI's imports take varies with what the machine's page cache holds); then 64 MiB more than it holds, which
-    # importing torch outgrows: parked there, before it reads the store or asks the gateway (neither exists).
+    # CLI's imports take varies); then 64 MiB more than it holds, which the hook's memory outgrows: parked there,
+    # before it reads the store or asks the gateway (neither exists).
+    hook, go = tmp_path / "hook", tmp_path / "go"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(MEMORY_HOG)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     command = [ARTGW, "train", "--model", "my-agent", "--base-model", str(tmp_path), "--data-dir", str(tmp_path)]
     command += ["--gateway", "http://127.0.0.1:9", "--start-memory-stall-seconds", "5"]
     procs = memory_cgroup / "cgroup.procs"
@@ -110,21 +151,31 @@ def test_a_start_stalled_on_memory_stops_with_one_line(memory_cgroup: Path, tmp_
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **TRAINER_ENV},
+        env={**os.environ, **TRAINER_ENV, "PYTHONPATH": path, "ARTGW_TEST_GO": str(go)},
         start_new_session=True,
     )
-    poll(lambda: watcher_on(trainer.pid), 120, "the trainer's start watcher on", every=0.01)
-    limit = int((memory_cgroup / "memory.usage_in_bytes").read_text()) + (64 << 20)
-    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
     try:
-        output, _ = trainer.communicate(timeout=300)  # generous: parked, the code before this had it wait forever
-    except subprocess.TimeoutExpired:
-        os.killpg(trainer.pid, signal.SIGKILL)
-        output, _ = trainer.communicate()
-        raise AssertionError(f"the trainer sat silent past 300 s; its output: {output.decode()[-2000:]}") from None
+        poll(lambda: trainer.poll() is not None or watcher_on(trainer.pid), 120, "the start watcher on", every=0.01)
+        limit = int((memory_cgroup / "memory.usage_in_bytes").read_text()) + (64 << 20)
+        (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+        go.touch()
+        try:
+            output, _ = trainer.communicate(timeout=120)  # generous (24 times the bound): parked, it waits forever
+        except subprocess.TimeoutExpired:
+            where = states(memory_cgroup)
+            os.killpg(trainer.pid, signal.SIGKILL)
+            output, _ = trainer.communicate()
+            raise AssertionError(f"sat silent past 120 s: {output.decode()[-2000:]}\n{where}") from None
+        # the watcher went with it: nothing left in the group
+        poll(lambda: not procs.read_text().strip(), 60, "the trainer's processes gone")
+    finally:  # never a silent test: whatever failed, nothing of it is left running (the fixture removes the group)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+        if trainer.returncode is None:
+            trainer.communicate()
     lines = output.decode(errors="replace").splitlines()
     stalled = [line for line in lines if "waiting for memory" in line]
     assert len(stalled) == 1, lines[-20:]
     assert stalled[0].startswith("artgw train: stalled "), stalled
     assert f"its memory cgroup's limit {limit >> 20} MiB" in stalled[0], stalled
-    assert trainer.returncode != 0, lines[-20:]
+    assert trainer.returncode == -signal.SIGKILL, lines[-20:]
