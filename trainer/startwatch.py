@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -189,8 +189,8 @@ def steady(files: Files) -> None:
     with contextlib.suppress(OSError, AttributeError):  # not root: RLIMIT_MEMLOCK is most often too small
         libc = ctypes.CDLL(None, use_errno=True)
         # A page the loop's allocations touch for the first time once the group is at its limit would park the
-        # watcher (seen: a test whose trainer sat parked, its watcher with it): every allocation from one heap
-        # (no mmap), never given back (no trim), grown beforehand by HEAP bytes written.
+        # watcher beside the process: every allocation from one heap (no mmap), never given back (no trim),
+        # grown beforehand by HEAP bytes written.
         libc.mallopt(M_MMAP_MAX, 0)
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
         ctypes.memset(ctypes.create_string_buffer(HEAP), 1, HEAP)
@@ -213,7 +213,8 @@ def watch(pid: int, seconds: float, dump_seconds: float, prog: str) -> int:
             return 0
         if dump_at is not None and time.monotonic() >= dump_at:
             dump_at = None
-            os.write(2, f"{prog}: no first line after {dump_seconds:g} s; every thread's stack:\n".encode())
+            with contextlib.suppress(OSError):  # no memory for it: the stacks still come
+                os.write(2, f"{prog}: no first line after {dump_seconds:g} s; every thread's stack:\n".encode())
             os.kill(pid, signal.SIGUSR1)
         if seconds <= 0:
             continue
@@ -228,9 +229,23 @@ def watch(pid: int, seconds: float, dump_seconds: float, prog: str) -> int:
                 f"{prog}: stalled {now.at - window[0].at:.0f} s at start waiting for memory ({memory_left(files)}): "
                 "stopped rather than left hanging; free memory or give it more\n"
             )
-            os.write(2, line.encode())  # stderr's file descriptor: no buffer to allocate on the way
+            # Killed first, said after: at its cgroup's limit, a write to stderr (a pipe's page, a file's page
+            # cache, both charged to the group) fails with ENOMEM, and an error here left the process parked and
+            # nothing said (seen in this project's test). Gone, the process frees what it held.
             os.kill(pid, signal.SIGKILL)
+            said(line.encode(), lambda: os.getppid() != pid)
             return 1
+
+
+def said(line: bytes, gone: Callable[[], bool], tries: int = 100) -> None:
+    """`line` on stderr, once: tried again (0.1 s apart) while it fails, as it does until the killed process is
+    `gone` and its memory with it."""
+    for attempt in range(tries):
+        if gone() or attempt == tries - 1:
+            with contextlib.suppress(OSError):
+                os.write(2, line)  # stderr's file descriptor: no buffer to allocate on the way
+                return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

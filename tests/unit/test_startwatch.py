@@ -5,7 +5,9 @@ a parked start and a thrashing one (bursts of user time between its faults) are 
 
 from __future__ import annotations
 
-from trainer.startwatch import TICKS, Sample, stalled_on_memory
+import pytest
+
+from trainer.startwatch import TICKS, Sample, said, stalled_on_memory
 
 
 def samples(
@@ -63,3 +65,11 @@ def test_a_window_shorter_than_the_bound_is_not_judged() -> None:
     parked = samples([0.0] * 5, [0] * 5, [0] * 5, [True] * 5)
     assert not stalled_on_memory(parked, 10)
     assert not stalled_on_memory(parked[:1], 0)
+
+
+def test_the_line_comes_once_after_the_process_is_gone(capfd: pytest.CaptureFixture[str]) -> None:
+    looks = iter([False, False, True])
+    said(b"stalled\n", lambda: next(looks))
+    assert capfd.readouterr().err == "stalled\n"
+    said(b"stalled\n", lambda: False, tries=3)  # never seen gone: said all the same, at the end
+    assert capfd.readouterr().err == "stalled\n"
