@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import faulthandler
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from artgw import options
 from artgw.demo import DemoConfig
 from artgw.tiny_model import TinyModelSpec
 from gateway.settings import ADMIN_KEY_FILE, Settings
+from trainer import startwatch
 from trainer.config import TrainConfig
 
 if TYPE_CHECKING:  # imported where a command runs: each command loads only what it uses
@@ -1097,12 +1097,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("ARTGW_DEBUG", "").strip().lower() in options.TRUE
     try:
         options.resolve(args)
-        if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1 and args.startup_dump_seconds > 0:
+        if args.func is _cmd_train and args.nproc_per_node == 1 and args.nnodes == 1:
             # A trainer silent at start says where it is: every thread's stack into its log if its first line
-            # (trainer/train.py, which disarms this) has not come in time. Armed before the config: building it
-            # imports torch. (Several processes: each is a fresh interpreter the launcher starts.)
-            with contextlib.suppress(ValueError, AttributeError, OSError):  # stderr without a file descriptor
-                faulthandler.dump_traceback_later(float(args.startup_dump_seconds))
+            # (trainer/train.py says it came) has not come in time; one whose start (up to its models loaded)
+            # stalls on memory stops with one line. Armed before the config: building it imports torch.
+            # (Several processes: each is a fresh interpreter the launcher starts.)
+            startwatch.arm(prog, float(args.start_memory_stall_seconds), float(args.startup_dump_seconds))
         logging.basicConfig(
             level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",

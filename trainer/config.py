@@ -203,6 +203,14 @@ class TrainConfig:
             "this many seconds: where a silent start waits (0: never; one process only)"
         },
     )
+    # Out of memory with no swap, a start can thrash for as long as the pressure lasts (trainer/startwatch.py).
+    start_memory_stall_seconds: float = field(
+        default=60.0,
+        metadata={
+            "help": "stop with one line (and a failed exit status) if the trainer's start makes no progress for "
+            "this many seconds because memory ran out (the machine's or its cgroup's) (0: never; one process only)"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict, metadata={"option": False})
 
     def __post_init__(self) -> None:
@@ -234,6 +242,7 @@ class TrainConfig:
             ("--weight-decay", self.weight_decay, 0.0),
             ("--pause-before-commit", self.pause_before_commit, 0.0),
             ("--startup-dump-seconds", self.startup_dump_seconds, 0.0),
+            ("--start-memory-stall-seconds", self.start_memory_stall_seconds, 0.0),
         ):
             if not (_number(value) and value >= low):
                 raise ValueError(f"{flag} must be >= {low}, got {value}")

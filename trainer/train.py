@@ -17,7 +17,6 @@ a thread of its own.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import shutil
 import signal
@@ -35,7 +34,7 @@ from client import ArtClient
 from store.api import AdapterLoad
 from store.tracing import traced
 from store.types import StepMetrics
-from trainer import distributed
+from trainer import distributed, startwatch
 from trainer.checkpoints import restore, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.console import console
@@ -91,11 +90,12 @@ def train(
     device = pick_device(config)
     owner = lease_owner(store, config)
     console.print(f"[bold]artgw train[/bold] base={config.base_model} device={device} owner={owner}{process_line()}")
-    faulthandler.cancel_dump_traceback_later()  # started: `artgw train`'s start-up stack dump is not needed
+    startwatch.started()  # its first line: `artgw train`'s start-up stack dump is not needed
 
     # ---- resume and models, one lineage per model: each from its own newest committed step that loads, never
     # from an uncommitted checkpoint (trainer/lineage.py).
     lineages = resume_lineages(config, store, device)
+    startwatch.disarm()  # started, its models loaded (the start's memory peak): no more watch for a stall
     pad_id = pad_token_id(config)
     # Built once: tokens sampled under a grammar are scored under the masks vLLM sampled them under.
     grammar = GrammarMasks.for_model(config.base_model) if config.train_constrained else None
