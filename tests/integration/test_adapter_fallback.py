@@ -13,8 +13,6 @@ import json
 from pathlib import Path
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
 from tests.conftest import metric
 from tests.load_helpers import Gateway
@@ -23,6 +21,10 @@ MODEL = "my-agent"
 
 
 def adapter(root: Path, step: int) -> Path:
+    # torch (~1.5 s of CPU) when a test makes an adapter, not at collection by every worker
+    import torch
+    from safetensors.torch import save_file
+
     path = root / f"step-{step}"
     path.mkdir(parents=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tests.conftest import (
     GatewayProcess,
@@ -105,6 +103,10 @@ def gateway(stub_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
 
 
 def test_two_processes_train_what_one_does(stub_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    # torch (~1.5 s of CPU) here, not at collection by every worker
+    import torch
+    from safetensors.torch import load_file
+
     trained: dict[int, tuple[list[list[str]], list[dict[str, torch.Tensor]]]] = {}
     for nproc in (1, 2):
         gateway = start_gateway(tmp_path / f"nproc-{nproc}", "--upstream", stub_url)

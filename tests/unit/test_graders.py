@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
 import pytest
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download
-import litellm
 
 import ruler
 from gateway.promotion.graders import (
@@ -40,6 +37,12 @@ from gateway.promotion.graders import (
     ruler_compare,
 )
 from tests.conftest import ticks
+
+if TYPE_CHECKING:
+    import litellm
+
+# litellm (~3 s of CPU to import) is imported by the tests that use it, not at collection by every worker.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download
 
 USER = {"role": "user", "content": "Did the motion pass?"}
 TOOLS = [{"type": "function", "function": {"name": "report", "parameters": {"type": "object"}}}]
@@ -397,6 +400,8 @@ class ContentJudge:
         self.calls: list[dict[str, Any]] = []
 
     async def __call__(self, **kwargs: Any) -> litellm.ModelResponse:
+        import litellm
+
         self.calls.append(kwargs)
         prompt = kwargs["messages"][-1]["content"]
         scores = {}
@@ -418,6 +423,8 @@ class ContentJudge:
 
 @pytest.fixture
 def content_judge(monkeypatch: pytest.MonkeyPatch):
+    import litellm
+
     def install(scores: dict[str, float]) -> ContentJudge:
         judge = ContentJudge(scores)
         monkeypatch.setattr(litellm, "acompletion", judge)
@@ -479,6 +486,8 @@ async def test_ruler_compare_equal_answers_are_neutral_without_a_judge_call(cont
 
 
 async def test_ruler_compare_failures_are_grader_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import litellm
+
     with pytest.raises(GraderFailed, match="no judge_model"):
         await ruler_compare(RulerGrader(), RULER_SCENARIO, GOOD, BAD, RulerJudge())
 

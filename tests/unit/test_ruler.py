@@ -11,13 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download
-import litellm
 
 import ruler
 from ruler import (
@@ -34,6 +31,12 @@ from ruler import (
     score_group,
 )
 from ruler._prompt import response_format
+
+if TYPE_CHECKING:
+    import litellm
+
+# litellm (~3 s of CPU to import) is imported by the tests that use it, not at collection by every worker.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download
 
 # ---------------------------------------------------------------------------- fixtures
 
@@ -111,6 +114,8 @@ class FakeJudge:
         self.calls: list[dict[str, Any]] = []
 
     async def __call__(self, **kwargs: Any) -> litellm.ModelResponse:
+        import litellm
+
         self.calls.append(kwargs)
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
@@ -124,6 +129,8 @@ class FakeJudge:
 
 @pytest.fixture
 def fake_judge(monkeypatch: pytest.MonkeyPatch):
+    import litellm
+
     def install(*outcomes: str | Exception) -> FakeJudge:
         judge = FakeJudge(*outcomes)
         monkeypatch.setattr(litellm, "acompletion", judge)
@@ -133,6 +140,8 @@ def fake_judge(monkeypatch: pytest.MonkeyPatch):
 
 
 def transient() -> Exception:
+    import litellm
+
     return litellm.ServiceUnavailableError(message="overloaded", llm_provider="openai", model="judge")
 
 
@@ -460,6 +469,8 @@ async def test_legacy_list_answer_is_accepted(fake_judge) -> None:
 
 
 async def test_auth_error_fails_at_once(fake_judge) -> None:
+    import litellm
+
     error = litellm.AuthenticationError(message="bad key", llm_provider="openai", model="judge")
     judge = fake_judge(error, judge_json(0.5, 0.5))
     with pytest.raises(RulerError, match="AuthenticationError") as info:
@@ -472,6 +483,8 @@ async def test_auth_error_fails_at_once(fake_judge) -> None:
 
 
 async def test_bad_request_fails_at_once(fake_judge) -> None:
+    import litellm
+
     error = litellm.BadRequestError(message="no json_schema", model="judge", llm_provider="openai")
     judge = fake_judge(error)
     with pytest.raises(RulerError, match="BadRequestError"):
