@@ -73,7 +73,8 @@ class Deployment:
 
     @property
     def engines(self) -> list[str]:
-        """vLLM and vllm-1 (the two-engines profile) as the gateway's --upstream names them."""
+        """The engines as the gateway's --upstream names them: vLLM and vllm-1 (the two-engines profile); vLLM alone
+        once the down/up test brought the deployment back with one engine."""
         urls = self.overrides.get("VLLM_URLS") or self.variables["VLLM_URLS"]
         return urls.split(",")
 
