@@ -202,6 +202,7 @@ class Episode:
     reward: float
     error: str | None = None
     reported: bool = False  # the report call was complete
+    finish_reason: str | None = None  # the last call's ("length": cut at max_tokens)
 
 
 def first_turn(scenario: Scenario) -> list[dict[str, Any]]:

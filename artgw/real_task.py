@@ -120,9 +120,12 @@ async def run_episode(
         extra_headers={"X-ART-Rollout-Id": rollout_id},
         **request(question),
     )
-    answer = parse_answer(reply.choices[0].message.content, question)
+    (choice,) = reply.choices
+    answer = parse_answer(choice.message.content, question)
     reward = 1.0 if answer == question.correct else 0.0
-    return Episode(question.id, rollout_id, True, answer, reward, reported=answer is not None)
+    return Episode(
+        question.id, rollout_id, True, answer, reward, reported=answer is not None, finish_reason=choice.finish_reason
+    )
 
 
 async def run_episodes(

@@ -140,7 +140,10 @@ def test_grpo_steps_on_the_real_model_are_recorded_trained_and_hot_loaded_while_
             jobs = [(q, f"real-r{round_}-{q.id}-{k}") for q in chosen for k in range(ATTEMPTS)]
             done = asyncio.run(episodes(gateway, jobs))
             assert [e.error for e in done if e.error] == []
-            assert all(e.reported for e in done)  # under the schema every answer is one of the options, complete
+            # Under the schema every answer is one of the options, unless cut at max_tokens: the grammar allows
+            # any whitespace, and a sampled answer may pad with it (~1 in 200 seen); a cut one is reward 0.
+            assert all(e.reported or e.finish_reason == "length" for e in done), done
+            assert sum(e.reported for e in done) >= len(done) // 2, done
             rollout_ids.append([e.rollout_id for e in done])
             group_ids, signal = [], False
             for q in chosen:

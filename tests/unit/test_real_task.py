@@ -67,7 +67,11 @@ class FakeCompletions:
         self.requests.append(request)
         if self.content == "raise":
             raise RuntimeError("engine gone")
-        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=self.content))])
+        # A JSON object is complete ("stop"); anything else was cut at max_tokens ("length").
+        finish_reason = "stop" if self.content.endswith("}") else "length"
+        return SimpleNamespace(
+            choices=[SimpleNamespace(message=SimpleNamespace(content=self.content), finish_reason=finish_reason)]
+        )
 
 
 def _client(content: str) -> Any:
@@ -85,13 +89,14 @@ def test_an_episode_is_one_call_scored_by_its_answer() -> None:
     jobs = [(q, "r-1")]
     (good,) = asyncio.run(real_task.run_episodes(right, jobs, model="my-agent", temperature=0.0))
     assert (good.answer, good.reward, good.reported, good.rollout_id) == ("57", 1.0, True, "r-1")
+    assert good.finish_reason == "stop"
     sent = right.chat.completions.requests[0]
     assert sent["extra_headers"] == {"X-ART-Rollout-Id": "r-1"} and sent["temperature"] == 0.0
     assert sent["model"] == "my-agent" and json.dumps(sent["response_format"])  # the schema goes as it is
     (bad,) = asyncio.run(real_task.run_episodes(wrong, jobs, model="my-agent"))
     assert (bad.answer, bad.reward) == ("12", 0.0)
     (short,) = asyncio.run(real_task.run_episodes(cut, jobs, model="my-agent"))
-    assert (short.answer, short.reward, short.reported) == (None, 0.0, False)
+    assert (short.answer, short.reward, short.reported, short.finish_reason) == (None, 0.0, False, "length")
     (broken,) = asyncio.run(real_task.run_episodes(failing, jobs, model="my-agent"))
     assert broken.reward == 0.0 and broken.scenario_id == "q1" and "engine gone" in (broken.error or "")
 
