@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import msgspec
 
 from artgw import options
-from artgw.demo import DemoConfig
+from artgw.demo_config import DemoConfig
 from artgw.tiny_model import TinyModelSpec
 from gateway.settings import ADMIN_KEY_FILE, Settings
 from trainer import startwatch

@@ -25,12 +25,11 @@ import random
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
+from artgw.demo_config import DEFAULT_TASK, TaskName  # noqa: F401 (the demo's task: real_task.DEFAULT_TASK)
 from artgw.demo_task import Episode, Split, gather_episodes
 
-TaskName = Literal["larger", "sum"]
-DEFAULT_TASK: TaskName = "larger"
 MAX_TOKENS = 24  # an answer is ~8 tokens ({"answer": "83"}); a cut one is wrong
 
 
