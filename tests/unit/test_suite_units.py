@@ -32,3 +32,15 @@ def test_a_test_of_no_shared_fixture_is_a_unit_of_its_own(request: pytest.Fixtur
 def test_the_queue_takes_engines_then_module_units_then_single_tests() -> None:
     ranks = [conftest.queue_rank(group) for group in ("engine", "engine:test_x.py", "module:tests/test_x.py", None)]
     assert ranks == sorted(ranks) and len(set(ranks)) == 4
+
+
+def test_httpx_top_level_calls_wait_the_suites_bound_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    # httpx's own default is 5 s: a poll of a gateway busy with judges timed out at it on a busy machine (issue 39).
+    import httpx
+    from httpx import _api
+
+    sent: list[object] = []
+    monkeypatch.setattr(_api, "request", lambda *args, **kwargs: sent.append(kwargs["timeout"]))
+    httpx.get("http://127.0.0.1:1/")
+    httpx.post("http://127.0.0.1:1/", timeout=1)
+    assert sent == [conftest.TEST_HTTP_TIMEOUT, 1]
