@@ -64,7 +64,7 @@ def scored(gateway, group_id: str, seconds: float) -> dict:
     """The group once RULER is done with it (ready or failed)."""
 
     def done() -> dict | None:
-        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", headers=gateway.admin, timeout=60).json()
+        group = httpx.get(f"{gateway.base_url}/art/groups/{group_id}", headers=gateway.admin).json()
         return None if group["state"] == "scoring" else group
 
     return poll(done, seconds, f"RULER to score group {group_id}", every=0.25)

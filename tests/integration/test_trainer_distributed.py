@@ -104,11 +104,18 @@ def gateway(stub_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
     gateway.stop()
 
 
-def train_with_one_process(stub_url: str, tiny_model: Path, tmp_path: Path) -> list[dict[str, Any]]:
-    """The steps a one-process trainer (no torch.distributed) commits on the groups, with their adapters' weights:
-    `[{"group_ids": [...], "weights": {name: tensor}}, ...]`."""
+def trained(gateway: GatewayProcess, steps: list[dict[str, Any]]) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """The committed steps' groups, and their adapters' weights (tensor by name), step by step."""
     from safetensors.torch import load_file
 
+    weights = [load_file(checkpoint(gateway, s["step"]) / "adapter_model.safetensors") for s in steps]
+    return [s["metrics"]["group_ids"] for s in steps], weights
+
+
+def train_with_one_process(
+    stub_url: str, tiny_model: Path, tmp_path: Path
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """What a one-process trainer (no torch.distributed) commits on the same groups: `trained`'s groups and weights."""
     gateway = start_gateway(tmp_path / "nproc-1", "--upstream", stub_url)
     try:
         group_ids = record_groups(gateway)
@@ -121,13 +128,7 @@ def train_with_one_process(stub_url: str, tiny_model: Path, tmp_path: Path) -> l
         assert rank_pids(trainer, 1) == [], trainer.log()  # one process: no rank 1
         steps = assert_exactly_once(gateway, group_ids)
         assert len(steps) == STEPS
-        return [
-            {
-                "group_ids": s["metrics"]["group_ids"],
-                "weights": load_file(checkpoint(gateway, s["step"]) / "adapter_model.safetensors"),
-            }
-            for s in steps
-        ]
+        return trained(gateway, steps)
     finally:
         gateway.stop()
 
@@ -137,7 +138,6 @@ def test_a_killed_rank_costs_no_group_and_two_processes_train_what_one_does(
 ) -> None:
     # torch (~1.5 s of CPU) here, not at collection by every worker
     import torch
-    from safetensors.torch import load_file
 
     group_ids = record_groups(gateway)
     # 5 s between step 1's checkpoint and its commit, in every attempt: the window to kill rank 1 in.
@@ -177,12 +177,12 @@ def test_a_killed_rank_costs_no_group_and_two_processes_train_what_one_does(
     assert steps[0]["metrics"]["group_ids"] == killed_groups  # the oldest two again, by the restarted attempt
 
     # The two restarted ranks trained what one process does: the same groups a step, the same weights.
-    one = train_with_one_process(stub_url, tiny_model, tmp_path)
-    assert [s["metrics"]["group_ids"] for s in steps] == [s["group_ids"] for s in one]
-    two_weights = [load_file(checkpoint(gateway, s["step"]) / "adapter_model.safetensors") for s in steps]
-    for step, (expected, got) in enumerate(zip((s["weights"] for s in one), two_weights, strict=True), start=1):
-        assert expected.keys() == got.keys() and expected, step
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"step {step} {name}")
+    two_groups, two_weights = trained(gateway, steps)
+    one_groups, one_weights = train_with_one_process(stub_url, tiny_model, tmp_path)
+    assert two_groups == one_groups
+    for step, (one, two) in enumerate(zip(one_weights, two_weights, strict=True), start=1):
+        assert one.keys() == two.keys() and one, step
+        for name in one:
+            torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7, msg=f"step {step} {name}")
     # The steps really learned: every LoRA B (zero before step 1) moved.
     assert all(two_weights[-1][name].abs().max() > 0 for name in two_weights[-1] if "lora_B" in name)
