@@ -156,7 +156,7 @@ def texts(recorded: dict[str, Any], tokenizer: Any) -> list[str]:
 
 def one_sequence(gateway: Any, rid: str, calls: int) -> dict[str, Any]:
     """The rollout once its `calls` calls are recorded, asserted to be one sequence (each split's reason if not)."""
-    recorded = poll(lambda: recorded_calls(gateway, rid, calls), 10, f"{calls} calls of {rid}")
+    recorded = poll(lambda: recorded_calls(gateway, rid, calls), 60, f"{calls} calls of {rid}")
     sequences = recorded["sequences"]
     assert [len(s["call_ids"]) for s in sequences] == [calls], [s["split_reason"] for s in sequences]
     return recorded

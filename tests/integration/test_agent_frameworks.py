@@ -17,7 +17,7 @@ def test_openai_agents_sdk_default_settings_runs_a_tool_agent_to_completion(engi
     run = run_client("agents_sdk_tool_agent", env)
     assert run["asked"] and run["asked"][-1] in ("Paris", "Rome")
     assert isinstance(run["final_output"], str)
-    recorded = poll(lambda: rollout(engine_gateway, rid), 10, "the rollout")
+    recorded = poll(lambda: rollout(engine_gateway, rid), 60, "the rollout")
     calls = [c for c in recorded["calls"] if c["status"] == "ok"]
     assert {c["api"] for c in recorded["calls"]} == {"responses"}
     # The successful run's last two calls: the forced tool call, then the answer after the tool's result.
@@ -71,7 +71,7 @@ def test_llama_index_openai_like_defaults(engine_gateway, tokenizer) -> None:
 
 def forced_calls_strict(gateway, rollout_id: str) -> list[dict]:
     """The rollout's calls that forced a tool: each recorded with its tools strict (as the engine got them)."""
-    calls = poll(lambda: rollout(gateway, rollout_id)["calls"], 10, "the rollout")
+    calls = poll(lambda: rollout(gateway, rollout_id)["calls"], 60, "the rollout")
     forced = [
         c for c in calls if c["grammar_request"] and c["grammar_request"].get("tool_choice") not in (None, "auto")
     ]

@@ -298,7 +298,7 @@ def test_an_edited_history_starts_a_sequence_that_names_the_edit(engine_gateway)
     client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
     messages[0] = {"role": "user", "content": "Say something else."}  # the client rewrites its first message
     client.chat.completions.create(model="my-agent", messages=messages, max_tokens=8, seed=1)
-    recorded = poll(lambda: recorded_calls(engine_gateway, rid, 3), 10, "the rollout")
+    recorded = poll(lambda: recorded_calls(engine_gateway, rid, 3), 60, "the rollout")
     first_seq, second_seq = recorded["sequences"]
     assert len(first_seq["call_ids"]) == 2
     assert second_seq["split_cause"] == "edited"
@@ -397,7 +397,7 @@ def test_rerender_records_a_sequence_a_call_and_counts_them(vllm_url, tmp_path, 
     try:
         rid = new_id("rerender")
         seed, _ = first_run(lambda seed: _openai_tool_loop(gateway, f"{rid}-{seed}", seed, False))
-        recorded = poll(lambda: recorded_calls(gateway, f"{rid}-{seed}", 4), 10, "the rollout")
+        recorded = poll(lambda: recorded_calls(gateway, f"{rid}-{seed}", 4), 60, "the rollout")
         assert len(recorded["sequences"]) > 1  # the template renders the tool calls anew
         assert metric(gateway.url, "artgw_continued_calls_total", how="rerendered") >= 3
         assert metric(gateway.url, "artgw_continued_calls_total", how="spliced") == 0
@@ -412,7 +412,7 @@ def test_a_restart_keeps_the_rollout_one_sequence(vllm_url, tmp_path) -> None:
     rid = new_id("restart")
     try:
         seed, messages = first_run(lambda seed: forced_tool_call(first, f"{rid}-{seed}", seed))
-        poll(lambda: recorded_calls(first, f"{rid}-{seed}", 1), 10, "the first call")
+        poll(lambda: recorded_calls(first, f"{rid}-{seed}", 1), 60, "the first call")
     finally:
         first.stop()
     # The same data dir (store, admin key), on a new port: the restarted gateway.
@@ -440,7 +440,7 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
     gateway = start_gateway(tmp_path, "--upstream", url)
     rid = new_id("stub")
     try:
-        assert poll(lambda: "no scale-out endpoints" in gateway.log(), 10, "the warning")
+        assert poll(lambda: "no scale-out endpoints" in gateway.log(), 60, "the warning")
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", default_headers={"X-ART-Rollout-Id": rid})
         messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
         reply = client.chat.completions.create(model="my-agent", messages=messages)
@@ -449,7 +449,7 @@ def test_an_engine_without_scale_out_is_said_at_start_and_served_anew(tmp_path) 
         assert second.choices[0].message.content == reply.choices[0].message.content  # answered as before
         assert metric(gateway.url, "artgw_continued_calls_total", how="no_scale_out") == 1
         # the split the stored rollout shows names the cause the metric counted (before, `rerendered`)
-        recorded = poll(lambda: recorded_calls(gateway, rid, 2), 10, "2 calls")
+        recorded = poll(lambda: recorded_calls(gateway, rid, 2), 60, "2 calls")
         assert [s["split_cause"] for s in recorded["sequences"]] == [None, "no_scale_out"]
     finally:
         gateway.stop()

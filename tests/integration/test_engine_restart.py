@@ -309,4 +309,4 @@ def test_a_killed_engine_is_ended_whole_and_restarted(long_tiny_model: Path, gat
     # On exit too, nothing of the engine is left.
     gateway.proc.send_signal(signal.SIGTERM)
     assert gateway.proc.wait(60) == 0
-    poll(lambda: not tagged(last.tag), 10, "the engine's processes to be gone after the gateway's exit")
+    poll(lambda: not tagged(last.tag), 60, "the engine's processes to be gone after the gateway's exit")

@@ -467,7 +467,7 @@ def _agents_sdk_run(served: Served) -> None:
     extra = {**served.forced_bias_body, "max_output_tokens": served.forced_tokens}
     run = run_client("agents_sdk_tool_agent", {**env, "APP_EXTRA_BODY": json.dumps(extra)})
     assert run["asked"] and run["asked"][-1] in ("Paris", "Rome")
-    recorded = poll(lambda: rollout(served.gateway, rid), 10, "the rollout")
+    recorded = poll(lambda: rollout(served.gateway, rid), 60, "the rollout")
     assert {c["api"] for c in recorded["calls"]} == {"responses"}
     tool_turn, answer_turn = [c for c in recorded["calls"] if c["status"] == "ok"][-2:]
     # Each failed seed (a call cut at max_tokens) is a rollout's first call again: a sequence of its own.

@@ -83,7 +83,7 @@ def test_replicas_share_the_store_and_report_one_picture(
     finally:
         stop_group(trainer)
     assert httpx.get(f"{a.base_url}/art/groups/{group_id}", headers=a.admin).json()["state"] == "trained"
-    poll(lambda: metric(b.url, "artgw_adapter_step", model=MODEL) == 1, 15, "B to follow step 1")
+    poll(lambda: metric(b.url, "artgw_adapter_step", model=MODEL) == 1, 60, "B to follow step 1")
     for gateway in replicas:
         assert metric(gateway.url, "artgw_adapter_step", model=MODEL) == 1
         assert metric(gateway.url, "artgw_trainer_steps_total", model=MODEL) == 1
@@ -111,7 +111,7 @@ def _alternating_rollout_is_one_sequence(a: GatewayProcess, b: GatewayProcess) -
     rid = f"rep-alt-{uuid.uuid4().hex[:8]}"
     seed, messages = first_run(lambda seed: forced_tool_call(a, f"{rid}-{seed}", seed))
     rid = f"{rid}-{seed}"
-    poll(lambda: recorded_calls(a, rid, 1), 10, "A's call")
+    poll(lambda: recorded_calls(a, rid, 1), 60, "A's call")
     for turn, gateway in enumerate((b, a, b), start=2):
         client = openai.OpenAI(
             base_url=gateway.base_url, api_key="unused", max_retries=0, default_headers={"X-ART-Rollout-Id": rid}
@@ -120,7 +120,7 @@ def _alternating_rollout_is_one_sequence(a: GatewayProcess, b: GatewayProcess) -
             model=MODEL, messages=messages, tools=ROME_PARIS_TOOLS, max_tokens=6, seed=turn
         )
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
-        poll(lambda gateway=gateway, turn=turn: recorded_calls(gateway, rid, turn), 10, f"call {turn}")
+        poll(lambda gateway=gateway, turn=turn: recorded_calls(gateway, rid, turn), 60, f"call {turn}")
     one_sequence(a, rid, 4)
     assert [metric(g.url, "artgw_continuation_reads_total", found="found") for g in (a, b)] == [1, 2]
     assert [metric(g.url, "artgw_continued_calls_total", how="spliced") for g in (a, b)] == [1, 2]

@@ -103,7 +103,7 @@ def test_port_in_use_tells_a_listener_from_harmless_leftovers() -> None:
         accepted, _ = listener.accept()
         accepted.close()
         # The client closes only once the server's FIN reached it: the server side is the one left in TIME_WAIT.
-        poll(lambda: closing_wait(client.getsockname()[1]), 10, "the server's FIN to reach the client")
+        poll(lambda: closing_wait(client.getsockname()[1]), 60, "the server's FIN to reach the client")
         client.close()
     assert any(c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT for c in psutil.net_connections("tcp"))
     assert not port_in_use("127.0.0.1", port)  # the restarted engine can bind it: no false clash
@@ -297,11 +297,11 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
         server, tag = supervisor.process.pid, supervisor.tag
         # Until the child has escaped: `sh` forks it, and only then does it call setsid (a fresh-clone run once
         # found it forked but not yet escaped).
-        escaped = await apoll(lambda: escaped_child(tag, server), 10, "the server's child to leave its session")
+        escaped = await apoll(lambda: escaped_child(tag, server), 60, "the server's child to leave its session")
         assert os.getpgid(escaped.pid) != server
 
         shm = f"/dev/shm/artgw-test-{server}"  # `sh` execs the server: its pid is the shell's `$$`
-        await apoll(lambda: shm in shared_memory_of(escaped.pid), 10, "the escaped child to map its shared memory")
+        await apoll(lambda: shm in shared_memory_of(escaped.pid), 60, "the escaped child to map its shared memory")
 
         os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
         await apoll(lambda: supervisor.tag != tag and supervisor.state == "ready", 30, "the restarted engine")

@@ -128,9 +128,9 @@ async def test_the_probe_loop_takes_an_engine_out_and_brings_it_back() -> None:
 
     task = asyncio.create_task(pool.watch(probe, every=0.01))
     try:
-        await apoll(lambda: not b.healthy and not c.healthy, 10, "B and C out of rotation")
+        await apoll(lambda: not b.healthy and not c.healthy, 60, "B and C out of rotation")
         answers[B] = True
-        await apoll(lambda: b.healthy, 10, "B back in rotation")
+        await apoll(lambda: b.healthy, 60, "B back in rotation")
     finally:
         task.cancel()
     assert pool.engines[0].healthy and not c.healthy
@@ -172,13 +172,13 @@ async def test_an_engine_back_is_prepared_before_it_is_in_rotation_and_stays_out
 
     task = asyncio.create_task(pool.watch(probe, every=0.01, prepare=prepare))
     try:
-        await apoll(lambda: b.quarantined == "did not load m@2", 10, "B quarantined: its load failed")
+        await apoll(lambda: b.quarantined == "did not load m@2", 60, "B quarantined: its load failed")
         assert b.healthy and not b.in_rotation and a.in_rotation
         assert (B, True) not in asked  # never in rotation before `prepare` said it holds everything
         del lacking[B]  # the next round's retry loads it
-        await apoll(lambda: b.in_rotation, 10, "B back in rotation")
+        await apoll(lambda: b.in_rotation, 60, "B back in rotation")
         lacking[A] = "it lost m@2 (restarted?)"  # an engine in rotation that lost a step: out until it has it
-        await apoll(lambda: not a.in_rotation, 10, "A quarantined")
+        await apoll(lambda: not a.in_rotation, 60, "A quarantined")
         assert pool.in_rotation == (b,)
     finally:
         task.cancel()

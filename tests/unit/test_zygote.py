@@ -28,6 +28,6 @@ def test_a_forked_process_that_ended_stays_for_killpg_until_its_status_is_read(t
     time.sleep(0.5)  # ten turns of the server's loop, which reaped what ended on the next one
     assert state(proc.pid) == "Z"  # ended, not reaped: its caller has not asked
     os.killpg(proc.pid, signal.SIGTERM)  # as stop_group does after a poll() that saw it running
-    assert proc.wait(10) == 0
-    poll(lambda: state(proc.pid) is None, 10, "the server to reap it once its status was read", every=0.05)
+    assert proc.wait(60) == 0
+    poll(lambda: state(proc.pid) is None, 60, "the server to reap it once its status was read", every=0.05)
     assert "usage: artgw serve" in (tmp_path / "help.log").read_text()
