@@ -385,7 +385,9 @@ def test_client_hangup_mid_stream_closes_the_engine_stream_and_is_recorded_cance
             lines = r.iter_lines()
             assert sum(1 for line in itertools.islice(lines, 6) if line.startswith("data: ")) == 3
         # The engine streams on until its client, the gateway, goes away: it must go at once.
-        poll(lambda: httpx.get(f"{url}/stats").json()["streams_aborted"], 60, "the engine's stream to close", every=0.05)
+        poll(
+            lambda: httpx.get(f"{url}/stats").json()["streams_aborted"], 60, "the engine's stream to close", every=0.05
+        )
         assert httpx.get(f"{url}/stats").json() == {"streams_started": 1, "streams_aborted": 1, "requests_aborted": 0}
         rollout = httpx.get(f"{gateway.base_url}/art/rollouts/hangup-1", headers=gateway.admin).json()
         (call,) = rollout["calls"]
