@@ -913,7 +913,7 @@ class Background:
                 except httpx.HTTPError as exc:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
                 self.calls += 1
-                self._stop.wait(0.2)  # pacing: a steady trickle of calls alongside the training, not a load test
+                self._stop.wait(0.5)  # pacing: a steady trickle of calls alongside the training, not a load test
 
     def __enter__(self) -> Background:
         self._thread.start()
