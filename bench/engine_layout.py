@@ -93,21 +93,15 @@ def main() -> None:
             for name, extra in LAYOUTS.items():
                 console.print(f"round {round_ + 1}: {name}")
                 runs[name].append(measure(model, extra, Path(where)))
-    console.print(comparison(runs, "vLLM on CPU: the engine's CPU seconds (median of the rounds) by process layout"))
-
-
-def comparison(runs: dict[str, list[dict[str, tuple[float, float]]]], title: str) -> Table:
-    """Two variants' `measure` figures side by side (medians of their rounds), the second's CPU as a ratio of the
-    first's."""
-    base, ours = runs
-    table = Table(title=title)
+    base, ours = LAYOUTS
+    table = Table(title="vLLM on CPU: the engine's CPU seconds (median of the rounds) by process layout")
     for column in ("", f"{base} CPU s", f"{ours} CPU s", "ratio", f"{base} wall s", f"{ours} wall s"):
         table.add_column(column, justify="left" if not column else "right")
     for what in runs[base][0]:
         cpu_b, cpu_o = (statistics.median(r[what][0] for r in runs[n]) for n in (base, ours))
         wall_b, wall_o = (statistics.median(r[what][1] for r in runs[n]) for n in (base, ours))
         table.add_row(what, f"{cpu_b:.1f}", f"{cpu_o:.1f}", f"{cpu_o / cpu_b:.2f}x", f"{wall_b:.1f}", f"{wall_o:.1f}")
-    return table
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -210,12 +210,6 @@ class EngineConfig:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if not has_gpu():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if _cpu_build():
-            # vLLM's CPU build runs the model eagerly but compiles two sampling helpers with inductor on the first
-            # calls (the logprob ranks every call asks for, the random sample): ~1 s of CPU on a start with
-            # torch's cache warm, ~10 s of g++ in a fresh container, again for each new batch shape. Eager they
-            # compute the same. TORCH_COMPILE_DISABLE=0 in the gateway's environment compiles them again.
-            env.setdefault("TORCH_COMPILE_DISABLE", "1")
         if self._model_in_engine_core():
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             # vLLM's own CPU setup (its worker's, skipped without one) gives the model all cores but one

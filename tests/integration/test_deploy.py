@@ -599,7 +599,6 @@ def test_gpu_reservations_only_without_the_cpu_override() -> None:
     assert "exec python -m vllm.entrypoints.openai.api_server" in cpu["vllm"]["entrypoint"][2]
     assert as_args(cpu["vllm"]["command"])[-2:] == ["--distributed-executor-backend", "uni"]
     assert cpu["vllm"]["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert cpu["vllm"]["environment"]["TORCH_COMPILE_DISABLE"] == "${TORCH_COMPILE_DISABLE:-1}"
 
 
 def test_compose_variables_have_defaults_except_the_keys() -> None:

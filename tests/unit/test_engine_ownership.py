@@ -384,20 +384,6 @@ def test_a_cpu_engine_never_prefills_a_prompt_in_chunks(monkeypatch: pytest.Monk
     assert not {"--no-enable-chunked-prefill", "--max-num-batched-tokens"} & set(own.command())
 
 
-def test_a_cpu_engine_compiles_nothing_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's CPU build compiles its sampling helpers with inductor (g++) on the first calls: off on CPU, unless the
-    gateway's environment says TORCH_COMPILE_DISABLE itself; a GPU build's environment is left as it is."""
-    config = EngineConfig(base_model="m", served_name="m", port=1)
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    monkeypatch.setattr("engine.supervisor._cpu_build", lambda: True)
-    assert config.environment()["TORCH_COMPILE_DISABLE"] == "1"
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
-    assert config.environment()["TORCH_COMPILE_DISABLE"] == "0"
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE")
-    monkeypatch.setattr("engine.supervisor._cpu_build", lambda: False)
-    assert "TORCH_COMPILE_DISABLE" not in config.environment()
-
-
 def stand_ins(tmp_path: Path, *argvs: tuple[str, ...], ports: tuple[int, ...]) -> list[EngineConfig]:
     """One stand-in engine's config per port (its program, else the stand-in engine on that port)."""
     return [
