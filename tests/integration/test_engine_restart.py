@@ -28,6 +28,7 @@ import pytest
 
 from artgw.tiny_model import TinyModelSpec, build_tiny_model
 from engine.supervisor import ENGINE_TAG_VAR, shared_memory_of
+from engine.vllm_server import FORKED, SPAWNED
 from tests.conftest import GatewayProcess, free_port, is_vllm_server, metric, poll, wait_http
 
 pytestmark = pytest.mark.engine
@@ -302,6 +303,9 @@ def test_a_killed_engine_is_ended_whole_and_restarted(long_tiny_model: Path, gat
     print(f"cold start: gateway ready after {time.monotonic() - started:.1f}s")
 
     crash_and_recover(gateway, engine_port, "api-server")
+    # Both engine cores so far were forked from their API server (engine/vllm_server.py), not spawned afresh.
+    engine_log = (gateway.data_dir / "engine.log").read_text()
+    assert (engine_log.count(FORKED), engine_log.count(SPAWNED)) == (2, 0), engine_log[-3000:]
     # The second engine is not waited for (the first recovery showed a new engine serving): the gateway is stopped
     # while it starts, which must end it as whole as a running one.
     last = crash_and_recover(gateway, engine_port, "engine-core", until_ready=False)

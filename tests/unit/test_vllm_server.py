@@ -1,0 +1,64 @@
+"""engine/vllm_server.py: the engine core is forked from vLLM's API server only when no thread but ZeroMQ's runs
+beside the one forking. Real threads, real multiprocessing contexts, in a fresh interpreter (a pytest worker runs
+threads of its own); the engine tests start every engine through it (tests/integration/test_engine_restart.py
+reads its line in the engine log at each start)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from engine.vllm_server import fork_is_safe
+
+# Threads named as the kernel shows them (prctl PR_SET_NAME: Python 3.11 does not name OS threads), each kept
+# running until the script ends; the start method the wrapped context gives after each is started.
+CHOICES = textwrap.dedent(
+    """
+    import ctypes, json, multiprocessing, threading
+    from engine.vllm_server import forking_when_safe, other_threads
+
+    libc, stop = ctypes.CDLL(None), threading.Event()
+
+    def named(name):
+        started = threading.Event()
+
+        def run():
+            libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+            started.set()
+            stop.wait()
+
+        threading.Thread(target=run, daemon=True).start()
+        started.wait()
+
+    def choice(method):
+        return forking_when_safe(lambda: multiprocessing.get_context(method))().get_start_method()
+
+    seen = [(other_threads(), choice("spawn"), choice("forkserver"))]
+    for name in ("ZMQbg/IO/0", "ZMQbg/Reaper", "python"):
+        named(name)
+        seen.append((sorted(other_threads()), choice("spawn"), choice("forkserver")))
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_only_zeromqs_threads_are_safe_to_fork_beside() -> None:
+    assert fork_is_safe([])
+    assert fork_is_safe(["ZMQbg/IO/0", "ZMQbg/Reaper", "ZMQbg/IO/0"])
+    # an OpenMP pool's threads carry the process's name; tokenizers' and others carry their own
+    assert not fork_is_safe(["ZMQbg/IO/0", "python"])
+    assert not fork_is_safe(["tokio-runtime-w"])
+
+
+def test_the_engine_core_is_forked_until_another_thread_runs() -> None:
+    done = subprocess.run([sys.executable, "-c", CHOICES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == [
+        [[], "fork", "forkserver"],  # vLLM's spawn becomes a fork; any other choice of vLLM's stands
+        [["ZMQbg/IO/0"], "fork", "forkserver"],
+        [["ZMQbg/IO/0", "ZMQbg/Reaper"], "fork", "forkserver"],
+        [["ZMQbg/IO/0", "ZMQbg/Reaper", "python"], "spawn", "forkserver"],
+    ]
