@@ -105,7 +105,7 @@ _generous_default_timeouts()
 
 
 def is_vllm_server(command: Sequence[str] | str) -> bool:
-    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it (engine/vllm_server.py)."""
+    """A command line (its words, or joined) of vLLM's API server as the supervisor starts it (engine/vllm_server)."""
     return "engine.vllm_server" in command
 
 
