@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import gc
 import importlib
 import io
 import json
@@ -84,6 +85,10 @@ def serve(path: str, kind: str) -> None:
         importlib.import_module(module)
     if kind == "train":
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (lazy in transformers)
+    # What the imports made lives as long as every child: out of the collector's sight, a child's collections walk
+    # only what it makes (the gateway's full collection before it serves took ~0.1 s of CPU walking the imports').
+    gc.collect()
+    gc.freeze()
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:  # a child would inherit a lock another thread may hold, and hang
         sys.exit(f"the {kind} fork server's imports started {len(threads) - 1} thread(s): it cannot fork safely")
