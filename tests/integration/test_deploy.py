@@ -601,6 +601,18 @@ def test_gpu_reservations_only_without_the_cpu_override() -> None:
     assert cpu["vllm"]["environment"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_the_cpu_engine_keeps_inductors_kernels_in_a_volume() -> None:
+    """vLLM's sampler compiles a kernel (inductor, g++) at the first call asking for logprobs: the CPU engine keeps
+    inductor's cache in a named volume, writable, so a restarted or recreated container finds it built."""
+    merged = merged_compose()
+    vllm = merged["services"]["vllm"]
+    cache = environment(vllm)["TORCHINDUCTOR_CACHE_DIR"]
+    [(source, read_only)] = [(source, ro) for source, target, ro in mounts(vllm) if target == cache]
+    assert source in (merged.get("volumes") or {}) and not read_only
+    # the GPU deployment (vLLM's own image, its own caches) is left as it is
+    assert "TORCHINDUCTOR_CACHE_DIR" not in environment(load_compose(COMPOSE)["services"]["vllm"])
+
+
 def test_compose_variables_have_defaults_except_the_keys() -> None:
     found: dict[str, str] = {}
     for path in (COMPOSE, COMPOSE_CPU):
