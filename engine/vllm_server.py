@@ -11,8 +11,11 @@ default on GPU machines, where the API server forks its engine core unless CUDA 
 Only the engine core's start is changed, and only when the fork is safe: on the CPU build, where the API server's
 only threads besides its main one are ZeroMQ's I/O threads (which vLLM's GPU default forks beside too: the child
 makes contexts of its own). Any other thread (an OpenMP pool, a library's worker) could be holding a lock at the
-fork that the child would wait on forever, and then the engine core is spawned as before. The engine core's own
-children (the `mp` layout's workers) keep vLLM's `spawn`.
+fork that the child would wait on forever, and then the engine core is spawned as before. A ZeroMQ thread names
+itself once running, so a just-started one is waited for (NAMING_WAIT). Hugging Face tokenizers' thread pool,
+started by a batch encode (Qwen3's tokenizer at the API server's start), is kept from starting
+(TOKENIZERS_PARALLELISM=false unless set): its threads are nameless like OpenMP's. The engine core's own children
+(the `mp` layout's workers) keep vLLM's `spawn`.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import os
 import runpy
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 FORK_SAFE_THREADS = ("ZMQbg/",)  # name prefixes of the threads a fork may leave behind (see above)
 FORKED, SPAWNED = "Forking the engine core", "Spawning the engine core"  # the engine log's line, each start
+NAMING_WAIT = 2.0  # seconds the threads may take to show ZeroMQ's names before the engine core is spawned instead
 
 # Under vLLM's logger, whose handler and format the API server's lines have: "(APIServer pid=N) INFO ... [file:line]".
 logger = logging.getLogger("vllm.artgw.vllm_server")
@@ -54,7 +60,11 @@ def forking_when_safe(
         chosen = vllm_context()
         if chosen.get_start_method() != "spawn":
             return chosen
+        deadline = time.monotonic() + NAMING_WAIT
         threads = other_threads()
+        while not fork_is_safe(threads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            threads = other_threads()
         if fork_is_safe(threads):
             logger.info("%s from the API server (its other threads: %s)", FORKED, ", ".join(threads) or "none")
             return multiprocessing.get_context("fork")
@@ -68,9 +78,10 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         import vllm.v1.engine.utils as engine_utils  # where the engine core's process is made (CoreEngineProcManager)
 
-        engine_utils.get_mp_context = forking_when_safe(engine_utils.get_mp_context)
+        engine_utils.get_mp_context = forking_when_safe(engine_utils.get_mp_context)  # type: ignore[attr-defined]
     sys.argv[0] = API_SERVER
     runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
 

@@ -26,6 +26,7 @@ import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.vllm_server import FORKED, SPAWNED
 from gateway.continuation import DERENDER_PATH, GENERATE_PATH, DerenderedStream, Splice, Splicer
 from gateway.settings import served_base_name
 from store.trajectories import Trajectory
@@ -155,6 +156,10 @@ def test_serve_picks_qwen3s_parsers_and_answers_a_forced_call_as_tool_calls(qwen
     started = re.search(r"starting vLLM: (.*) \(log: ", log)
     assert started is not None, log[-3000:]
     assert "--tool-call-parser artgw_hermes --reasoning-parser qwen3" in started.group(1)  # hermes: our plugin of it
+    # Qwen3's tokenizer batch-encodes at the API server's start: with its thread pool kept off, the engine core is
+    # still forked (engine/vllm_server.py), not spawned afresh
+    engine_log = (gateway.data_dir / "engine.log").read_text()
+    assert FORKED in engine_log and SPAWNED not in engine_log, engine_log[-3000:]
 
     client = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     question = [{"role": "user", "content": "What is the weather in Paris?"}]

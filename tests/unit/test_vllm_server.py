@@ -13,32 +13,34 @@ import textwrap
 from engine.vllm_server import fork_is_safe
 
 # Threads named as the kernel shows them (prctl PR_SET_NAME: Python 3.11 does not name OS threads), each kept
-# running until the script ends; the start method the wrapped context gives after each is started.
+# running until the script ends; the start method the wrapped context gives as soon as each is started.
 CHOICES = textwrap.dedent(
     """
-    import ctypes, json, multiprocessing, threading
-    from engine.vllm_server import forking_when_safe, other_threads
+    import ctypes, json, multiprocessing, threading, time
+    import engine.vllm_server as server
 
+    server.NAMING_WAIT = 0.5
     libc, stop = ctypes.CDLL(None), threading.Event()
 
-    def named(name):
+    def named(name, after=0.0):  # a thread that takes `after` seconds to name itself `name`, then runs on
         started = threading.Event()
 
         def run():
-            libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
             started.set()
+            time.sleep(after)
+            libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
             stop.wait()
 
         threading.Thread(target=run, daemon=True).start()
         started.wait()
 
     def choice(method):
-        return forking_when_safe(lambda: multiprocessing.get_context(method))().get_start_method()
+        return server.forking_when_safe(lambda: multiprocessing.get_context(method))().get_start_method()
 
-    seen = [(other_threads(), choice("spawn"), choice("forkserver"))]
-    for name in ("ZMQbg/IO/0", "ZMQbg/Reaper", "python"):
-        named(name)
-        seen.append((sorted(other_threads()), choice("spawn"), choice("forkserver")))
+    seen = [(server.other_threads(), choice("spawn"), choice("forkserver"))]
+    for name, after in (("ZMQbg/IO/0", 0.0), ("ZMQbg/Reaper", 0.2), ("python", 0.0)):
+        named(name, after)
+        seen.append((choice("spawn"), sorted(server.other_threads()), choice("forkserver")))
     print(json.dumps(seen))
     """
 )
@@ -58,7 +60,7 @@ def test_the_engine_core_is_forked_until_another_thread_runs() -> None:
     seen = json.loads(done.stdout)
     assert seen == [
         [[], "fork", "forkserver"],  # vLLM's spawn becomes a fork; any other choice of vLLM's stands
-        [["ZMQbg/IO/0"], "fork", "forkserver"],
-        [["ZMQbg/IO/0", "ZMQbg/Reaper"], "fork", "forkserver"],
-        [["ZMQbg/IO/0", "ZMQbg/Reaper", "python"], "spawn", "forkserver"],
+        ["fork", ["ZMQbg/IO/0"], "forkserver"],
+        ["fork", ["ZMQbg/IO/0", "ZMQbg/Reaper"], "forkserver"],  # a ZeroMQ thread not named yet is waited for
+        ["spawn", ["ZMQbg/IO/0", "ZMQbg/Reaper", "python"], "forkserver"],  # a nameless one stays: no fork
     ]
