@@ -303,9 +303,19 @@ async def pg_database_url(pg_server_url: str) -> AsyncIterator[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy tiny model (`artgw tiny-model`), built once per run: the workers of one run share it (their
+    temporary directories' parent is the run's), each build ~3 s of CPU (its tokenizer is trained)."""
+    from filelock import FileLock
+
     from artgw.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # without xdist: this run's own
+    out = shared / "tiny-model"
+    with FileLock(str(shared / "tiny-model.lock")):
+        if not (out / "config.json").is_file():  # written last: a build cut short leaves none
+            build_tiny_model(shared / "tiny-model.partial").rename(out)
+    return out
 
 
 def make_adapter(tiny_model: Path, path: Path, seed: int) -> Path:
