@@ -41,9 +41,17 @@ logger = logging.getLogger("vllm.artgw.vllm_server")
 
 
 def other_threads(task_dir: Path = Path("/proc/self/task")) -> list[str]:
-    """The names of this process's threads other than the calling one (Linux: /proc/self/task/*/comm)."""
+    """The names of this process's threads other than the calling one (Linux: /proc/self/task/*/comm); a thread
+    that ended while they were read is left out."""
     this = threading.get_native_id()
-    return [(task / "comm").read_text().strip() for task in task_dir.iterdir() if int(task.name) != this]
+    names = []
+    for task in task_dir.iterdir():
+        if int(task.name) != this:
+            try:
+                names.append((task / "comm").read_text().strip())
+            except FileNotFoundError:  # ended between the listing and the read
+                continue
+    return names
 
 
 def fork_is_safe(threads: list[str]) -> bool:

@@ -129,13 +129,21 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = N
     raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
 
 
-def stop_group(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 20, *, dump: bool = False) -> None:
+    """SIGTERM the process group; SIGKILL it after `grace` seconds. `dump`: before the SIGKILL, SIGUSR1 asks every
+    process of an `artgw` command for its threads' stacks (faulthandler, registered by the `artgw` package), into
+    its log: a stop that hangs says where."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            if dump:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGUSR1)
+                time.sleep(5)
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
@@ -445,8 +453,9 @@ class GatewayProcess:
         return {"Authorization": f"Bearer {self.admin_key}"}
 
     def stop(self, grace: float = 20) -> int:
-        """SIGTERM; SIGKILL after `grace` seconds (the returncode then says -9, a stop that did not end by itself)."""
-        stop_group(self.proc, grace)
+        """SIGTERM; SIGKILL after `grace` seconds (the returncode then says -9, a stop that did not end by itself;
+        the log then holds every thread's stack at that moment)."""
+        stop_group(self.proc, grace, dump=True)
         return int(self.proc.returncode)
 
 
@@ -665,7 +674,9 @@ class TrainerProcess:
         self.proc.wait(30)
 
     def stop(self, grace: float = 60) -> int:
-        stop_group(self.proc, grace)
+        """SIGTERM its process group (the CLI and its ranks); SIGKILL after `grace` seconds, every thread's stack
+        then in the log (`stop_group`'s dump)."""
+        stop_group(self.proc, grace, dump=True)
         return int(self.proc.returncode)
 
 

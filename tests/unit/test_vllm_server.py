@@ -9,8 +9,9 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from engine.vllm_server import fork_is_safe
+from engine.vllm_server import fork_is_safe, other_threads
 
 # Threads named as the kernel shows them (prctl PR_SET_NAME: Python 3.11 does not name OS threads), each kept
 # running until the script ends; the start method the wrapped context gives as soon as each is started.
@@ -64,3 +65,11 @@ def test_the_engine_core_is_forked_until_another_thread_runs() -> None:
         ["fork", ["ZMQbg/IO/0", "ZMQbg/Reaper"], "forkserver"],  # a ZeroMQ thread not named yet is waited for
         ["spawn", ["ZMQbg/IO/0", "ZMQbg/Reaper", "python"], "forkserver"],  # a nameless one stays: no fork
     ]
+
+
+def test_a_thread_that_ends_while_the_names_are_read_is_left_out(tmp_path: Path) -> None:
+    for tid, name in (("101", "ZMQbg/IO/0"), ("102", None), ("103", "python")):
+        (tmp_path / tid).mkdir()
+        if name is not None:
+            (tmp_path / tid / "comm").write_text(f"{name}\n")
+    assert sorted(other_threads(tmp_path)) == ["ZMQbg/IO/0", "python"]
