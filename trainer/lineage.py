@@ -9,7 +9,6 @@ the plain loop.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from trainer.checkpoints import discard_uncommitted, restore, resume_point
 from trainer.config import TrainConfig
 from trainer.console import console
 from trainer.model import Policy
+from trainer.stopping import Stop
 from trainer.store_view import TrainerStore
 
 POLL_SECONDS = 0.5  # between two rounds of claims while no model has a batch
@@ -68,9 +68,7 @@ class Turns:
     def others(self, lineage: Lineage) -> list[Lineage]:
         return [other for other in self.line if other is not lineage]
 
-    def wait_for_batch(
-        self, store: TrainerStore, config: TrainConfig, owner: str, stop: threading.Event
-    ) -> Lineage | None:
+    def wait_for_batch(self, store: TrainerStore, config: TrainConfig, owner: str, stop: Stop) -> Lineage | None:
         """Poll each waiting model in turn, claiming its groups, until one has a batch. None once stopped."""
         waiting = self.waiting(config)
         for lineage in waiting:

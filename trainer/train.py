@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import threading
 import time
@@ -44,6 +43,7 @@ from trainer.lineage import Lineage, Turns, give_back, resume_lineages
 from trainer.model import pad_token_id, pick_device
 from trainer.ranks import Order, follow, process_line, tell
 from trainer.step import train_step
+from trainer.stopping import Stop, stop_on_signals
 from trainer.store_view import TrainerStore
 from trainer.tracing import step_span
 from trainer.tracking import Tracker, tracking
@@ -54,13 +54,10 @@ FAILED_STEP_PAUSE_SECONDS = 2.0  # after a step the gateway refused, before clai
 def main(config: TrainConfig) -> int:
     """`run` until done or SIGINT/SIGTERM, which let the step in hand finish (or fail) cleanly: what `artgw train`
     runs, in each of its processes. Returns the number of committed steps."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda _signum, _frame: stop.set())  # ranks > 0: rank 0 tells them when to stop
-    return run(config, stop)
+    return run(config, stop_on_signals())  # ranks > 0 too, but rank 0 tells them when to stop
 
 
-def run(config: TrainConfig, stop: threading.Event | None = None) -> int:
+def run(config: TrainConfig, stop: Stop | None = None) -> int:
     """Train until stopped (or every model has max_steps); returns the number of committed steps, all models."""
     if not distributed.is_lead():
         return follow(config)  # ranks > 0 never open the store: rank 0 tells them what to train
@@ -79,7 +76,7 @@ def train(
     config: TrainConfig,
     store: TrainerStore,
     gateway: ArtClient,
-    stop: threading.Event,
+    stop: Stop,
     tracker: Tracker,
     tracer: Tracer | None = None,
 ) -> int:

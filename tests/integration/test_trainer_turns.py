@@ -15,6 +15,7 @@ from store.provide import open_store
 from store.tables import groups
 from trainer.config import TrainConfig
 from trainer.lineage import Lineage, Turns, give_back
+from trainer.stopping import SignalStop
 from trainer.store_view import TrainerStore
 
 OWNER = "trainer-1"
@@ -97,7 +98,7 @@ def test_the_first_model_with_a_batch_trains_and_the_others_claims_go_back(store
 
 
 def test_a_stop_ends_the_wait_with_nothing_chosen(store: TrainerStore) -> None:
-    stop = threading.Event()
+    stop = SignalStop()  # what `artgw train`'s signals set (trainer/stopping.py)
     a = lineage("a")
     threading.Timer(0.3, stop.set).start()
     assert Turns([a]).wait_for_batch(store, config(max_wait_seconds=3600.0), OWNER, stop) is None
