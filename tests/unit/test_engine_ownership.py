@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -250,11 +252,21 @@ time.sleep(300)
 """
 
 
+class Escaping(NamedTuple):
+    config: FakeEngine
+    flag: Path  # touched: /health answers 503 (the engine core dead behind a live server)
+    shm_prefix: str  # the escaped child maps /dev/shm/{shm_prefix}{server pid}
+
+
 @pytest.fixture
-def escaping_engine(tmp_path: Path) -> Iterator[tuple[FakeEngine, Path]]:
+def escaping_engine(tmp_path: Path) -> Iterator[Escaping]:
     """An engine like vLLM's tree, made harder: the API server has a child that left its process group and
     session (`setsid`), as an engine core could; only the environment tag still ties it to the engine. That child
-    maps a file in /dev/shm of its own."""
+    maps a file in /dev/shm of its own, named with a prefix of this test's: the tests that use it run on several
+    workers at once, and each one's teardown removes only its own (a teardown that removed every `artgw-test-*`
+    unlinked another test's file under it: a fresh clone's escaped child then mapped only "(deleted)")."""
+    shm_prefix = f"artgw-test-{uuid.uuid4().hex[:8]}-"
+    shm = f"/dev/shm/{shm_prefix}"
     port = free_port()
     script = tmp_path / "health_server.py"
     script.write_text(HEALTH_SERVER)
@@ -274,17 +286,17 @@ def escaping_engine(tmp_path: Path) -> Iterator[tuple[FakeEngine, Path]]:
         argv=(
             "sh",
             "-c",
-            f'setsid {sys.executable} {holder} "/dev/shm/artgw-test-$$" & exec {sys.executable} {script} {port} {flag}',
+            f'setsid {sys.executable} {holder} "{shm}$$" & exec {sys.executable} {script} {port} {flag}',
         ),
     )
-    yield config, flag
-    for leftover in Path("/dev/shm").glob("artgw-test-*"):  # a failed test's; the assertions say so first
+    yield Escaping(config, flag, shm_prefix)
+    for leftover in Path("/dev/shm").glob(f"{shm_prefix}*"):  # a failed test's; the assertions say so first
         if leftover.stat().st_uid == os.getuid():
             leftover.unlink(missing_ok=True)
 
 
-async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escaping_engine) -> None:
-    config, _ = escaping_engine
+async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escaping_engine: Escaping) -> None:
+    config = escaping_engine.config
     readied: list[float] = []
 
     async def on_ready() -> None:
@@ -300,7 +312,7 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
         escaped = await apoll(lambda: escaped_child(tag, server), 60, "the server's child to leave its session")
         assert os.getpgid(escaped.pid) != server
 
-        shm = f"/dev/shm/artgw-test-{server}"  # `sh` execs the server: its pid is the shell's `$$`
+        shm = f"/dev/shm/{escaping_engine.shm_prefix}{server}"  # `sh` execs the server: its pid is the shell's `$$`
         await apoll(lambda: shm in shared_memory_of(escaped.pid), 60, "the escaped child to map its shared memory")
 
         os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
@@ -316,8 +328,8 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
     assert supervisor.state == "stopped"
 
 
-async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_engine) -> None:
-    config, flag = escaping_engine
+async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_engine: Escaping) -> None:
+    config, flag, _ = escaping_engine
     supervisor = EngineSupervisor(config, on_fatal=pytest.fail)
     await supervisor.start()
     try:
@@ -331,10 +343,10 @@ async def test_a_dead_engine_core_behind_a_live_server_is_restarted(escaping_eng
         await supervisor.stop()
 
 
-async def test_a_death_a_request_caused_does_not_spend_the_restart_budget(escaping_engine) -> None:
+async def test_a_death_a_request_caused_does_not_spend_the_restart_budget(escaping_engine: Escaping) -> None:
     """Issue #40: four bursts of seeded calls killed vLLM four times and the gateway exited. A death whose log
     shows vLLM's dump of the step that raised is restarted uncounted; any other death spends the budget."""
-    config, flag = escaping_engine
+    config, flag, _ = escaping_engine
     config = dataclasses.replace(config, max_restarts=1)
     fatal: list[str] = []
     supervisor = EngineSupervisor(config, on_fatal=fatal.append)
