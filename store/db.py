@@ -173,9 +173,9 @@ def _create_at_head(connection: Connection) -> None:
 
 async def migrate(engine: AsyncEngine, revision: str = "head", *, replay: bool = False) -> None:
     """Bring the store to `revision`. A new store taken to head gets the schema at once (tables.py, stamped head:
-    alembic's "building an up to date database from scratch"; 6x less CPU than the 16 migrations at each fresh
-    gateway's start) unless `replay`: the migrations then run one by one (tests/integration/test_store.py checks
-    that they make exactly tables.py)."""
+    alembic's "building an up to date database from scratch"; ~6x less CPU than replaying the migrations at each
+    fresh gateway's start: bench/store_start.py) unless `replay`: the migrations then run one by one
+    (tests/integration/test_store.py checks that they make exactly tables.py)."""
     async with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             # Replicas starting together all migrate on start: one runs the migrations, the others wait

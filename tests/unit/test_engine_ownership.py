@@ -255,7 +255,7 @@ time.sleep(300)
 class Escaping(NamedTuple):
     config: FakeEngine
     flag: Path  # touched: /health answers 503 (the engine core dead behind a live server)
-    shm_prefix: str  # the escaped child maps /dev/shm/{shm_prefix}{server pid}
+    shm_prefix: str  # the escaped child maps the file {shm_prefix}{server pid}
 
 
 @pytest.fixture
@@ -265,8 +265,8 @@ def escaping_engine(tmp_path: Path) -> Iterator[Escaping]:
     maps a file in /dev/shm of its own, named with a prefix of this test's: the tests that use it run on several
     workers at once, and each one's teardown removes only its own (a teardown that removed every `artgw-test-*`
     unlinked another test's file under it: a fresh clone's escaped child then mapped only "(deleted)")."""
-    shm_prefix = f"artgw-test-{uuid.uuid4().hex[:8]}-"
-    shm = f"/dev/shm/{shm_prefix}"
+    name = f"artgw-test-{uuid.uuid4().hex[:8]}-"
+    shm_prefix = f"/dev/shm/{name}"
     port = free_port()
     script = tmp_path / "health_server.py"
     script.write_text(HEALTH_SERVER)
@@ -286,11 +286,11 @@ def escaping_engine(tmp_path: Path) -> Iterator[Escaping]:
         argv=(
             "sh",
             "-c",
-            f'setsid {sys.executable} {holder} "{shm}$$" & exec {sys.executable} {script} {port} {flag}',
+            f'setsid {sys.executable} {holder} "{shm_prefix}$$" & exec {sys.executable} {script} {port} {flag}',
         ),
     )
     yield Escaping(config, flag, shm_prefix)
-    for leftover in Path("/dev/shm").glob(f"{shm_prefix}*"):  # a failed test's; the assertions say so first
+    for leftover in Path("/dev/shm").glob(f"{name}*"):  # a failed test's; the assertions say so first
         if leftover.stat().st_uid == os.getuid():
             leftover.unlink(missing_ok=True)
 
@@ -312,7 +312,7 @@ async def test_a_killed_server_is_ended_with_its_whole_tree_then_restarted(escap
         escaped = await apoll(lambda: escaped_child(tag, server), 60, "the server's child to leave its session")
         assert os.getpgid(escaped.pid) != server
 
-        shm = f"/dev/shm/{escaping_engine.shm_prefix}{server}"  # `sh` execs the server: its pid is the shell's `$$`
+        shm = f"{escaping_engine.shm_prefix}{server}"  # `sh` execs the server: its pid is the shell's `$$`
         await apoll(lambda: shm in shared_memory_of(escaped.pid), 60, "the escaped child to map its shared memory")
 
         os.kill(server, signal.SIGKILL)  # the escaped child is reparented and lives on, until the supervisor acts
